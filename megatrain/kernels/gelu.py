@@ -1,0 +1,22 @@
+"""Bias + GeLU (tanh approximation, as GPT-2): reference in torch; fused Triton beside it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.kernels import resolve
+
+
+def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        x = x + bias
+    return F.gelu(x, approximate="tanh")
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, impl: str = "auto") -> torch.Tensor:
+    if resolve(impl, x) == "fused":
+        from megatrain.kernels.gelu_triton import bias_gelu_fused
+
+        return bias_gelu_fused(x, bias)
+    return bias_gelu_reference(x, bias)

@@ -1,0 +1,110 @@
+"""GPT: token + position embedding -> n_layer blocks -> final LayerNorm -> tied LM head.
+
+``GPT.layers()`` is the flat, ordered list [Embedding, Block x n_layer, Head] the pipeline slices;
+everything the forward does is in those layers, in that order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from megatrain.config import ModelConfig
+from megatrain.kernels.cross_entropy import lm_head_cross_entropy
+from megatrain.model.block import make_block
+from megatrain.model.layers import LayerNorm
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # [B, T] int64 -> [B, T, d]
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(positions))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the vocabulary projection (sharing the embedding matrix when tied)."""
+
+    def __init__(self, cfg: ModelConfig, embedding: Embedding):
+        super().__init__()
+        self.ln_f = LayerNorm(cfg.d_model, cfg)
+        self.tied = cfg.tie_embeddings
+        # A tied head holds no weight of its own; it reads the embedding's at call time.
+        self._embedding = [embedding]  # a list keeps it out of this module's parameters
+        self.weight = None if self.tied else nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        self.ce_impl = cfg.kernels.cross_entropy
+
+    def projection(self) -> torch.Tensor:  # [V, d]
+        return self._embedding[0].wte.weight if self.tied else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> logits [B, T, V]
+        return self.ln_f(x) @ self.projection().t()
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # -> scalar fp32
+        h = self.ln_f(x)
+        return lm_head_cross_entropy(h.flatten(0, 1), self.projection(), targets.flatten(), self.ce_impl)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(make_block(cfg) for _ in range(cfg.n_layer))
+        self.head = Head(cfg, self.embed)
+        init_weights(self, cfg)
+
+    def layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx [B, T] -> logits [B, T, V], or the mean loss when targets [B, T] are given."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if targets is None else self.head.loss(x, targets)
+
+
+def init_weights(model: GPT, cfg: ModelConfig) -> None:
+    """GPT-2 init: N(0, std) weights, zero biases, unit LayerNorm gain; the projections that
+    write into the residual stream are scaled by 1/sqrt(2 * n_layer) so its variance stays flat."""
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            std = residual_std if name.endswith(".proj") else cfg.init_std
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+        elif isinstance(module, LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    if model.head.weight is not None:
+        nn.init.normal_(model.head.weight, mean=0.0, std=cfg.init_std)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def expected_parameter_count(cfg: ModelConfig) -> int:
+    """Parameters by formula (the tests hold the model to it)."""
+    d, ff, L, V = cfg.d_model, cfg.ffn_dim, cfg.n_layer, cfg.vocab_size
+    b = 1 if cfg.bias else 0
+    norm = d * (1 + b)
+    attention = 4 * d * d + b * 4 * d  # qkv [3d, d] + proj [d, d] and their biases
+    mlp = 2 * d * ff + b * (ff + d)
+    norms_per_block = 1 if cfg.block == "parallel" else 2
+    per_block = attention + mlp + norms_per_block * norm
+    embeddings = V * d + cfg.seq_len * d
+    head = norm + (0 if cfg.tie_embeddings else V * d)
+    return embeddings + L * per_block + head

@@ -1,0 +1,106 @@
+"""Find straggler ranks: ranks whose compute is persistently slower than their peers'.
+
+In synchronous training every rank waits for the slowest one at each collective, so one slow
+GPU (thermal throttling, a bad PCIe link, a noisy neighbour) slows the whole job. MegaScale
+found these with a per-rank heat map of step timings; this module computes the same signal.
+
+Input: a matrix of ``steps x ranks`` compute seconds (time in the rank's own work, excluding
+waits on collectives - a straggler's peers show long *waits*, not long compute). For each step
+a rank's robust z-score against the others is ``(t - median) / (1.4826 * MAD)`` across ranks;
+a rank is a straggler when, in the recent window after warm-up, most of its steps are both
+``zscore`` sigmas and ``min_slowdown`` (relative) above the median. The relative floor keeps a
+few-percent jitter from being flagged when the ranks happen to agree closely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+MAD_TO_SIGMA = 1.4826
+
+
+def step_zscores(timings: np.ndarray) -> np.ndarray:
+    """Robust z-score of every (step, rank) against the same step's ranks."""
+    timings = np.asarray(timings, dtype=float)
+    median = np.median(timings, axis=1, keepdims=True)
+    mad = np.median(np.abs(timings - median), axis=1, keepdims=True)
+    scale = np.maximum(MAD_TO_SIGMA * mad, 1e-3 * np.abs(median) + 1e-12)
+    return (timings - median) / scale
+
+
+def find_stragglers(
+    timings: np.ndarray | Sequence[Sequence[float]],
+    *,
+    warmup_steps: int = 5,
+    window: int = 50,
+    zscore: float = 3.0,
+    min_slowdown: float = 0.05,
+    min_fraction: float = 0.6,
+) -> list[int]:
+    """Ranks slower than their peers in at least ``min_fraction`` of the last ``window`` steps
+    after ``warmup_steps`` (the first steps compile, warm caches and are noisy)."""
+    timings = np.asarray(timings, dtype=float)
+    if timings.ndim != 2:
+        raise ValueError(f"timings: expected a steps x ranks matrix, got shape {timings.shape}")
+    recent = timings[warmup_steps:][-window:]
+    if recent.shape[0] == 0 or recent.shape[1] < 3:
+        return []  # no steps to judge, or too few ranks for a median to mean "the peers"
+    median = np.median(recent, axis=1, keepdims=True)
+    slow = (step_zscores(recent) > zscore) & (recent > median * (1.0 + min_slowdown))
+    fraction = slow.mean(axis=0)
+    return [int(rank) for rank in np.flatnonzero(fraction >= min_fraction)]
+
+
+def plot_heatmap(
+    timings: np.ndarray | Sequence[Sequence[float]],
+    path: str | Path,
+    *,
+    flagged: Sequence[int] | None = None,
+    title: str = "compute time per rank, relative to the step's median",
+) -> Path:
+    """A ranks x steps heat map of ``time / median over ranks`` (1.0 = typical), straggler rows
+    labelled in red. Uses the Agg canvas directly: no pyplot global state, no display."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    timings = np.asarray(timings, dtype=float)
+    relative = timings / np.median(timings, axis=1, keepdims=True)
+    steps, ranks = relative.shape
+    figure = Figure(figsize=(min(4 + steps * 0.08, 16), min(1.5 + ranks * 0.3, 12)))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    spread = max(0.05, float(np.abs(relative - 1.0).max()))
+    image = axes.imshow(relative.T, aspect="auto", cmap="coolwarm", vmin=1 - spread, vmax=1 + spread,
+                        interpolation="nearest")
+    figure.colorbar(image, ax=axes, label="time / step median")
+    axes.set_xlabel("step")
+    axes.set_ylabel("rank")
+    axes.set_yticks(range(ranks))
+    for rank, label in enumerate(axes.get_yticklabels()):
+        if flagged and rank in flagged:
+            label.set_color("red")
+            label.set_fontweight("bold")
+    axes.set_title(title + (f" (stragglers: {list(flagged)})" if flagged else ""))
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def gather_rank_times(seconds: float, group: object | None = None) -> list[float]:
+    """All ranks' value of one step's compute time (call on every rank; rank 0 keeps the row).
+    One float per rank: cheap enough every ``log_interval`` steps."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [float(t.item()) for t in out]

@@ -1,0 +1,121 @@
+"""LAMB (You et al., 2019): Adam moments, decoupled weight decay, and a per-tensor trust ratio.
+
+For each tensor w with gradient g, at step t:
+    m = b1 m + (1 - b1) g            v = b2 v + (1 - b2) g^2
+    u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w
+    trust = min(||w|| / ||u||, max_trust_ratio)   (1 when either norm is 0)
+    w = w - lr * trust * u
+
+Written with torch._foreach ops (one kernel launch per op for the whole group, not per tensor).
+
+ZeRO hands the optimizer one flat partition per group instead of the model's tensors, which would
+turn the per-tensor trust ratio into a per-partition one. ``set_tensor_segments`` restores the
+per-tensor semantics: it tells LAMB where each model tensor lies inside the flat partition, and
+the norms are summed per segment and all-reduced across the data-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TensorSegments:
+    """Where model tensors lie inside one flat partition: element i belongs to tensor ids[i]."""
+
+    ids: torch.Tensor  # [numel of the partition] int64, values in [0, num_tensors)
+    num_tensors: int
+    group: dist.ProcessGroup | None  # the data-parallel group the partitions are spread over
+
+
+class Lamb(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        max_trust_ratio: float = 10.0,
+    ):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_trust_ratio=max_trust_ratio)
+        super().__init__(params, defaults)
+        self._segments: dict[int, TensorSegments] = {}  # id(param) -> segments
+
+    def set_tensor_segments(self, param: torch.Tensor, segments: TensorSegments) -> None:
+        self._segments[id(param)] = segments
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update_group(group, params)
+        return loss
+
+    def _update_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        grads = [p.grad for p in params]
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+                self.state[p]["exp_avg"] = torch.zeros_like(p)
+                self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+        states = [self.state[p] for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        for s in states:
+            s["step"] += 1
+        step = int(states[0]["step"].item())
+
+        if params[0].is_cuda and not self._segments:
+            from megatrain.kernels.lamb_triton import lamb_step_fused
+
+            lamb_step_fused(
+                params, grads, exp_avgs, exp_avg_sqs, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"], max_trust_ratio=group["max_trust_ratio"],
+            )
+            return
+
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bias_correction2**0.5)
+        torch._foreach_add_(denom, group["eps"])
+        updates = torch._foreach_div(exp_avgs, denom)
+        torch._foreach_div_(updates, bias_correction1)
+        if group["weight_decay"]:
+            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+
+        trust = [self._trust_ratio(p, u, group["max_trust_ratio"]) for p, u in zip(params, updates)]
+        torch._foreach_mul_(updates, trust)
+        torch._foreach_add_(params, updates, alpha=-group["lr"])
+
+    def _trust_ratio(self, param: torch.Tensor, update: torch.Tensor, max_ratio: float) -> torch.Tensor:
+        """||w|| / ||u|| clipped to max_ratio, per model tensor; a 0-dim tensor, or an elementwise
+        tensor of ratios when ``param`` is a flat ZeRO partition holding several model tensors."""
+        segments = self._segments.get(id(param))
+        if segments is None:
+            w_norm, u_norm = param.norm(), update.norm()
+            return _clipped_ratio(w_norm, u_norm, max_ratio)
+        sums = torch.zeros(2, segments.num_tensors, dtype=torch.float32, device=param.device)
+        sums[0].index_add_(0, segments.ids, param.float().square())
+        sums[1].index_add_(0, segments.ids, update.float().square())
+        if segments.group is not None and dist.get_world_size(segments.group) > 1:
+            dist.all_reduce(sums, group=segments.group)
+        ratios = _clipped_ratio(sums[0].sqrt(), sums[1].sqrt(), max_ratio)  # [num_tensors]
+        return ratios[segments.ids].to(param.dtype)
+
+
+def _clipped_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, max_ratio: float) -> torch.Tensor:
+    ratio = (w_norm / u_norm).clamp(max=max_ratio)
+    return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))

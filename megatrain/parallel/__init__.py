@@ -1,0 +1,1 @@
+"""Parallel layout, process groups, and the ways a model is spread over ranks."""

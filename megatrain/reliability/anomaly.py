@@ -1,0 +1,170 @@
+"""Training-anomaly detectors: NaN/inf loss, loss spikes, gradient-norm explosions.
+
+The trainer feeds every step's loss and gradient norm to an ``AnomalyDetector``. A ``Verdict``
+means "stop": the trainer writes it with ``write_verdict`` and exits non-zero, and the
+orchestrator reads it with ``read_verdict`` and rolls back to the last good checkpoint, skipping
+the data window that caused it.
+
+A spike is judged against a robust baseline - the median and the MAD (median absolute
+deviation) of the recent losses - because a mean and standard deviation are dragged along by
+the very outliers they should expose. Anomalous values never enter the window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from megatrain.config import AnomalyConfig
+from megatrain.reliability._files import atomic_write_text
+
+VERDICT_FILE = "verdict.json"
+# MAD * 1.4826 estimates the standard deviation of normally distributed data.
+MAD_TO_SIGMA = 1.4826
+
+
+@dataclass
+class Verdict:
+    """kind: nan_loss | inf_loss | loss_spike | nan_grad_norm | grad_explosion."""
+
+    kind: str
+    step: int
+    value: float
+    baseline: float | None
+    message: str
+    zscore: float | None = None
+
+    def to_json(self) -> str:
+        # Strict JSON has no NaN/Infinity: write non-finite numbers as strings.
+        data = {key: _encode(value) for key, value in asdict(self).items()}
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Verdict:
+        data: dict[str, Any] = json.loads(text)
+        for key in ("value", "baseline", "zscore"):
+            if isinstance(data.get(key), str):
+                data[key] = float(data[key])
+        return cls(**data)
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf", "-inf": float() reads them back
+    return value
+
+
+class RobustWindow:
+    """The last ``size`` accepted values, with a robust z-score of a new value against them."""
+
+    def __init__(self, size: int) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def zscore(self, value: float) -> float:
+        median = self.median()
+        mad = statistics.median(abs(v - median) for v in self.values)
+        # A flat window (MAD 0) would make any wiggle infinite; floor the scale at 0.1% of the level.
+        scale = max(MAD_TO_SIGMA * mad, 1e-3 * abs(median), 1e-12)
+        return (value - median) / scale
+
+
+class AnomalyDetector:
+    """``observe(step, loss, grad_norm)`` -> a ``Verdict`` when the step is anomalous, else None.
+
+    Spikes are judged only after ``warmup_steps`` and once ``min_history`` losses are in the
+    window: the loss falls fast early on and a short window has no stable spread.
+    """
+
+    def __init__(self, cfg: AnomalyConfig) -> None:
+        self.cfg = cfg
+        self.losses = RobustWindow(cfg.loss_window)
+        self.grad_norms = RobustWindow(cfg.loss_window)
+
+    def observe(self, step: int, loss: float, grad_norm: float | None = None) -> Verdict | None:
+        loss = float(loss)
+        verdict = self._check_loss(step, loss)
+        if verdict is None and grad_norm is not None:
+            verdict = self._check_grad_norm(step, float(grad_norm))
+        if verdict is None:
+            self.losses.add(loss)
+            if grad_norm is not None:
+                self.grad_norms.add(float(grad_norm))
+        return verdict
+
+    def _ready(self, step: int, window: RobustWindow) -> bool:
+        return step >= self.cfg.warmup_steps and len(window) >= self.cfg.min_history
+
+    def _check_loss(self, step: int, loss: float) -> Verdict | None:
+        baseline = self.losses.median() if len(self.losses) else None
+        if self.cfg.nan_check and not math.isfinite(loss):
+            kind = "nan_loss" if math.isnan(loss) else "inf_loss"
+            return Verdict(kind, step, loss, baseline, f"step {step}: loss is {loss}")
+        if not self._ready(step, self.losses):
+            return None
+        z = self.losses.zscore(loss)
+        if z > self.cfg.loss_spike_zscore:
+            return Verdict(
+                "loss_spike", step, loss, baseline,
+                f"step {step}: loss {loss:.4g} is {z:.1f} robust sigmas above the median {baseline:.4g} "
+                f"of the last {len(self.losses)} steps (threshold {self.cfg.loss_spike_zscore})",
+                zscore=z,
+            )
+        return None
+
+    def _check_grad_norm(self, step: int, norm: float) -> Verdict | None:
+        baseline = self.grad_norms.median() if len(self.grad_norms) else None
+        if self.cfg.nan_check and not math.isfinite(norm):
+            return Verdict("nan_grad_norm", step, norm, baseline, f"step {step}: gradient norm is {norm}")
+        if self.cfg.grad_norm_max is not None and norm > self.cfg.grad_norm_max:
+            return Verdict(
+                "grad_explosion", step, norm, baseline,
+                f"step {step}: gradient norm {norm:.4g} exceeds grad_norm_max {self.cfg.grad_norm_max}",
+            )
+        if self.cfg.grad_norm_zscore is not None and self._ready(step, self.grad_norms):
+            z = self.grad_norms.zscore(norm)
+            if z > self.cfg.grad_norm_zscore:
+                return Verdict(
+                    "grad_explosion", step, norm, baseline,
+                    f"step {step}: gradient norm {norm:.4g} is {z:.1f} robust sigmas above the median "
+                    f"{baseline:.4g} (threshold {self.cfg.grad_norm_zscore})",
+                    zscore=z,
+                )
+        return None
+
+
+def verdict_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / VERDICT_FILE
+
+
+def write_verdict(run_dir: str | Path, verdict: Verdict) -> Path:
+    """Hand a verdict to the orchestrator: ``<run_dir>/verdict.json``, written atomically."""
+    path = verdict_path(run_dir)
+    atomic_write_text(path, verdict.to_json() + "\n")
+    return path
+
+
+def read_verdict(run_dir: str | Path) -> Verdict | None:
+    """The verdict the trainer left, or None if it stopped for another reason (or finished)."""
+    try:
+        return Verdict.from_json(verdict_path(run_dir).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def clear_verdict(run_dir: str | Path) -> None:
+    """Remove a handled verdict before relaunching, so it is not acted on twice."""
+    verdict_path(run_dir).unlink(missing_ok=True)

@@ -1,0 +1,481 @@
+"""Heartbeats: every rank says where it is; a watcher tells dead ranks from hung ones.
+
+Each rank publishes a ``HeartbeatRecord`` (step, phase, loss, throughput, time) through a sink:
+Redis on a cluster, a directory of JSON files on one machine. Two failure shapes matter:
+
+- **dead**: the process (or its machine) is gone, so nothing publishes for it any more and its
+  record's ``timestamp`` goes stale.
+- **hung**: the process is alive - a background thread keeps beating - but the training thread
+  is stuck, usually inside a collective waiting for a peer. The timestamp stays fresh while
+  ``step`` stops advancing (``step_since`` grows old). The rank whose phase differs from the
+  others (e.g. ``forward`` while everyone else waits in ``collective``) is the likely culprit.
+
+To see *where* a hung rank is stuck, the writer registers ``faulthandler`` on SIGUSR1: the
+watcher signals the pid and reads ``<run_dir>/stacks/rank<k>.txt``. faulthandler dumps from
+the C signal handler without taking the GIL, so it works even while the main thread sits in a
+C++ collective.
+
+Timestamps are wall-clock (``time.time()``) from each rank's host; across hosts this assumes
+NTP-synchronised clocks, with skew far below the timeout (seconds vs tens of seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import faulthandler
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from megatrain.config import ReliabilityConfig
+from megatrain.reliability._files import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+PHASES = ("init", "data", "forward", "backward", "optimizer", "checkpoint", "collective", "done")
+STACK_SIGNAL = signal.SIGUSR1
+
+
+@dataclass
+class HeartbeatRecord:
+    """One rank's latest state. ``timestamp``: when this beat was sent; ``step_since``: when the
+    rank first reported ``step`` (so ``timestamp - step_since`` is how long the step has taken)."""
+
+    rank: int
+    step: int = 0
+    phase: str = "init"
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    timestamp: float = 0.0
+    step_since: float = 0.0
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    dp_rank: int | None = None
+    tp_rank: int | None = None
+    pp_rank: int | None = None
+    straggler: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HeartbeatRecord:
+        # Ignore fields this version does not know: a newer writer must not break an older watcher.
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinks: where records go. Each holds one record per rank, the latest.
+
+
+class HeartbeatSink(Protocol):
+    def publish(self, record: HeartbeatRecord) -> None: ...
+
+    def read_all(self, world_size: int) -> dict[int, HeartbeatRecord]: ...
+
+    def close(self) -> None: ...
+
+
+class DirectorySink:
+    """One JSON file per rank, replaced atomically: for one machine or a shared filesystem."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def _file(self, rank: int) -> Path:
+        return self.path / f"rank{rank:05d}.json"
+
+    def publish(self, record: HeartbeatRecord) -> None:
+        atomic_write_text(self._file(record.rank), json.dumps(record.to_dict()))
+
+    def read_all(self, world_size: int) -> dict[int, HeartbeatRecord]:
+        records = {}
+        for rank in range(world_size):
+            try:
+                records[rank] = HeartbeatRecord.from_dict(json.loads(self._file(rank).read_text()))
+            except FileNotFoundError:
+                continue
+        return records
+
+    def close(self) -> None:
+        pass
+
+
+class RedisSink:
+    """A Redis hash per rank (``megatrain:<run_id>:heartbeat:<rank>``) with a TTL, so the
+    records of a finished or abandoned run clean themselves up."""
+
+    def __init__(self, url: str, run_id: str, ttl_s: float = 300.0) -> None:
+        import redis  # imported here: the directory sink must work without a Redis client
+
+        self.run_id = run_id
+        self.ttl_s = max(1, math.ceil(ttl_s))
+        self._redis = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+
+    def key(self, rank: int) -> str:
+        return f"megatrain:{self.run_id}:heartbeat:{rank}"
+
+    def publish(self, record: HeartbeatRecord) -> None:
+        key = self.key(record.rank)
+        fields = {name: json.dumps(value) for name, value in record.to_dict().items()}
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(key, mapping=fields)
+        pipe.expire(key, self.ttl_s)
+        pipe.execute()
+
+    def read_all(self, world_size: int) -> dict[int, HeartbeatRecord]:
+        pipe = self._redis.pipeline(transaction=False)
+        for rank in range(world_size):
+            pipe.hgetall(self.key(rank))
+        records = {}
+        for rank, raw in enumerate(pipe.execute()):
+            if raw:
+                data = {k.decode(): json.loads(v) for k, v in raw.items()}
+                records[rank] = HeartbeatRecord.from_dict(data)
+        return records
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+def make_sink(cfg: ReliabilityConfig, run_dir: str | Path, run_id: str) -> HeartbeatSink:
+    """Redis when ``cfg.redis_url`` is set, else ``<run_dir>/heartbeats``."""
+    if cfg.redis_url:
+        # Keep records well past the timeout so a watcher can still show a dead rank's last state.
+        return RedisSink(cfg.redis_url, run_id, ttl_s=max(10 * cfg.heartbeat_timeout_s, 300.0))
+    return DirectorySink(Path(run_dir) / "heartbeats")
+
+
+# ---------------------------------------------------------------------------------------------
+# The writer: called by the training loop, publishes from its own thread.
+
+
+def stack_file(stacks_dir: str | Path, rank: int) -> Path:
+    return Path(stacks_dir) / f"rank{rank}.txt"
+
+
+class HeartbeatWriter:
+    """Publishes one rank's heartbeat without slowing the step.
+
+    ``beat()`` only updates an in-memory record under a lock. A daemon thread sends it: right
+    after a phase change (coalesced, at most once per ``min_gap_s``) and otherwise every
+    ``interval_s``. Because the thread beats on its own, a rank blocked in a collective still
+    looks alive - with its step frozen - while a dead process goes silent.
+    """
+
+    def __init__(
+        self,
+        sink: HeartbeatSink,
+        rank: int,
+        *,
+        interval_s: float = 2.0,
+        min_gap_s: float | None = None,
+        stacks_dir: str | Path | None = None,
+        dp_rank: int | None = None,
+        tp_rank: int | None = None,
+        pp_rank: int | None = None,
+    ) -> None:
+        self.sink = sink
+        self.interval_s = interval_s
+        self.min_gap_s = interval_s / 20 if min_gap_s is None else min_gap_s
+        now = time.time()
+        self._record = HeartbeatRecord(
+            rank=rank, timestamp=now, step_since=now, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank
+        )
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._failures = 0
+        self._stack_handle: IO[str] | None = None
+        if stacks_dir is not None:
+            self._stack_handle = install_stack_dump(stack_file(stacks_dir, rank))
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-rank{rank}", daemon=True)
+        self._wake.set()  # publish the first record at once
+        self._thread.start()
+
+    @property
+    def record(self) -> HeartbeatRecord:
+        with self._lock:
+            return dataclasses.replace(self._record)
+
+    def beat(
+        self,
+        step: int | None = None,
+        phase: str | None = None,
+        loss: float | None = None,
+        tokens_per_s: float | None = None,
+        straggler: bool | None = None,
+    ) -> None:
+        """Update the record; cheap enough to call at every phase of every step."""
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"phase {phase!r}: expected one of {PHASES}")
+        with self._lock:
+            record = self._record
+            if step is not None and step != record.step:
+                record.step = step
+                record.step_since = time.time()
+            phase_changed = phase is not None and phase != record.phase
+            if phase is not None:
+                record.phase = phase
+            if loss is not None:
+                record.loss = float(loss)
+            if tokens_per_s is not None:
+                record.tokens_per_s = float(tokens_per_s)
+            if straggler is not None:
+                record.straggler = straggler
+        if phase_changed:
+            self._wake.set()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """``with writer.phase("collective"): ...`` - back to the previous phase afterwards."""
+        previous = self.record.phase
+        self.beat(phase=name)
+        try:
+            yield
+        finally:
+            self.beat(phase=previous)
+
+    def _send(self) -> None:
+        with self._lock:
+            record = dataclasses.replace(self._record, timestamp=time.time())
+        try:
+            self.sink.publish(record)
+            self._failures = 0
+        except Exception as exc:  # a heartbeat-store outage must never stop training
+            self._failures += 1
+            if self._failures == 1 or self._failures % 100 == 0:
+                log.warning("heartbeat publish failed (%d in a row): %s", self._failures, exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            self._send()
+            self._stop.wait(self.min_gap_s)  # coalesce bursts of phase changes
+
+    def close(self, phase: str | None = "done") -> None:
+        """Stop the thread and publish a final record (phase ``done`` marks a clean exit)."""
+        if phase is not None:
+            self.beat(phase=phase)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+        self._send()
+        if self._stack_handle is not None:
+            faulthandler.unregister(STACK_SIGNAL)
+            self._stack_handle.close()
+            self._stack_handle = None
+
+    def __enter__(self) -> HeartbeatWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def install_stack_dump(path: str | Path) -> IO[str]:
+    """Make SIGUSR1 append this process's Python stacks (all threads) to ``path``.
+
+    Returns the open file: the caller keeps it open for as long as the handler is registered.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a")  # noqa: SIM115 - must outlive this function
+    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=False)
+    return handle
+
+
+# ---------------------------------------------------------------------------------------------
+# The watcher: run by the orchestrator (or a test), never inside a rank.
+
+
+@dataclass
+class WatchResult:
+    checked_at: float
+    records: dict[int, HeartbeatRecord]
+    dead: list[int] = field(default_factory=list)  # silent longer than the timeout
+    hung: list[int] = field(default_factory=list)  # beating, but the step is frozen
+    missing: list[int] = field(default_factory=list)  # never heard from within the init grace
+
+    @property
+    def ok(self) -> bool:
+        return not (self.dead or self.hung or self.missing)
+
+    @property
+    def faulty(self) -> list[int]:
+        return sorted({*self.dead, *self.hung, *self.missing})
+
+    def status(self, rank: int) -> str:
+        for name in ("dead", "hung", "missing"):
+            if rank in getattr(self, name):
+                return name
+        return "ok"
+
+    def message(self, stacks: Mapping[int, str] | None = None) -> str:
+        """A report for logs and the failed task run: each rank's phase and step, then stacks."""
+        head = "heartbeats ok" if self.ok else (
+            f"fault detected: dead={self.dead} hung={self.hung} missing={self.missing}"
+        )
+        lines = [head, f"{'rank':>5} {'status':<8} {'host':<16} {'pid':>8} {'phase':<11} {'step':>8} "
+                       f"{'silent_s':>9} {'stalled_s':>9}"]
+        for rank in sorted({*self.records, *self.missing}):
+            record = self.records.get(rank)
+            if record is None:
+                lines.append(f"{rank:>5} {self.status(rank):<8} (no heartbeat)")
+                continue
+            lines.append(
+                f"{rank:>5} {self.status(rank):<8} {record.host[:16]:<16} {record.pid:>8} "
+                f"{record.phase:<11} {record.step:>8} {self.checked_at - record.timestamp:>9.1f} "
+                f"{self.checked_at - record.step_since:>9.1f}"
+            )
+        for rank, text in sorted((stacks or {}).items()):
+            lines += [f"--- stack of rank {rank} ---", text.rstrip()]
+        return "\n".join(lines)
+
+
+class HeartbeatWatcher:
+    """Reads all ranks' records and says which are dead, hung or missing.
+
+    ``timeout_s``: silence (or a frozen step) longer than this is a fault. Ranks in ``init``
+    (compiling, loading a checkpoint) and ranks never heard from get ``init_timeout_s``; a rank
+    in ``done`` finished cleanly and is never flagged.
+    """
+
+    def __init__(
+        self,
+        sink: HeartbeatSink,
+        world_size: int,
+        timeout_s: float,
+        *,
+        init_timeout_s: float | None = None,
+        stacks_dir: str | Path | None = None,
+    ) -> None:
+        self.sink = sink
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.init_timeout_s = max(timeout_s, init_timeout_s or timeout_s)
+        self.stacks_dir = Path(stacks_dir) if stacks_dir is not None else None
+        self.started_at = time.time()
+        # Last record seen per rank: a dead rank's Redis hash may expire, and it must stay dead.
+        self._last: dict[int, HeartbeatRecord] = {}
+
+    @classmethod
+    def from_config(
+        cls, cfg: ReliabilityConfig, run_dir: str | Path, run_id: str, world_size: int
+    ) -> HeartbeatWatcher:
+        return cls(
+            make_sink(cfg, run_dir, run_id), world_size, cfg.heartbeat_timeout_s,
+            init_timeout_s=cfg.init_timeout_s, stacks_dir=Path(run_dir) / "stacks",
+        )
+
+    def check(self) -> WatchResult:
+        now = time.time()
+        self._last.update(self.sink.read_all(self.world_size))
+        result = WatchResult(checked_at=now, records=dict(self._last))
+        for rank in range(self.world_size):
+            record = self._last.get(rank)
+            if record is None:
+                if now - self.started_at > self.init_timeout_s:
+                    result.missing.append(rank)
+                continue
+            if record.phase == "done":
+                continue
+            if now - record.timestamp > self.timeout_s:
+                result.dead.append(rank)
+                continue
+            limit = self.init_timeout_s if record.phase == "init" else self.timeout_s
+            if now - record.step_since > limit:
+                result.hung.append(rank)
+        return result
+
+    def collect_stacks(self, result: WatchResult, ranks: list[int] | None = None) -> dict[int, str]:
+        """Stacks of the given ranks (default: all hung ones) that run on this host."""
+        here = socket.gethostname()
+        chosen = result.hung if ranks is None else ranks
+        pids = {}
+        stacks = {}
+        for rank in chosen:
+            record = result.records.get(rank)
+            if record is None:
+                continue
+            if record.host != here:
+                stacks[rank] = f"(rank runs on {record.host}; collect its stack there)"
+            else:
+                pids[rank] = record.pid
+        stacks.update(collect_stacks(pids, self.stacks_dir))
+        return stacks
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def collect_stacks(
+    pids: Mapping[int, int], stacks_dir: str | Path | None = None, timeout_s: float = 3.0
+) -> dict[int, str]:
+    """Python stacks of local processes, by rank: SIGUSR1 + the rank's faulthandler file when
+    it registered one (see ``install_stack_dump``), else ``py-spy dump`` if installed."""
+    stacks: dict[int, str] = {}
+    pending: dict[int, tuple[Path, int]] = {}
+    for rank, pid in pids.items():
+        path = stack_file(stacks_dir, rank) if stacks_dir is not None else None
+        if path is not None and path.exists():
+            offset = path.stat().st_size
+            try:
+                os.kill(pid, STACK_SIGNAL)
+            except ProcessLookupError:
+                stacks[rank] = f"(pid {pid} is gone)"
+                continue
+            pending[rank] = (path, offset)
+        elif shutil.which("py-spy"):
+            stacks[rank] = _py_spy_dump(pid, timeout_s)
+        else:
+            stacks[rank] = "(no stack file and no py-spy: cannot collect)"
+    stacks.update(_read_new_text(pending, timeout_s))
+    return stacks
+
+
+def _read_new_text(pending: dict[int, tuple[Path, int]], timeout_s: float) -> dict[int, str]:
+    """Wait until each file has grown and then stopped growing (the dump is complete)."""
+    deadline = time.monotonic() + timeout_s
+    sizes = {rank: -1 for rank in pending}
+    out: dict[int, str] = {}
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for rank, (path, offset) in list(pending.items()):
+            size = path.stat().st_size
+            if size > offset and size == sizes[rank]:
+                with open(path) as handle:
+                    handle.seek(offset)
+                    out[rank] = handle.read()
+                del pending[rank]
+            sizes[rank] = size
+    for rank in pending:
+        out[rank] = f"(no stack written within {timeout_s:.0f} s)"
+    return out
+
+
+def _py_spy_dump(pid: int, timeout_s: float) -> str:
+    try:
+        done = subprocess.run(
+            ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return f"(py-spy dump of pid {pid} timed out)"
+    return done.stdout or done.stderr

@@ -1,0 +1,270 @@
+"""Files by URL: every read and write of shards and checkpoints goes through this module.
+
+A URL is a plain path, ``file://``, ``memory://``, ``s3://bucket/key``, ``webhdfs://host:port/path``
+or ``hdfs://host[:port]/path``. ``hdfs://`` is served by fsspec's WebHDFS REST client (the HDFS
+HTTP gateway every namenode runs), because fsspec's native ``hdfs://`` needs a JVM and Hadoop jars.
+
+Credentials never live in code or configs; they come from the environment:
+
+=============================  =====================================================================
+``MEGATRAIN_S3_ENDPOINT``      S3-compatible endpoint (else ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``);
+                               keys and region come from botocore's usual ``AWS_*`` variables/files
+``MEGATRAIN_HDFS_USER``        WebHDFS ``user.name`` (else ``HADOOP_USER_NAME``; a ``user@`` in the
+                               URL wins)
+``MEGATRAIN_HDFS_NAMENODE``    ``host[:port]`` for ``hdfs:///path`` URLs that name no host
+``MEGATRAIN_WEBHDFS_PORT``     namenode HTTP port when an ``hdfs://`` URL has none (default 9870)
+``MEGATRAIN_WEBHDFS_HTTPS``    ``1`` to speak HTTPS to the namenode
+``MEGATRAIN_WEBHDFS_TOKEN``    a Hadoop delegation token (replaces the user name)
+=============================  =====================================================================
+
+fsspec's own configuration (``FSSPEC_<PROTOCOL>_<OPTION>`` variables, ``~/.config/fsspec``) applies
+too, and explicit ``options`` passed to :func:`resolve` override everything.
+
+Every failure is a :class:`StorageError` whose message starts with the URL, so a bad path in a
+config is found from the log line alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+import fsspec
+from fsspec import AbstractFileSystem
+
+# Object stores publish an object only when its upload completes, so a direct write is already
+# atomic there; a temporary name plus a (copying) rename would only add cost.
+_ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gcs", "gs", "az", "abfs"}
+
+
+class StorageError(OSError):
+    """A storage operation failed; ``str(error)`` names the URL and the underlying reason."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or exc.__class__.__name__
+    return f"{exc.__class__.__name__}: {text}"
+
+
+@contextlib.contextmanager
+def _errors_name(url: str) -> Iterator[None]:
+    """Re-raise any failure inside as a StorageError naming ``url`` (the cause stays chained)."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except FileNotFoundError as exc:
+        raise StorageError(url, f"not found ({_describe(exc)})") from exc
+    except Exception as exc:  # fsspec backends raise anything: requests, botocore, OSError, ...
+        raise StorageError(url, _describe(exc)) from exc
+
+
+def _webhdfs_options(parts: Any) -> dict[str, Any]:
+    host, port = parts.hostname, parts.port
+    if not host:  # hdfs:///path: the namenode comes from the environment
+        namenode = os.environ.get("MEGATRAIN_HDFS_NAMENODE", "")
+        if not namenode:
+            raise ValueError("no namenode host in the URL and MEGATRAIN_HDFS_NAMENODE is not set")
+        host, _, env_port = namenode.partition(":")
+        port = int(env_port) if env_port else port
+    options: dict[str, Any] = {"host": host, "port": port or int(os.environ.get("MEGATRAIN_WEBHDFS_PORT", "9870"))}
+    token = os.environ.get("MEGATRAIN_WEBHDFS_TOKEN")
+    user = parts.username or os.environ.get("MEGATRAIN_HDFS_USER") or os.environ.get("HADOOP_USER_NAME")
+    if token:
+        options["token"] = token
+    elif user:
+        options["user"] = user
+    if os.environ.get("MEGATRAIN_WEBHDFS_HTTPS", "") in ("1", "true", "yes"):
+        options["use_https"] = True
+    return options
+
+
+def resolve(url: str, options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
+    """URL -> (fsspec filesystem, path inside it), with credentials from the environment.
+
+    fsspec caches filesystem instances by their arguments, so calling this per operation is cheap.
+    """
+    with _errors_name(url):
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        extra: dict[str, Any] = {}
+        if scheme in ("hdfs", "webhdfs"):
+            # Parse host/port/user ourselves: hdfs:// must reach the WebHDFS class, and the path
+            # inside the filesystem is the URL's path alone.
+            extra = _webhdfs_options(parts)
+            extra.update(options or {})
+            fs = fsspec.filesystem("webhdfs", **extra)
+            return fs, parts.path or "/"
+        if scheme in ("s3", "s3a"):
+            endpoint = (os.environ.get("MEGATRAIN_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL_S3")
+                        or os.environ.get("AWS_ENDPOINT_URL"))
+            if endpoint:
+                extra["endpoint_url"] = endpoint
+            # Listings cached in one process would hide objects another process (another rank, the
+            # checkpoint uploader) has written since: always ask the server.
+            extra["use_listings_cache"] = False
+        elif scheme in ("", "file", "local"):
+            extra["auto_mkdir"] = True  # writing a/b/c.tar creates a/b, as object stores do
+        extra.update(options or {})
+        fs, path = fsspec.core.url_to_fs(url, **extra)
+        return fs, path
+
+
+def open_url(url: str, mode: str = "rb", options: dict[str, Any] | None = None) -> IO[Any]:
+    """Open a file for reading or writing (binary unless ``mode`` says ``t``)."""
+    fs, path = resolve(url, options)
+    with _errors_name(url):
+        return fs.open(path, mode)
+
+
+def read_bytes(url: str) -> bytes:
+    """The whole file at ``url`` in one read (one GET on object stores and WebHDFS)."""
+    fs, path = resolve(url)
+    with _errors_name(url):
+        return fs.cat_file(path)
+
+
+def exists(url: str) -> bool:
+    """Whether ``url`` names a file or directory.
+
+    fsspec's own ``exists`` answers False on *any* error, which would turn an outage of the
+    storage service into "no shards yet, write them again": only not-found means False here.
+    """
+    fs, path = resolve(url)
+    try:
+        fs.info(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except Exception as exc:
+        raise StorageError(url, _describe(exc)) from exc
+
+
+def info(url: str) -> dict[str, Any]:
+    """fsspec's file details (``size``, ``type`` and whatever the backend adds, e.g. an mtime)."""
+    fs, path = resolve(url)
+    with _errors_name(url):
+        return fs.info(path)
+
+
+def size(url: str) -> int:
+    return int(info(url)["size"])
+
+
+def listdir(url: str) -> list[str]:
+    """The URLs of the entries directly inside the directory ``url``, sorted."""
+    fs, path = resolve(url)
+    with _errors_name(url):
+        names = fs.ls(path, detail=False)
+    # Rebuild URLs from base names: backends return bare paths that lost the host and protocol.
+    return sorted(join_url(url, posixpath.basename(str(name).rstrip("/"))) for name in names)
+
+
+list = listdir  # noqa: A001 - ``storage.list(url)`` reads naturally; no builtin list() below
+
+
+def makedirs(url: str) -> None:
+    fs, path = resolve(url)
+    with _errors_name(url):
+        fs.makedirs(path, exist_ok=True)
+
+
+def rm(url: str, recursive: bool = False) -> None:
+    """Delete a file (or a directory tree with ``recursive=True``)."""
+    fs, path = resolve(url)
+    with _errors_name(url):
+        fs.rm(path, recursive=recursive)
+
+
+def put_file(local_path: str, url: str) -> None:
+    """Upload a local file to ``url`` atomically (readers never see a partial file)."""
+    with _errors_name(url), open(local_path, "rb") as src, atomic_write(url) as dst:
+        while chunk := src.read(8 << 20):
+            dst.write(chunk)
+
+
+def join_url(base: str, *parts: str) -> str:
+    """``join_url("s3://b/runs", "v1", "index.json") == "s3://b/runs/v1/index.json"``."""
+    out = base.rstrip("/") if base not in ("/", "") else base
+    for part in parts:
+        part = part.strip("/")
+        if part:
+            out = f"{out}/{part}" if out and not out.endswith("/") else f"{out}{part}"
+    return out
+
+
+def parent_url(url: str) -> str:
+    """The URL of the directory holding ``url``."""
+    head, _, _ = url.rstrip("/").rpartition("/")
+    return head
+
+
+def _protocols(fs: AbstractFileSystem) -> set[str]:
+    return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+
+
+def _commit(fs: AbstractFileSystem, tmp: str, dst: str, url: str) -> None:
+    """Move a finished temporary file onto its final name."""
+    if "file" in _protocols(fs):
+        os.replace(tmp, dst)  # POSIX rename: atomic, replaces an existing file
+        return
+    # HDFS RENAME refuses an existing destination and answers {"boolean": false} instead of an
+    # error, which fsspec ignores: delete first, then check that the move really happened.
+    if fs.exists(dst):
+        fs.rm(dst)
+    fs.mv(tmp, dst)
+    if fs.exists(tmp) or not fs.exists(dst):
+        raise StorageError(url, f"the server refused to rename temporary file {tmp}")
+
+
+@contextlib.contextmanager
+def atomic_write(url: str) -> Iterator[IO[bytes]]:
+    """Write a file that appears whole under ``url`` or not at all.
+
+    Local files and HDFS: write ``.<name>.tmp-<uuid>`` beside it, then rename (local rename is
+    atomic; on HDFS the delete + rename leaves a short window without the old file, never a
+    partial new one). Object stores: write directly, since an upload becomes visible only when it
+    completes. If the body raises, nothing is published and an older file stays as it was.
+    """
+    fs, path = resolve(url)
+    local = "file" in _protocols(fs)
+    direct = bool(_protocols(fs) & _ATOMIC_PUT_PROTOCOLS)
+    name = f".{posixpath.basename(path)}.tmp-{uuid.uuid4().hex[:12]}"
+    target = path if direct else posixpath.join(posixpath.dirname(path), name)
+    with _errors_name(url):
+        handle = fs.open(target, "wb")
+    try:
+        yield handle  # the caller's own errors pass through unchanged
+        with _errors_name(url):
+            if local:
+                handle.flush()
+                os.fsync(handle.fileno())  # a crash just after the rename must not leave an empty file
+            handle.close()
+            if not direct:
+                _commit(fs, target, path, url)
+    except BaseException:
+        if direct:
+            # Closing would upload the partial body; discard() aborts it (multipart uploads).
+            with contextlib.suppress(Exception):
+                getattr(handle, "discard", lambda: None)()
+        else:
+            with contextlib.suppress(Exception):
+                handle.close()
+            with contextlib.suppress(Exception):
+                fs.rm(target)
+        raise
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Atomically replace the file at ``url`` with ``data``."""
+    with atomic_write(url) as handle:
+        handle.write(data)

@@ -1,0 +1,57 @@
+"""The per-rank entry point: ``torchrun --nproc-per-node N -m megatrain.train --config X [k=v ...]``
+(or ``megatrain train --config X`` for one process)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from megatrain.config import ConfigError, load_config
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="megatrain train", description="Train a GPT from a recipe.")
+    parser.add_argument("--config", required=True, help="a YAML recipe, e.g. configs/tiny-cpu.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 train.steps=20")
+    return parser.parse_args(argv)
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout, force=True,
+    )
+    for noisy in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging(int(os.environ.get("RANK", 0)))
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:  # before any process group or model exists
+        print(exc, file=sys.stderr)
+        return 2
+
+    from megatrain.parallel.init import init_distributed, shutdown_distributed
+    from megatrain.trainer import Trainer
+
+    env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.reliability.collective_timeout_s)
+    try:
+        result = Trainer(cfg, env).train()
+        if env.rank == 0:
+            logging.getLogger("megatrain").info(
+                "done: %d steps, final loss %.4f, %d tokens in %.1f s (%s)",
+                result.steps, result.final_loss, result.tokens, result.wall_s, result.status,
+            )
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
