@@ -1,0 +1,71 @@
+"""Fixtures that run the real trainer in child processes (one process, or torchrun with gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny-cpu.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def train_command(nproc: int, config: Path, overrides: list[str]) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "megatrain.cli", "train", "--config", str(config), *overrides]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "megatrain.train", "--config", str(config), *overrides,
+    ]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def shard_root(tmp_path_factory) -> Path:
+    """One shard directory for the session: sharding is idempotent, so only the first run pays."""
+    return tmp_path_factory.mktemp("shards")
+
+
+@pytest.fixture
+def run_training(tmp_path, shard_root):
+    """Run the trainer and return (metrics rows, completed process). Paths go under tmp_path."""
+
+    def run(overrides: list[str], nproc: int = 1, name: str = "run", config: Path = TINY, timeout: int = 600,
+            check: bool = True):
+        run_dir = tmp_path / name
+        paths = [
+            f"train.run_dir={run_dir}", f"data.shard_url={shard_root}",
+            f"checkpoint.staging_dir={run_dir}/staging", f"checkpoint.durable_url={run_dir}/checkpoints",
+        ]
+        proc = subprocess.run(
+            train_command(nproc, config, paths + overrides), cwd=ROOT, env=child_env(),
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        metrics = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        return metrics, proc
+
+    return run
