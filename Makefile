@@ -4,7 +4,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= configs/tiny-cpu.yaml
 
-.PHONY: install demo train test test-gpu serve clean
+.PHONY: install demo train test test-gpu serve stop clean
+# Prefect's temporary local server (SQLite) starts slowly on 2 cores.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,10 +20,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The main job: the `pretrain` flow on the local campaign (two stages, injected faults), a new
+# campaign id per run so every demo trains from scratch.
 demo: $(STAMP)
+	$(PY) -m flows.pretrain configs/campaign-local.yaml id=demo-$$(date +%Y%m%d-%H%M%S)
+
+# One plain training run of a recipe, no Prefect.
+train: $(STAMP)
 	$(PY) -m megatrain.cli train --config $(CONFIG)
 
-train: demo
+serve: $(STAMP)
+	VENV_BIN=$(VENV)/bin scripts/serve.sh
+
+stop:
+	scripts/serve.sh stop
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"

@@ -154,6 +154,10 @@ class OptimConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = Field(100, gt=0, description="optimizer steps")
+    seq_len: int | None = Field(
+        None, gt=0, description="training sequence length, <= model.seq_len (a shorter first stage of a "
+        "campaign); default model.seq_len",
+    )
     micro_batch_size: int = Field(4, gt=0, description="samples per rank per forward")
     global_batch_size: int = Field(4, gt=0, description="samples per optimizer step, all ranks")
     seed: int = 1234
@@ -192,9 +196,17 @@ class DataConfig(_Section):
     text_field: str = Field("text", description="JSONL key holding the document text")
     max_source_bytes: int | None = Field(None, gt=0, description="stop reading sources after this many bytes")
     tokenizer: str = Field("bpe", description="'bpe' trains a byte-level BPE on the corpus, else a tokenizer.json path")
+    bpe_vocab_size: int | None = Field(
+        None, ge=257, description="vocabulary of the trained BPE; default model.vocab_size (never more)"
+    )
+    eos_token: str = Field("<|endoftext|>", description="the token that separates packed documents")
     shard_url: str = Field("data/shards", description="fsspec URL where shard versions are written")
     samples_per_shard: int = Field(1024, gt=0)
+    num_workers: int = Field(0, ge=0, description="tokenizer processes while sharding; 0 = one per CPU core")
     seed: int = 1234
+    shuffle_shards: int = Field(
+        64, ge=0, description="shards shuffled together (each read once per epoch); 0 = one global permutation"
+    )
     prefetch_batches: int = Field(4, ge=0, description="bounded queue of preprocessed batches; 0 = synchronous")
     on_bad_shard: Literal["error", "skip"] = "error"
     verify_checksums: bool = True
@@ -206,9 +218,21 @@ class CheckpointConfig(_Section):
     durable_url: str = Field("runs/default/checkpoints", description="fsspec URL for committed checkpoints")
     keep_last: int = Field(3, gt=0)
     keep_every: int | None = Field(None, gt=0, description="also keep every step divisible by this")
-    upload_retries: int = Field(5, ge=0)
-    upload_backoff_s: float = Field(1.0, ge=0)
+    upload_retries: int = Field(5, ge=0, description="retries per file (and per commit) before a step is given up")
+    upload_backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles each retry")
+    upload_backoff_max_s: float = Field(60.0, ge=0, description="cap of the doubling retry delay")
+    upload_mode: Literal["thread", "external"] = Field(
+        "thread", description="thread: each rank uploads its staged files in a background thread and rank 0 "
+        "commits; external: the trainer only stages (and writes staged.json), the Prefect flow uploads"
+    )
+    commit_timeout_s: float = Field(
+        600.0, gt=0, description="how long the committer waits for every rank's upload (or staging, external mode)"
+    )
     resume: bool = Field(True, description="restore the newest verified checkpoint at start")
+    init_from: str | None = Field(
+        None, description="when this run has no checkpoint of its own, start from the newest committed one "
+        "here (weights and optimizer state only: a new stage of a campaign keeps its own step count and data)",
+    )
 
 
 class AnomalyConfig(_Section):
@@ -255,7 +279,7 @@ class SelfCheckConfig(_Section):
     max_redis_rtt_ms: float = Field(50.0, gt=0, description="median PING round trip")
     storage_url: str | None = Field(None, description="where to write the test file; default checkpoint.durable_url")
     nproc_per_node: int | None = Field(None, gt=0, description="all-reduce processes; default GPUs, or 2 on CPU")
-    gemm_size: int | None = Field(None, gt=0, description="square GEMM size; default 8192 on GPU, 512 on CPU")
+    gemm_size: int | None = Field(None, gt=0, description="square GEMM size; default 8192 on GPU, 1024 on CPU")
     copy_mb: int | None = Field(None, gt=0, description="copy test size; default 1024 on GPU, 64 on CPU")
     allreduce_mb: int | None = Field(None, gt=0, description="all-reduce message; default 256 on GPU, 8 on CPU")
     storage_mb: int = Field(8, gt=0)
@@ -304,7 +328,19 @@ class Config(_Section):
             raise ValueError(f"parallel.pp ({self.parallel.pp}) exceeds model.n_layer ({self.model.n_layer})")
         if self.parallel.dp is not None:
             self.train.grad_accumulation_steps(self.parallel.dp)
+        if self.train.seq_len is not None and self.train.seq_len > self.model.seq_len:
+            raise ValueError(f"train.seq_len ({self.train.seq_len}) must be <= model.seq_len ({self.model.seq_len})")
         return self
+
+    @property
+    def seq_len(self) -> int:
+        """The sequence length this run trains on."""
+        return self.train.seq_len or self.model.seq_len
+
+    @property
+    def run_id(self) -> str:
+        """Names this run's heartbeats and events: the recipe name and a hash of its run dir."""
+        return f"{self.name}-{hashlib.sha256(self.train.run_dir.encode()).hexdigest()[:8]}"
 
     def fingerprint(self) -> str:
         """A short hash of everything that changes the math (not logging or paths)."""

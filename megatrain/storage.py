@@ -172,6 +172,35 @@ def listdir(url: str) -> list[str]:
 list = listdir  # noqa: A001 - ``storage.list(url)`` reads naturally; no builtin list() below
 
 
+def _path_to_url(like: str, fs: AbstractFileSystem, path: str) -> str:
+    """Turn a backend path found under ``like`` back into a URL of the same form."""
+    parts = urlsplit(like)
+    scheme = parts.scheme.lower()
+    if scheme == "":
+        return path  # plain paths stay plain
+    if scheme in ("hdfs", "webhdfs"):
+        return f"{parts.scheme}://{parts.netloc}{path}"  # the host lives in the URL, not the path
+    if scheme == "file":
+        return f"file://{path}"
+    return fs.unstrip_protocol(path)
+
+
+def find(url: str) -> dict[str, dict[str, Any]]:
+    """Every file below directory ``url`` (recursive): URL -> info (size, mtime where known)."""
+    fs, path = resolve(url)
+    with _errors_name(url):
+        found = fs.find(path, detail=True)
+    return {_path_to_url(url, fs, p): d for p, d in sorted(found.items()) if d.get("type") != "directory"}
+
+
+def glob(pattern: str) -> dict[str, dict[str, Any]]:
+    """Files matching a glob URL (``**`` recurses): URL -> info."""
+    fs, path = resolve(pattern)
+    with _errors_name(pattern):
+        found = fs.glob(path, detail=True)
+    return {_path_to_url(pattern, fs, p): d for p, d in sorted(found.items()) if d.get("type") != "directory"}
+
+
 def makedirs(url: str) -> None:
     fs, path = resolve(url)
     with _errors_name(url):

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatrain.parallel.init import init_distributed, shutdown_distributed
     from megatrain.trainer import Trainer
 
+    from megatrain.launch import EXIT_ANOMALY
+
     env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.reliability.collective_timeout_s)
     try:
         result = Trainer(cfg, env).train()
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         shutdown_distributed()
-    return 0
+    return 0 if result.status == "completed" else EXIT_ANOMALY
 
 
 if __name__ == "__main__":

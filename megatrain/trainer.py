@@ -8,14 +8,18 @@ calls them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
+from megatrain.checkpoint.manager import Checkpointer
 from megatrain.config import Config
 from megatrain.data.loader import build_loader
 from megatrain.data.shard import ShardIndex, load_index, shard_corpus
@@ -28,6 +32,10 @@ from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, dee
 from megatrain.parallel.dims import ParallelDims, ProcessGroups, build_process_groups
 from megatrain.parallel.init import DistEnv
 from megatrain.parallel.parallelize import parallelize
+from megatrain.reliability.anomaly import AnomalyDetector, Verdict, write_verdict
+from megatrain.reliability.faults import FaultInjector
+from megatrain.reliability.heartbeat import HeartbeatWriter, make_sink
+from megatrain.reliability.rollback import pending_for
 
 log = logging.getLogger("megatrain")
 
@@ -45,7 +53,7 @@ def prepare_data(cfg: Config, env: DistEnv) -> ShardIndex:
     """Rank 0 writes (or finds) the shards; the others wait and read the same index."""
     url = [None]
     if env.rank == 0:
-        url[0] = shard_corpus(cfg.data, cfg.model.seq_len, cfg.model.vocab_size).url
+        url[0] = shard_corpus(cfg.data, cfg.seq_len, cfg.model.vocab_size).url
     if env.world_size > 1:
         dist.broadcast_object_list(url, src=0)
     return load_index(url[0])
@@ -71,12 +79,23 @@ class Trainer:
         self.engine = self._build_engine(model)
 
         self.step = 0
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.checkpointer = Checkpointer(cfg, env, self.groups)
+        self.step = self.checkpointer.restore(self)  # 0 when there is nothing to resume from
+        self._apply_rollbacks()
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.seq_len
         self.timers = StepTimers(env.device)
         peak = peak_flops(torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu")
-        self.flops_per_token = flops_per_token(cfg.model, self.n_params)
+        self.flops_per_token = flops_per_token(cfg.model.model_copy(update={"seq_len": cfg.seq_len}), self.n_params)
         self.peak_flops = peak * env.world_size if peak else None
         self.metrics = MetricsLogger(cfg.train.run_dir, cfg.train.steps, cfg.train.log_interval, enabled=env.rank == 0)
+        self.heartbeat = HeartbeatWriter(
+            make_sink(cfg.reliability, cfg.train.run_dir, cfg.run_id), env.rank,
+            interval_s=cfg.reliability.heartbeat_interval_s, stacks_dir=Path(cfg.train.run_dir) / "stacks",
+            dp_rank=self.groups.dp_rank, tp_rank=self.groups.tp_rank, pp_rank=self.groups.pp_rank,
+        )
+        self.heartbeat.beat(step=self.step, phase="data")
+        self.anomaly = AnomalyDetector(cfg.reliability.anomaly)
+        self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir)
         log.info("model: %.1fM parameters, %s block, %s attention; layout dp=%d tp=%d pp=%d; accumulation %d",
                  self.n_params / 1e6, cfg.model.block, cfg.model.attention, self.groups.dims.dp,
                  self.groups.dims.tp, self.groups.dims.pp, self.grad_accumulation)
@@ -101,29 +120,49 @@ class Trainer:
             attach_lamb_segments(engine.optimizer, optimizer, self.groups.dp_group)
         return engine
 
+    def _apply_rollbacks(self) -> None:
+        """After an anomaly the orchestrator restored us to an earlier step: skip the window."""
+        for record in pending_for(self.cfg.train.run_dir, self.step):
+            log.warning("rollback to step %d after %s at step %d: skipping %d samples, lr x%g",
+                        record.restore_step, record.kind, record.anomaly_step, record.skip_samples, record.lr_scale)
+            self.loader.skip(record.skip_samples)
+            scheduler = self.engine.lr_scheduler
+            scheduler.base_lrs = [lr * record.lr_scale for lr in scheduler.base_lrs]
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr * record.lr_scale
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase of the step and tell the heartbeat which phase this rank is in."""
+        self.heartbeat.beat(phase=name)
+        with self.timers.phase(name):
+            yield
+
     def train_step(self) -> StepMetrics:
         """One optimizer step: grad_accumulation micro-batches of forward and backward, then the
         (ZeRO-partitioned, clipped) optimizer step. DeepSpeed divides each micro-batch loss by the
         accumulation count and only steps at the accumulation boundary."""
         start = time.perf_counter()
+        self.faults.on_step_start(self.step + 1)
         micro_losses = []
         for _ in range(self.grad_accumulation):
-            with self.timers.phase("data"):
+            with self.phase("data"):
                 inputs, targets = next(self.loader)
                 inputs = inputs.to(self.env.device, non_blocking=True)
                 targets = targets.to(self.env.device, non_blocking=True)
-            with self.timers.phase("forward"):
-                loss = self.engine(inputs, targets)
-            with self.timers.phase("backward"):
+            with self.phase("forward"):
+                loss = self.faults.transform_loss(self.step + 1, self.engine(inputs, targets))
+            with self.phase("backward"):
                 self.engine.backward(loss)
-            with self.timers.phase("optimizer"):
+            with self.phase("optimizer"):
                 self.engine.step()
             micro_losses.append(loss.detach().float())
         self.step += 1
 
         step_loss = torch.stack(micro_losses).mean()
         if self.groups.dims.dp > 1:  # the loss of the whole global batch, for logging and anomalies
-            dist.all_reduce(step_loss, group=self.groups.dp_group)
+            with self.phase("collective"):
+                dist.all_reduce(step_loss, group=self.groups.dp_group)
             step_loss /= self.groups.dims.dp
         step_time = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / step_time
@@ -137,15 +176,31 @@ class Trainer:
 
     def train(self) -> TrainResult:
         start = time.perf_counter()
-        metrics = None
+        metrics, verdict = None, None
         try:
             while self.step < self.cfg.train.steps:
                 metrics = self.train_step()
                 self.metrics.log(metrics)
+                self.heartbeat.beat(step=self.step, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s)
+                verdict = self.anomaly.observe(self.step, metrics.loss, metrics.grad_norm)
+                if verdict is not None:  # stop before this step's state can be checkpointed
+                    self._stop_on_anomaly(verdict)
+                    break
+                with self.phase("checkpoint"):
+                    self.checkpointer.maybe_save(self)
         finally:
+            self.checkpointer.close()  # waits for staging; uploads still running are finished too
+            self.heartbeat.close(phase="done" if verdict is None and self.step >= self.cfg.train.steps else None)
             self.metrics.close()
             self.loader.close()
         return TrainResult(
             steps=self.step, final_loss=metrics.loss if metrics else float("nan"),
-            tokens=self.step * self.tokens_per_step, wall_s=time.perf_counter() - start, status="completed",
+            tokens=self.step * self.tokens_per_step, wall_s=time.perf_counter() - start,
+            status="completed" if verdict is None else verdict.kind,
         )
+
+    def _stop_on_anomaly(self, verdict: Verdict) -> None:
+        """Every rank sees the same all-reduced loss, so every rank reaches the same verdict."""
+        log.error("anomaly at step %d: %s", verdict.step, verdict.message)
+        if self.env.rank == 0:
+            write_verdict(self.cfg.train.run_dir, verdict)

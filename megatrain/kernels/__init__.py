@@ -2,9 +2,14 @@
 
 ``resolve(impl, device)`` turns a config choice (``auto``/``reference``/``fused``...) into the
 implementation that will run, so the model never branches on hardware itself.
+
+The Triton modules (``*_triton.py``, ``flex_attention.py``) are imported lazily by the dispatch
+functions, so a CPU-only machine never imports Triton.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -18,9 +23,23 @@ def resolve(impl: str, x: torch.Tensor) -> str:
     return "reference"
 
 
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (sizes persistent grids); 4 elsewhere, which is
+    what the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) gets."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -41,9 +41,16 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None, impl: str = "auto") -> torch.Tensor:
+    """q, k, v: [B, H, T, hd] -> [B, H, T, hd]. ``impl``: auto, sdpa, flex or reference.
+
+    A real window (w < T) on CUDA always runs FlexAttention (``auto`` and ``sdpa`` alike): SDPA
+    has no sliding-window kernel, and its dense-mask path would compute every masked block and
+    hold a [T, T] mask. Full causal runs SDPA (flash/cuDNN) unless ``flex`` is asked for.
+    """
     if impl == "reference":
         return attention_reference(q, k, v, window)
-    if impl == "flex" or (impl == "auto" and q.is_cuda and window is not None and window < q.shape[-2]):
+    windowed = window is not None and window < q.shape[-2]
+    if impl == "flex" or (q.is_cuda and windowed):
         from megatrain.kernels.flex_attention import attention_flex
 
         return attention_flex(q, k, v, window)

@@ -3,6 +3,8 @@
 Rank order: tensor parallel innermost (consecutive ranks share a node), then data parallel, then
 pipeline:  rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank.  DP groups are therefore built
 from nearby ranks, as MegaScale does (it builds DP groups before PP groups for locality).
+DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model) orders ranks the same way,
+so its pipeline groups and ours contain the same ranks (``megatrain.parallel.deepspeed``).
 """
 
 from __future__ import annotations
@@ -23,10 +25,20 @@ class ParallelDims:
         return self.dp * self.tp * self.pp
 
     def validate(self, world_size: int, gpus_per_node: int, n_head: int, n_layer: int) -> None:
+        """Fail before any group exists when the layout cannot work: wrong world size, a TP group
+        that would straddle two nodes (its all-gathers and reduce-scatters run on every layer and
+        need NVLink), or a model that cannot be split that way."""
+        if min(self.dp, self.tp, self.pp) < 1:
+            raise ValueError(f"dp, tp and pp must be >= 1, got dp={self.dp} tp={self.tp} pp={self.pp}")
         if self.world_size != world_size:
             raise ValueError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} != world size {world_size}")
+        # TP groups are runs of tp consecutive ranks; when tp divides the node size, no run straddles two nodes.
         if self.tp > gpus_per_node or gpus_per_node % self.tp:
             raise ValueError(f"tp ({self.tp}) must divide gpus_per_node ({gpus_per_node}): TP never crosses a node")
+        if world_size > gpus_per_node and world_size % gpus_per_node:
+            raise ValueError(
+                f"world size {world_size} spans several nodes but is not a multiple of gpus_per_node ({gpus_per_node})"
+            )
         if n_head % self.tp:
             raise ValueError(f"tp ({self.tp}) must divide n_head ({n_head})")
         if self.pp > n_layer:
@@ -51,6 +63,11 @@ class ParallelDims:
     def pp_groups(self) -> list[list[int]]:
         return [[self.rank_of(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
+    def stage_groups(self) -> list[list[int]]:
+        """All ranks of one pipeline stage (its TP x DP ranks): the group over which a per-tensor
+        norm of a TP-sharded, ZeRO-partitioned tensor is summed (LAMB's trust ratio)."""
+        return [[self.rank_of(p, d, t) for d in range(self.dp) for t in range(self.tp)] for p in range(self.pp)]
+
 
 @dataclass
 class ProcessGroups:
@@ -61,6 +78,7 @@ class ProcessGroups:
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
+    stage_group: dist.ProcessGroup | None = None
     coords: tuple[int, int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -80,11 +98,15 @@ class ProcessGroups:
 
 
 def build_process_groups(dims: ParallelDims, rank: int) -> ProcessGroups:
-    """Create every TP, DP and PP group (all ranks must call ``new_group`` for each, in order)
-    and keep the ones this rank belongs to."""
+    """Create every TP, DP, PP and stage group (all ranks must call ``new_group`` for each, in
+    order) and keep the ones this rank belongs to."""
     groups = ProcessGroups(dims=dims, rank=rank)
-    for attr, layouts in (("tp_group", dims.tp_groups()), ("dp_group", dims.dp_groups()), ("pp_group", dims.pp_groups())):
-        for ranks in layouts:
+    layouts = (
+        ("tp_group", dims.tp_groups()), ("dp_group", dims.dp_groups()), ("pp_group", dims.pp_groups()),
+        ("stage_group", dims.stage_groups()),
+    )
+    for attr, ranks_list in layouts:
+        for ranks in ranks_list:
             group = dist.new_group(ranks) if dist.is_initialized() else None
             if rank in ranks:
                 setattr(groups, attr, group)

@@ -1,0 +1,116 @@
+"""A pretraining campaign: one recipe trained through an ordered list of stages.
+
+Each stage is the base recipe plus the campaign's overrides plus the stage's own (sequence length,
+batch size, LR schedule, data mix...). A stage starts from the previous stage's final checkpoint
+(weights and optimizer state, fresh step count and schedule) and keeps its own run directory and
+durable checkpoint URL, so a rerun can tell finished stages from the interrupted one.
+
+Like ``megatrain.config`` this imports neither torch nor prefect: the flow validates a campaign
+before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from megatrain.config import Config, ConfigError, _Section, format_validation_error, load_config, merge, read_yaml
+from megatrain.config import ReliabilityConfig  # noqa: F401  (re-exported for flows)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class StageConfig(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="used in paths and task names")
+    steps: int = Field(gt=0, description="optimizer steps in this stage")
+    overrides: list[str] = Field(default_factory=list, description="dotted overrides for this stage only")
+
+
+class CampaignConfig(_Section):
+    id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="names the campaign's directories and cache keys")
+    recipe: str = Field(description="path of the base recipe (relative paths: from the repository root)")
+    overrides: list[str] = Field(default_factory=list, description="dotted overrides for every stage")
+    nproc_per_node: int = Field(1, gt=0, description="training ranks per node")
+    nnodes: int = Field(1, gt=0)
+    launcher: Literal["local", "kubernetes"] = "local"
+    root_dir: str = Field("runs/campaigns", description="local directory for run dirs, staging and reports")
+    durable_url: str | None = Field(None, description="fsspec URL for committed checkpoints; default <root_dir>/<id>/durable")
+    shard_url: str | None = Field(None, description="where the shards go; default the recipe's data.shard_url")
+    self_check: bool = True
+    stage_timeout_s: float = Field(6 * 3600, gt=0, description="a stage attempt is killed after this long")
+    stages: list[StageConfig] = Field(min_length=1)
+
+    @field_validator("stages")
+    @classmethod
+    def _unique_names(cls, stages: list[StageConfig]) -> list[StageConfig]:
+        names = [s.name for s in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        return stages
+
+    @model_validator(mode="after")
+    def _every_stage_is_a_valid_run(self) -> CampaignConfig:
+        for index in range(len(self.stages)):
+            stage_config(self, index)  # raises ConfigError naming the stage and field
+        return self
+
+    @property
+    def campaign_dir(self) -> Path:
+        return _resolve(self.root_dir) / self.id
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def stage_dir(self, index: int) -> Path:
+        return self.campaign_dir / self.stages[index].name
+
+    def stage_durable_url(self, index: int) -> str:
+        base = self.durable_url or str(self.campaign_dir / "durable")
+        return f"{base.rstrip('/')}/{self.stages[index].name}"
+
+    def fingerprint(self) -> str:
+        """What the campaign computes: each stage's config fingerprint, in order."""
+        parts = [stage_config(self, i).fingerprint() for i in range(len(self.stages))]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _resolve(path: str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def stage_config(campaign: CampaignConfig, index: int) -> Config:
+    """The full run config of one stage: recipe + campaign overrides + stage overrides + paths."""
+    stage = campaign.stages[index]
+    stage_dir = campaign.stage_dir(index)
+    derived = [
+        f"train.steps={stage.steps}",
+        f"train.run_dir={stage_dir}",
+        f"checkpoint.staging_dir={stage_dir / 'staging'}",
+        f"checkpoint.durable_url={campaign.stage_durable_url(index)}",
+        f"parallel.world_size={campaign.world_size}",
+    ]
+    if campaign.shard_url:
+        derived.append(f"data.shard_url={campaign.shard_url}")
+    if index > 0:
+        derived.append(f"checkpoint.init_from={campaign.stage_durable_url(index - 1)}")
+    try:
+        return load_config(_resolve(campaign.recipe), [*campaign.overrides, *stage.overrides, *derived])
+    except ConfigError as exc:
+        raise ValueError(f"stage {stage.name!r}: {exc}") from None
+
+
+def load_campaign(path: str | Path, overrides: list[str] | None = None) -> CampaignConfig:
+    """Read and validate a campaign file; every stage is validated as a full run config."""
+    from megatrain.config import parse_overrides
+
+    raw = merge(read_yaml(path), parse_overrides(overrides))
+    try:
+        return CampaignConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(str(path), exc)) from None

@@ -1,0 +1,158 @@
+"""The on-disk format of a checkpoint: file names, a streaming safetensors writer, checksums.
+
+One step is one directory, ``step-00000100/``, the same in the local staging dir and in durable
+storage::
+
+    model-pp00-tp00.safetensors   model weights of one (pipeline, tensor) shard, written by its dp_rank 0
+    rank-00003.safetensors        rank 3's optimizer partition (ZeRO) and RNG tensors
+    rank-00003.json               rank 3's non-tensor state: step, LR schedule, data position, RNG, counters
+    rank-00003.done.json          rank 3's marker, written last: its files with size and sha256
+    manifest.json                 durable only, written last of all: the commit (see upload.py)
+    staged.json                   staging only, "external" upload mode: every rank has staged
+
+Tensors go into safetensors files and everything else into JSON, so loading a checkpoint never
+runs code (no pickle). The writer below streams each tensor's bytes straight from its (pinned)
+host buffer to the file and into sha256 in the same pass: safetensors' own ``save_file`` first
+serialises the whole file into memory, which would double the host memory of a 20 GB state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+STAGED = "staged.json"
+FORMAT_VERSION = 1
+
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_CHUNK = 64 << 20  # write and hash in 64 MiB slices so one huge tensor does not hold the GIL long
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """``step-00000100`` -> 100; anything else (temporary files, markers) -> None."""
+    match = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def model_file(pp_rank: int, tp_rank: int) -> str:
+    return f"model-pp{pp_rank:02d}-tp{tp_rank:02d}.safetensors"
+
+
+def rank_tensor_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def rank_meta_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def rank_marker(rank: int) -> str:
+    return f"rank-{rank:05d}.done.json"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What a manifest knows about one file: enough to detect truncation and bit flips."""
+
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ChecksumError(RuntimeError):
+    """A file's size or sha256 differs from its record; the message names the file."""
+
+
+# torch dtype -> safetensors dtype name, widest first (the writer orders tensors by this so every
+# tensor starts at an offset aligned to its element size, as safetensors' own writer does).
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64",
+    torch.float32: "F32", torch.int32: "I32", torch.uint32: "U32",
+    torch.float16: "F16", torch.bfloat16: "BF16", torch.int16: "I16", torch.uint16: "U16",
+    torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (numpy has no bf16, so view as uint8)."""
+    flat = tensor.reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> FileRecord:
+    """Write CPU tensors as a standard safetensors file, hashing while writing."""
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in names:
+        tensor = tensors[name]
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"{path}: tensor {name} must be contiguous on the CPU")
+        end = offset + tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        offset = end
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as out:
+        for piece in (struct.pack("<Q", len(blob)), blob):
+            out.write(piece)
+            digest.update(piece)
+        for name in names:
+            data = _raw_bytes(tensors[name])
+            for start in range(0, len(data), _CHUNK):
+                chunk = data[start:start + _CHUNK]
+                out.write(chunk)
+                digest.update(chunk)
+    return FileRecord(size=8 + len(blob) + offset, sha256=digest.hexdigest())
+
+
+def load_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    """Tensors from the bytes of a safetensors file (data only: nothing is executed)."""
+    from safetensors.torch import load
+
+    return load(data)
+
+
+def write_json(path: Path, value: Any) -> FileRecord:
+    """Write JSON through a temporary name and a rename, so a reader never sees half a file."""
+    data = json.dumps(value, indent=1, sort_keys=True).encode()
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return FileRecord(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def check_bytes(data: bytes, record: FileRecord | dict[str, Any], name: str) -> None:
+    """Raise ChecksumError naming ``name`` when ``data`` is not the recorded file."""
+    expected = record if isinstance(record, FileRecord) else FileRecord(**record)
+    if len(data) != expected.size:
+        raise ChecksumError(f"{name}: size {len(data)} != recorded {expected.size} (truncated or overwritten)")
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected.sha256:
+        raise ChecksumError(f"{name}: sha256 {actual[:16]}... != recorded {expected.sha256[:16]}... (corrupted)")
+
+
+def sha256_stream(handle: Any) -> FileRecord:
+    """Size and sha256 of a readable binary file object, read in chunks."""
+    digest, size = hashlib.sha256(), 0
+    while chunk := handle.read(_CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return FileRecord(size=size, sha256=digest.hexdigest())

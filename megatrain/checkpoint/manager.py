@@ -1,0 +1,200 @@
+"""The trainer's checkpointer: when to save, what to save, and where uploads happen.
+
+The trainer calls three things (see megatrain/trainer.py)::
+
+    step = checkpointer.restore(trainer)   # at start: newest verified committed checkpoint, or 0
+    checkpointer.maybe_save(trainer)       # after every step: acts every `interval` steps and at the last
+    checkpointer.close()                   # at the end: waits for staging and uploads
+
+A save blocks the loop only for the device -> host copy (snapshot.py). Staging to local disk runs
+in the snapshotter's thread; what happens next depends on ``checkpoint.upload_mode``:
+
+- "thread": each rank's upload thread uploads its own staged files, and rank 0's also commits
+  (when every rank's files are durable), applies retention and cleans committed staging dirs;
+- "external": nothing is uploaded here. Rank 0's thread writes ``staged.json`` once every rank
+  has staged (the Prefect flow then uploads and commits the step as its own task run, see
+  ``upload.upload_staged_step``) and applies retention to what the flow has committed.
+
+Either way the next save waits for the previous staging only, never for an upload.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatrain import storage
+from megatrain.checkpoint import state
+from megatrain.checkpoint.files import (
+    MANIFEST, STAGED, model_file, parse_step, rank_meta_file, rank_tensor_file, step_dir_name,
+)
+from megatrain.checkpoint.restore import restore_checkpoint
+from megatrain.checkpoint.retention import apply_retention, clean_staging
+from megatrain.checkpoint.snapshot import RankSnapshot, Snapshotter, SnapshotTiming
+from megatrain.checkpoint.upload import mark_staged, upload_checkpoint
+from megatrain.config import Config
+from megatrain.parallel.dims import ProcessGroups
+from megatrain.parallel.init import DistEnv
+
+log = logging.getLogger("megatrain.checkpoint")
+
+# Test-only fault hook: SIGKILL every rank right after this step's checkpoint is committed (a crash,
+# not a clean exit: no finally blocks, no flushing), to prove resume from a real crash.
+KILL_AFTER_COMMIT_ENV = "MEGATRAIN_TEST_KILL_AFTER_COMMIT"
+
+
+def library_versions() -> dict[str, str]:
+    versions = {"torch": torch.__version__}
+    for name in ("deepspeed", "megatrain"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "unknown"
+    return versions
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, env: DistEnv, groups: ProcessGroups):
+        self.cfg, self.env, self.groups = cfg, env, groups
+        self.ckpt = cfg.checkpoint
+        self.fingerprint = cfg.fingerprint()
+        self.layout = {"dp": groups.dims.dp, "tp": groups.dims.tp, "pp": groups.dims.pp, "world_size": env.world_size}
+        self.snapshotter = Snapshotter(self.ckpt.staging_dir, env.device)
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
+        self._jobs: list[Future] = []
+        self._versions = library_versions()
+        self.last_saved_step: int | None = None
+        self.last_timing: SnapshotTiming | None = None
+        kill = os.environ.get(KILL_AFTER_COMMIT_ENV)
+        self._kill_after_commit = int(kill) if kill else None
+
+    # ---- restore ------------------------------------------------------------------------------
+
+    def restore(self, trainer: Any) -> int:
+        """Load the newest verified committed checkpoint (or, for a new campaign stage, the previous
+        stage's weights and optimizer); returns the step to resume from (0 if none)."""
+        self._discard_own_staging()
+        if not self.ckpt.resume:
+            return 0
+        step = restore_checkpoint(trainer, self.ckpt.durable_url, self.fingerprint, self.layout, self.groups)
+        if step is None and self.ckpt.init_from:
+            restore_checkpoint(trainer, self.ckpt.init_from, None, self.layout, self.groups, full=False)
+        self.last_saved_step = step
+        return step or 0
+
+    def _discard_own_staging(self) -> None:
+        """Staged files of an earlier attempt are either committed already or from a timeline that
+        is being redone; left in place, their markers could vouch for files rewritten later.
+        (The Prefect flow uploads what was staged before it relaunches the ranks.)"""
+        root = Path(self.ckpt.staging_dir)
+        if root.is_dir():
+            rank, g = self.groups.rank, self.groups
+            mine = [rank_tensor_file(rank), rank_meta_file(rank), f"rank-{rank:05d}.done.json"]
+            if g.dp_rank == 0:
+                mine.append(model_file(g.pp_rank, g.tp_rank))
+            if rank == 0:
+                mine.append(STAGED)
+            for step_dir in (p for p in root.iterdir() if parse_step(p.name) is not None):
+                for name in mine:
+                    (step_dir / name).unlink(missing_ok=True)
+                if not any(step_dir.iterdir()):
+                    step_dir.rmdir()
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.barrier()  # nobody stages anew before everybody has discarded
+
+    # ---- save ---------------------------------------------------------------------------------
+
+    def maybe_save(self, trainer: Any) -> bool:
+        """Save when ``trainer.step`` is a multiple of the interval, or the last step."""
+        step = trainer.step
+        if step == self.last_saved_step or (step % self.ckpt.interval and step < self.cfg.train.steps):
+            return False
+        self.save(trainer)
+        return True
+
+    def save(self, trainer: Any) -> SnapshotTiming:
+        step = trainer.step
+        staged = self.snapshotter.snapshot(self._rank_snapshot(trainer))
+        timing = self.last_timing = self.snapshotter.last_timing
+        self.last_saved_step = step
+        log.info("checkpoint step %d: loop blocked %.3f s (waiting for the previous staging %.3f s, copy %.3f s%s)",
+                 step, timing.blocked_s, timing.wait_s, timing.copy_s, ", buffers allocated" if timing.allocated else "")
+        if self.ckpt.upload_mode == "thread":
+            self._jobs.append(self._background.submit(self._upload, staged))
+        elif self.groups.rank == 0:
+            self._jobs.append(self._background.submit(self._mark_staged, staged))
+        self._jobs = [job for job in self._jobs if not job.done()]
+        if self._kill_after_commit == step:
+            self._test_kill_after_commit(step)
+        return timing
+
+    def _rank_snapshot(self, trainer: Any) -> RankSnapshot:
+        engine, g, rank = trainer.engine, self.groups, self.groups.rank
+        optim_tensors, optim_meta = state.optimizer_state(engine.optimizer)
+        rng_tensors, rng_meta = state.rng_state(self.env.device)
+        loader_state = trainer.loader.state_dict()
+        coords = {"pp": g.pp_rank, "dp": g.dp_rank, "tp": g.tp_rank}
+        tensor_files = {rank_tensor_file(rank): {**optim_tensors, **rng_tensors}}
+        if g.dp_rank == 0:  # DP replicas hold the same weights: one copy per (pp, tp) shard
+            tensor_files[model_file(g.pp_rank, g.tp_rank)] = state.model_tensors(engine.module)
+        meta = {
+            "step": trainer.step, "rank": rank, "coords": coords, "fingerprint": self.fingerprint,
+            "layout": self.layout, "optimizer": optim_meta, "scheduler": state.scheduler_state(engine.lr_scheduler),
+            "engine": state.engine_counters(engine), "loader": loader_state, "rng": rng_meta,
+        }
+        marker = {"fingerprint": self.fingerprint, "layout": self.layout, "coords": coords,
+                  "data_position": loader_state, "versions": self._versions}
+        return RankSnapshot(step=trainer.step, rank=rank, tensor_files=tensor_files,
+                            json_files={rank_meta_file(rank): meta}, marker=marker)
+
+    # ---- background jobs (one thread, in save order) ------------------------------------------
+
+    def _retry_options(self) -> dict[str, float]:
+        return dict(retries=self.ckpt.upload_retries, backoff_s=self.ckpt.upload_backoff_s,
+                    max_backoff_s=self.ckpt.upload_backoff_max_s)
+
+    def _upload(self, staged_future: Future) -> None:
+        try:
+            staged = staged_future.result()
+            is_committer = self.groups.rank == 0
+            upload_checkpoint(staged.path, self.ckpt.durable_url, ranks=[self.groups.rank], commit=is_committer,
+                              commit_timeout_s=self.ckpt.commit_timeout_s, **self._retry_options())
+            if is_committer:
+                apply_retention(self.ckpt.durable_url, self.ckpt.keep_last, self.ckpt.keep_every)
+            clean_staging(self.ckpt.staging_dir, self.ckpt.durable_url)
+        except Exception:  # a lost upload costs one checkpoint, never the run
+            log.exception("checkpoint upload failed; the step stays uncommitted")
+
+    def _mark_staged(self, staged_future: Future) -> None:
+        try:
+            staged = staged_future.result()
+            mark_staged(staged.path, self.env.world_size, self.ckpt.commit_timeout_s)
+            apply_retention(self.ckpt.durable_url, self.ckpt.keep_last, self.ckpt.keep_every)
+        except Exception:
+            log.exception("checkpoint staging marker or retention failed")
+
+    def _test_kill_after_commit(self, step: int) -> None:
+        manifest = storage.join_url(self.ckpt.durable_url, step_dir_name(step), MANIFEST)
+        deadline = time.monotonic() + 300
+        while not storage.exists(manifest):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{KILL_AFTER_COMMIT_ENV}: {manifest} not committed within 300 s")
+            time.sleep(0.05)
+        log.warning("%s=%d: killing rank %d with SIGKILL", KILL_AFTER_COMMIT_ENV, step, self.groups.rank)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self) -> None:
+        """Wait for staging and for this rank's background uploads (they retry through outages)."""
+        self.snapshotter.close()
+        for job in self._jobs:
+            job.result()
+        self._background.shutdown(wait=True)

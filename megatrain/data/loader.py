@@ -1,0 +1,346 @@
+"""Shards -> training batches: a deterministic, resumable sample order with async prefetch.
+
+The model of the data stream, which everything here follows:
+
+* Epoch ``e`` is a permutation of all (shard, offset) pairs computed from ``(seed, e)`` alone:
+  shards are shuffled, grouped into windows of ``shuffle_shards`` shards, and the samples of
+  each window are shuffled together. A window's shards are read once, kept while the window is
+  being consumed, then dropped; ``shuffle_shards=0`` makes one window (a full global permutation).
+* An epoch is cut to ``U = (N // G) * G`` samples, where ``G = micro_batch_size * dp_size`` is one
+  global batch (the incomplete tail batch is dropped); epochs follow each other forever.
+* The stream position ``samples_consumed`` (global samples, skipped ones included) is the whole
+  state: the batch at position ``p`` is a pure function of ``p``. Data-parallel rank ``r`` takes
+  the contiguous slice ``[p + r*mb, p + (r+1)*mb)``; tensor-parallel peers pass the same
+  ``dp_rank`` and get the same batch. Resume = restore ``p``; skip(n) = ``p += n``.
+
+A bad shard (missing, truncated, corrupt, checksum mismatch) raises BadShardError naming it, or
+with ``on_bad_shard="skip"`` is logged, counted in ``bad_shards`` and its samples are replaced by
+samples of the next good shard in the same window (same offset modulo its size), so batch shapes
+and the lockstep of ranks are kept without any communication.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import queue
+import tarfile
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatrain import storage
+from megatrain.data.index import SAMPLE_FIELD, BadShardError, DataError, ShardIndex
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+
+
+class SampleOrder:
+    """Which (shard, offset) pair is sample ``i`` of epoch ``e``: a function of (seed, e, i)."""
+
+    def __init__(self, counts: Sequence[int], seed: int, shuffle_shards: int) -> None:
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.seed = seed & 0xFFFFFFFF  # SeedSequence wants non-negative entropy
+        self.per_window = shuffle_shards or len(self.counts)
+        self._epoch_cache: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
+        self._window_cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def windows(self, epoch: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """The shard ids of each window of ``epoch`` and the first sample index of each window."""
+        if epoch not in self._epoch_cache:
+            rng = np.random.default_rng([self.seed, epoch])
+            shards = rng.permutation(len(self.counts))
+            groups = [shards[i:i + self.per_window] for i in range(0, len(shards), self.per_window)]
+            starts = np.cumsum([0] + [int(self.counts[g].sum()) for g in groups])
+            self._epoch_cache = {epoch: (groups, starts)}  # one epoch at a time is all we use
+        return self._epoch_cache[epoch]
+
+    def window_pairs(self, epoch: int, w: int) -> np.ndarray:
+        """All (shard, offset) pairs of window ``w`` in their shuffled order: shape [n, 2]."""
+        key = (epoch, w)
+        if key not in self._window_cache:
+            group = self.windows(epoch)[0][w]
+            pairs = np.concatenate([np.stack([np.full(c, s), np.arange(c)], 1) for s, c in zip(group, self.counts[group])])
+            rng = np.random.default_rng([self.seed, epoch, w + 1])
+            self._window_cache[key] = pairs[rng.permutation(len(pairs))]
+            while len(self._window_cache) > 4:  # a batch spans at most a few windows
+                self._window_cache.popitem(last=False)
+        return self._window_cache[key]
+
+    def take(self, epoch: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Pairs of samples ``start..stop-1`` of ``epoch`` and the window each one belongs to."""
+        _, starts = self.windows(epoch)
+        pairs, window_ids = [], []
+        w = int(np.searchsorted(starts, start, side="right")) - 1
+        while start < stop:
+            end = min(stop, int(starts[w + 1]))
+            pairs.append(self.window_pairs(epoch, w)[start - starts[w]:end - starts[w]])
+            window_ids.append(np.full(end - start, w))
+            start, w = end, w + 1
+        return np.concatenate(pairs), np.concatenate(window_ids)
+
+
+def decode_shard(url: str, data: bytes, expected: int, seq_len: int, dtype: np.dtype) -> np.ndarray:
+    """Tar bytes -> [samples, seq_len + 1] tokens; any damage raises BadShardError naming ``url``."""
+    samples = []
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for member in tar:
+                if member.name.endswith("." + SAMPLE_FIELD):
+                    payload = tar.extractfile(member).read()
+                    if len(payload) != member.size:
+                        raise BadShardError(url, f"member {member.name} is truncated")
+                    samples.append(np.load(io.BytesIO(payload), allow_pickle=False))
+    except BadShardError:
+        raise
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+        raise BadShardError(url, f"cannot be read as a tar of .npy samples ({exc.__class__.__name__}: {exc})") from exc
+    if len(samples) != expected:
+        raise BadShardError(url, f"holds {len(samples)} samples, the index says {expected} (truncated?)")
+    array = np.stack(samples) if samples else np.empty((0, seq_len + 1), dtype)
+    if array.shape[1:] != (seq_len + 1,) or array.dtype != dtype:
+        raise BadShardError(url, f"samples are {array.dtype}{list(array.shape[1:])}, expected {dtype}[{seq_len + 1}]")
+    return array
+
+
+class ShardCache:
+    """Reads, verifies and decodes whole shards (one read each) and keeps those still needed."""
+
+    def __init__(self, index: ShardIndex, verify_checksums: bool, on_bad_shard: str) -> None:
+        if on_bad_shard not in ("error", "skip"):
+            raise ValueError(f"on_bad_shard must be 'error' or 'skip', got {on_bad_shard!r}")
+        self.index, self.verify, self.skip_bad = index, verify_checksums, on_bad_shard == "skip"
+        self.shards: dict[int, np.ndarray] = {}
+        self.bad: set[int] = set()
+        self.reads = 0
+
+    def _load(self, i: int) -> np.ndarray:
+        info, url = self.index.shards[i], self.index.shard_url(i)
+        try:
+            data = storage.read_bytes(url)
+        except storage.StorageError as exc:
+            raise BadShardError(url, str(exc)) from exc
+        self.reads += 1
+        if len(data) != info.bytes:
+            raise BadShardError(url, f"{len(data)} bytes, the index says {info.bytes} (truncated?)")
+        if self.verify and hashlib.sha256(data).hexdigest() != info.sha256:
+            raise BadShardError(url, "sha256 does not match the index (corrupt or replaced)")
+        return decode_shard(url, data, info.num_samples, self.index.seq_len, self.index.np_dtype)
+
+    def get(self, i: int) -> np.ndarray | None:
+        """Shard ``i``'s samples, or None if it is bad and bad shards are skipped."""
+        if i in self.bad:
+            return None
+        if i not in self.shards:
+            try:
+                self.shards[i] = self._load(i)
+            except BadShardError as exc:
+                if not self.skip_bad:
+                    raise
+                self.bad.add(i)
+                log.warning("skipping %s (%d bad shards so far)", exc, len(self.bad))
+                return None
+        return self.shards[i]
+
+    def retain(self, keep: set[int]) -> None:
+        for i in [i for i in self.shards if i not in keep]:
+            del self.shards[i]
+
+
+class BatchStream:
+    """The batch at any stream position, for one or several data-parallel ranks."""
+
+    def __init__(self, index: ShardIndex, order: SampleOrder, cache: ShardCache, micro_batch_size: int,
+                 dp_size: int, dp_ranks: Sequence[int]) -> None:
+        self.index, self.order, self.cache = index, order, cache
+        self.mb, self.dp_size, self.dp_ranks = micro_batch_size, dp_size, list(dp_ranks)
+        self.global_batch = micro_batch_size * dp_size
+        self.epoch_len = (index.num_samples // self.global_batch) * self.global_batch
+        if self.epoch_len == 0:
+            raise DataError(f"{index.url}: {index.num_samples} samples, fewer than one global batch "
+                            f"(micro_batch_size {micro_batch_size} x dp_size {dp_size})")
+        for r in self.dp_ranks:
+            if not 0 <= r < dp_size:
+                raise ValueError(f"dp_rank {r} is outside [0, dp_size={dp_size})")
+
+    def _pairs(self, pos: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, offset) pairs, window ids and epochs of stream positions pos..pos+count-1."""
+        pairs, windows, epochs = [], [], []
+        while count:
+            epoch, start = divmod(pos, self.epoch_len)
+            n = min(count, self.epoch_len - start)  # a batch after skip(n) may straddle two epochs
+            p, w = self.order.take(epoch, start, start + n)
+            pairs.append(p), windows.append(w), epochs.append(np.full(n, epoch))
+            pos, count = pos + n, count - n
+        return np.concatenate(pairs), np.concatenate(windows), np.concatenate(epochs)
+
+    def _substitute(self, epoch: int, window: int, shard: int, offset: int) -> np.ndarray:
+        group = [int(s) for s in self.order.windows(epoch)[0][window]]
+        start = group.index(shard)
+        for other in group[start + 1:] + group[:start]:
+            samples = self.cache.get(other)
+            if samples is not None and len(samples):
+                return samples[offset % len(samples)]
+        raise BadShardError(self.index.shard_url(shard), f"every shard of its shuffle window (epoch {epoch}) is bad")
+
+    def batch(self, pos: int) -> np.ndarray:
+        """Samples for each served rank at stream position ``pos``: [ranks, mb, seq_len + 1]."""
+        pairs, windows, epochs = self._pairs(pos, self.global_batch)
+        # Keep the shards of the windows this batch touches; earlier windows are finished.
+        keep = {int(s) for e, w in set(zip(epochs.tolist(), windows.tolist())) for s in self.order.windows(e)[0][w]}
+        self.cache.retain(keep)
+        out = np.empty((len(self.dp_ranks), self.mb, self.index.seq_len + 1), self.index.np_dtype)
+        for k, rank in enumerate(self.dp_ranks):
+            for j in range(self.mb):
+                i = rank * self.mb + j
+                shard, offset = int(pairs[i, 0]), int(pairs[i, 1])
+                samples = self.cache.get(shard)
+                out[k, j] = samples[offset] if samples is not None else self._substitute(int(epochs[i]), int(windows[i]), shard, offset)
+        return out
+
+
+class _Prefetcher:
+    """A thread computing batches from a start position into a bounded queue."""
+
+    def __init__(self, stream: BatchStream, start: int, depth: int) -> None:
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(stream, start), name="megatrain-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self, stream: BatchStream, pos: int) -> None:
+        while not self.stop.is_set():
+            try:
+                item: Any = stream.batch(pos)
+            except BaseException as exc:  # hand the failure to the consumer, who raises it
+                item = exc
+            while not self.stop.is_set():
+                try:
+                    self.queue.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            pos += stream.global_batch
+
+    def get(self) -> np.ndarray:
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
+def to_tensors(window: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """[mb, seq_len + 1] tokens -> (inputs, targets), int64 [mb, seq_len] each."""
+    tokens = torch.from_numpy(window.astype(np.int64))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class ShardLoader:
+    """An endless iterator of ``(inputs, targets)`` micro-batches for one data-parallel rank."""
+
+    def __init__(self, index: ShardIndex, *, micro_batch_size: int, dp_ranks: Sequence[int], dp_size: int,
+                 seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
+                 shuffle_shards: int = 64) -> None:
+        self.index, self.seed, self.shuffle_shards = index, seed, shuffle_shards
+        self.prefetch_batches = prefetch_batches
+        self.cache = ShardCache(index, verify_checksums, on_bad_shard)
+        order = SampleOrder([s.num_samples for s in index.shards], seed, shuffle_shards)
+        self.stream = BatchStream(index, order, self.cache, micro_batch_size, dp_size, dp_ranks)
+        self._pos = 0  # global samples consumed by our caller (prefetched batches not counted)
+        self._skipped = 0
+        self._prefetcher: _Prefetcher | None = None
+
+    # -- iteration
+    def __iter__(self) -> ShardLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_tensors(self.next_raw()[0])
+
+    def next_raw(self) -> np.ndarray:
+        """The next batch of every served rank, as stored: [ranks, mb, seq_len + 1]."""
+        if self.prefetch_batches == 0:
+            batch = self.stream.batch(self._pos)
+        else:
+            if self._prefetcher is None:
+                self._prefetcher = _Prefetcher(self.stream, self._pos, self.prefetch_batches)
+            try:
+                batch = self._prefetcher.get()
+            except BaseException:
+                self.seek(self._pos)  # the thread has stopped; the next call retries from here
+                raise
+        self._pos += self.stream.global_batch
+        return batch
+
+    def seek(self, pos: int) -> None:
+        """Move to stream position ``pos`` (global samples); prefetched batches are dropped, the
+        cached shards stay. skip() and load_state_dict() use it, and so does the node loader."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        self._pos = pos
+
+    # -- position and state
+    @property
+    def samples_consumed(self) -> int:
+        """Global samples behind us (all ranks together), skipped ones included."""
+        return self._pos
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch starts in."""
+        return self._pos // self.stream.epoch_len
+
+    @property
+    def bad_shards(self) -> int:
+        return len(self.cache.bad)
+
+    def skip(self, n_samples: int) -> None:
+        """Jump over ``n_samples`` global samples (anomaly rollback skips the offending window)."""
+        if n_samples < 0:
+            raise ValueError(f"skip: n_samples must be >= 0, got {n_samples}")
+        self._skipped += n_samples
+        self.seek(self._pos + n_samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT, "version": self.index.version, "seed": self.seed,
+            "dp_size": self.stream.dp_size, "micro_batch_size": self.stream.mb, "shuffle_shards": self.shuffle_shards,
+            "samples_consumed": self._pos, "samples_skipped": self._skipped, "epoch": self.epoch,
+            "bad_shards": self.bad_shards,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where the saver stopped. The order must be the same one: a state of
+        another shard version, seed or batch layout is refused rather than silently reinterpreted."""
+        mine = self.state_dict()
+        for key in ("format", "version", "seed", "dp_size", "micro_batch_size", "shuffle_shards"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {key}={mine[key]!r}")
+        self._skipped = int(state["samples_skipped"])
+        self.seek(int(state["samples_consumed"]))
+
+    def close(self) -> None:
+        self.seek(self._pos)
+
+
+def build_loader(index: ShardIndex, *, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
+                 shuffle_shards: int = 64) -> ShardLoader:
+    """The loader of data-parallel rank ``dp_rank``: ``next(loader) -> (inputs, targets)``."""
+    return ShardLoader(index, micro_batch_size=micro_batch_size, dp_ranks=[dp_rank], dp_size=dp_size, seed=seed,
+                       prefetch_batches=prefetch_batches, on_bad_shard=on_bad_shard,
+                       verify_checksums=verify_checksums, shuffle_shards=shuffle_shards)

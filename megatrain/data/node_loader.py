@@ -1,0 +1,361 @@
+"""One data reader per node: local rank 0 reads storage and feeds every local rank via shared memory.
+
+MegaScale's observation: with one loader per GPU, the 8 ranks of a node read and decode the same
+shards 8 times (tensor-parallel peers even need identical batches). Here local rank 0 (the
+*server*) owns the only ShardLoader of the node; it computes the batches of all local ranks at
+once and writes them into a ring of shared-memory slots; the other local ranks (*clients*) copy
+their part out. Nobody but the server touches storage.
+
+The ring is a file on ``/dev/shm`` (tmpfs: memory, never disk) mapped by every local rank with
+``np.memmap``; that is what ``multiprocessing.shared_memory`` does on Linux too, minus its
+resource tracker, which before Python 3.13 unlinks a segment when *any* attached process exits.
+
+Control channel: a Unix socket per node (``multiprocessing.connection``, authenticated), named
+from a ``channel`` string all local ranks agree on. It carries small messages only:
+
+    client -> server   hello(local rank, dp rank, loader params)   once
+    server -> client   ring(shared memory name, slots, shape)      once
+    server -> client   batch(stream position, slot, bad shards)    per step
+    client -> server   ack(slot)                                   per step: the slot may be reused
+    both ways          bye / close / error(text)
+
+A slot is reused only after every local rank acked it, so the ring is the prefetch queue and
+provides back-pressure. Every rank calls skip()/load_state_dict() at the same point of training
+(the trainer does); the server restarts its producer at the new position and clients drop
+messages for positions they no longer expect. Because a batch is a pure function of its stream
+position, a message that survives a seek still holds the right data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatrain.data.index import DataError, ShardIndex
+from megatrain.data.loader import ShardLoader, to_tensors
+
+log = logging.getLogger(__name__)
+
+
+def default_channel(index: ShardIndex) -> str:
+    """A name the local ranks of one job agree on without talking: the job's rendezvous identity."""
+    env = os.environ
+    return "-".join([env.get("TORCHELASTIC_RUN_ID", ""), env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""),
+                     env.get("GROUP_RANK", env.get("NODE_RANK", "")), index.version])
+
+
+def _names(channel: str) -> tuple[str, str, bytes]:
+    """Socket path, ring file path and authentication key of a channel."""
+    digest = hashlib.sha256(channel.encode()).hexdigest()
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    stem = f"megatrain-node-{digest[:16]}"
+    return os.path.join(tempfile.gettempdir(), stem + ".sock"), os.path.join(shm, stem + ".ring"), digest.encode()
+
+
+class NodeLoader:
+    """What both roles share: the loader interface and the state of the consumer position."""
+
+    def __init__(self, index: ShardIndex, params: dict[str, Any], local_rank: int) -> None:
+        self.index, self.params, self.local_rank = index, params, local_rank
+        self.global_batch = params["micro_batch_size"] * params["dp_size"]
+        self.epoch_len = (index.num_samples // self.global_batch) * self.global_batch
+        self._pos = 0
+        self._skipped = 0
+        self._bad_shards = 0
+        self.view: np.ndarray | None = None  # np.memmap [slots, local ranks, mb, seq_len + 1]
+
+    def __iter__(self) -> NodeLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self._next_window()
+        self._pos += self.global_batch
+        return to_tensors(window)
+
+    def _next_window(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def _seek(self, pos: int) -> None:
+        self._pos = pos
+
+    @property
+    def samples_consumed(self) -> int:
+        return self._pos
+
+    @property
+    def epoch(self) -> int:
+        return self._pos // self.epoch_len
+
+    @property
+    def bad_shards(self) -> int:
+        return self._bad_shards
+
+    def skip(self, n_samples: int) -> None:
+        if n_samples < 0:
+            raise ValueError(f"skip: n_samples must be >= 0, got {n_samples}")
+        self._skipped += n_samples
+        self._seek(self._pos + n_samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": 1, "version": self.index.version, "seed": self.params["seed"],
+                "dp_size": self.params["dp_size"], "micro_batch_size": self.params["micro_batch_size"],
+                "shuffle_shards": self.params["shuffle_shards"], "samples_consumed": self._pos,
+                "samples_skipped": self._skipped, "epoch": self.epoch, "bad_shards": self.bad_shards}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        for key in ("format", "version", "seed", "dp_size", "micro_batch_size", "shuffle_shards"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {key}={mine[key]!r}")
+        self._skipped = int(state["samples_skipped"])
+        self._seek(int(state["samples_consumed"]))
+
+    def close(self) -> None:
+        self.view = None  # unmaps the ring in this process
+
+
+class NodeServer(NodeLoader):
+    """Local rank 0: the node's only reader."""
+
+    def __init__(self, index: ShardIndex, params: dict[str, Any], dp_rank: int, local_world_size: int,
+                 channel: str, timeout_s: float) -> None:
+        super().__init__(index, params, 0)
+        self.address, self.ring_path, key = _names(channel)
+        if os.path.exists(self.address):
+            os.unlink(self.address)  # left by a crashed run: binding would fail
+        self.listener = Listener(self.address, family="AF_UNIX", authkey=key)
+        self.clients = self._accept(local_world_size - 1, timeout_s)  # local rank -> connection
+
+        dp_of_local = [dp_rank] + [self.clients[r][1] for r in range(1, local_world_size)]
+        unique = sorted(set(dp_of_local))
+        self.rows = [unique.index(d) for d in dp_of_local]  # batch row of each local rank
+        self.loader = ShardLoader(index, dp_ranks=unique, prefetch_batches=0, **{
+            k: params[k] for k in ("micro_batch_size", "dp_size", "seed", "on_bad_shard", "verify_checksums", "shuffle_shards")})
+        slots = max(2, params["prefetch_batches"])
+        shape = (slots, local_world_size, params["micro_batch_size"], index.seq_len + 1)
+        self.view = np.memmap(self.ring_path, index.np_dtype, mode="w+", shape=shape)
+
+        self.cond = threading.Condition()
+        self.pending = [0] * slots  # readers that have not released each slot yet
+        self.held = {r: set() for r in self.clients}  # slots each client still holds
+        self.next_slot = 0
+        self.stopping = False
+        self.own: queue.Queue = queue.Queue()  # (position, slot) or an exception, for local rank 0
+        for rank, (conn, _) in self.clients.items():
+            conn.send(("ring", self.ring_path, shape, index.dtype))
+            threading.Thread(target=self._receive, args=(rank, conn), daemon=True, name=f"node-loader-ack{rank}").start()
+        self.producer = self._start()
+
+    def _accept(self, n: int, timeout_s: float) -> dict[int, tuple[Connection, int]]:
+        clients: dict[int, tuple[Connection, int]] = {}
+        failure: list[BaseException] = []
+
+        def accept_all() -> None:
+            try:
+                while len(clients) < n:
+                    conn = self.listener.accept()
+                    hello = conn.recv()
+                    if not 1 <= hello["local_rank"] <= n or hello["local_rank"] in clients:
+                        conn.send(("error", f"local rank {hello['local_rank']} is duplicate or outside 1..{n}"))
+                        raise DataError(f"node loader: unexpected local rank {hello['local_rank']}")
+                    if {k: hello["params"].get(k) for k in self.params} != self.params:
+                        conn.send(("error", f"local rank {hello['local_rank']} has loader params {hello['params']}, "
+                                            f"local rank 0 has {self.params}"))
+                        raise DataError(f"node loader: local rank {hello['local_rank']} disagrees on loader params")
+                    clients[hello["local_rank"]] = (conn, hello["dp_rank"])
+            except BaseException as exc:  # the listener closed by a timeout lands here too
+                failure.append(exc)
+
+        thread = threading.Thread(target=accept_all, daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive() or failure:
+            self.listener.close()
+            missing = sorted(set(range(1, n + 1)) - set(clients))
+            raise DataError(f"node loader: local ranks {missing} did not connect within {timeout_s:.0f} s"
+                            if not failure else f"node loader: {failure[0]}")
+        return clients
+
+    # -- the producer thread and slot bookkeeping
+    def _start(self) -> threading.Thread:
+        self.stopping = False
+        thread = threading.Thread(target=self._produce, daemon=True, name="node-loader-producer")
+        thread.start()
+        return thread
+
+    def _produce(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.stopping or self.pending[self.next_slot] == 0)
+                if self.stopping:
+                    return
+                slot = self.next_slot
+            pos = self.loader.samples_consumed
+            try:
+                batch = self.loader.next_raw()  # the only storage reads of the node happen here
+            except Exception as exc:
+                self._broadcast(("error", f"{exc.__class__.__name__}: {exc}"))
+                self.own.put(exc)
+                return
+            self.view[slot] = batch[self.rows]
+            with self.cond:
+                self.pending[slot] = 1 + len(self.held)
+                for slots in self.held.values():
+                    slots.add(slot)
+                self.next_slot = (slot + 1) % len(self.pending)
+            self._broadcast(("batch", pos, slot, self.loader.bad_shards))
+            self.own.put((pos, slot))
+
+    def _broadcast(self, message: tuple) -> None:
+        for rank in list(self.held):
+            try:
+                self.clients[rank][0].send(message)
+            except OSError:
+                self._drop(rank)
+
+    def _release(self, slot: int, rank: int | None = None) -> None:
+        with self.cond:
+            if rank is not None:
+                if slot not in self.held.get(rank, ()):
+                    return
+                self.held[rank].discard(slot)
+            self.pending[slot] -= 1
+            self.cond.notify_all()
+
+    def _drop(self, rank: int) -> None:
+        """A client left: release what it held so the producer never waits for it."""
+        with self.cond:
+            for slot in self.held.pop(rank, set()):
+                self.pending[slot] -= 1
+            self.cond.notify_all()
+
+    def _receive(self, rank: int, conn: Connection) -> None:
+        try:
+            while True:
+                message = conn.recv()
+                if message[0] == "ack":
+                    self._release(message[1], rank)
+                elif message[0] == "bye":
+                    break
+        except Exception:  # EOF, or the connection closed under us by close()
+            pass
+        self._drop(rank)
+
+    # -- the loader interface of local rank 0
+    def _next_window(self) -> np.ndarray:
+        while True:
+            item = self.own.get()
+            if isinstance(item, BaseException):
+                self._seek(self._pos)  # restart the producer: the next call retries
+                raise item
+            pos, slot = item
+            window = self.view[slot, 0].copy() if pos == self._pos else None
+            self._release(slot)
+            if window is not None:
+                self._bad_shards = self.loader.bad_shards
+                return window
+
+    def _seek(self, pos: int) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.producer.join()
+        while not self.own.empty():
+            item = self.own.get()
+            if not isinstance(item, BaseException):
+                self._release(item[1])
+        self._pos = pos
+        self.loader.seek(pos)
+        self.producer = self._start()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.producer.join(timeout=30)
+        self._broadcast(("close",))
+        for conn, _ in self.clients.values():
+            conn.close()
+        self.listener.close()
+        super().close()
+        for path in (self.ring_path, self.address):
+            if os.path.exists(path):
+                os.unlink(path)  # clients keep their mapping; the memory is freed when all unmap
+
+
+class NodeClient(NodeLoader):
+    """Local ranks 1..n-1: read batches from the shared ring, never from storage."""
+
+    def __init__(self, index: ShardIndex, params: dict[str, Any], local_rank: int, dp_rank: int,
+                 channel: str, timeout_s: float) -> None:
+        super().__init__(index, params, local_rank)
+        address, _, key = _names(channel)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.conn = Client(address, family="AF_UNIX", authkey=key)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):  # the server is not listening yet
+                if time.monotonic() > deadline:
+                    raise DataError(f"node loader: local rank 0 did not open {address} within {timeout_s:.0f} s") from None
+                time.sleep(0.05)
+        self.conn.send({"local_rank": local_rank, "dp_rank": dp_rank, "params": params})
+        message = self.conn.recv()
+        if message[0] == "error":
+            raise DataError(f"node loader: {message[1]}")
+        _, path, shape, dtype = message
+        self.view = np.memmap(path, np.dtype(dtype), mode="r", shape=tuple(shape))
+
+    def _next_window(self) -> np.ndarray:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                raise DataError("node loader: local rank 0 closed the connection") from None
+            if message[0] == "error":
+                raise DataError(f"node loader (read by local rank 0): {message[1]}")
+            if message[0] == "close":
+                raise DataError("node loader: local rank 0 closed the loader")
+            _, pos, slot, bad = message
+            window = self.view[slot, self.local_rank].copy() if pos == self._pos else None
+            self.conn.send(("ack", slot))  # stale batches (after a seek) are released unread
+            if window is not None:
+                self._bad_shards = bad
+                return window
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("bye",))
+        except OSError:
+            pass
+        self.conn.close()
+        super().close()
+
+
+def build_node_loader(index: ShardIndex, *, local_rank: int, local_world_size: int, micro_batch_size: int,
+                      dp_rank: int, dp_size: int, seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error",
+                      verify_checksums: bool = True, shuffle_shards: int = 64, channel: str | None = None,
+                      timeout_s: float = 300.0) -> NodeLoader:
+    """The loader of one local rank when the node shares one reader (``parallel.node_loader``).
+
+    Every local rank of the node calls this with the same ``channel`` (default: derived from the
+    torchrun rendezvous variables) and the same loader parameters; each passes its own dp_rank.
+    The result behaves like ``build_loader``'s ShardLoader.
+    """
+    params = {"micro_batch_size": micro_batch_size, "dp_size": dp_size, "seed": seed, "on_bad_shard": on_bad_shard,
+              "verify_checksums": verify_checksums, "shuffle_shards": shuffle_shards,
+              "prefetch_batches": prefetch_batches, "version": index.version}
+    channel = channel if channel is not None else default_channel(index)
+    if local_rank == 0:
+        return NodeServer(index, params, dp_rank, local_world_size, channel, timeout_s)
+    return NodeClient(index, params, local_rank, dp_rank, channel, timeout_s)

@@ -1,0 +1,66 @@
+"""Sliding-window causal attention with FlexAttention (``torch.nn.attention.flex_attention``).
+
+SDPA's flash/cuDNN kernels know full causal masking only; a window through SDPA needs a dense
+[T, T] mask, which selects a slower kernel that still computes every block. FlexAttention takes
+a *block mask*: a per-128x128-tile summary saying which tiles are fully masked (skipped), fully
+visible (no per-element mask), or partial. With window w at sequence T, only about w/T of the
+causal tiles are computed, so the cost falls with the window.
+
+Convention (as ``attention.py``): query i sees keys j with i - w < j <= i.
+
+Two things are built once and cached: the compiled ``flex_attention`` (eager flex runs a slow
+dense fallback), and one block mask per (T, window, device).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+_compiled_flex: Callable | None = None
+_block_masks: dict[tuple[int, int, str], BlockMask] = {}
+
+
+def _flex() -> Callable:
+    """torch.compile(flex_attention), built on first use; dynamic=False: shapes are fixed per run."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def sliding_window_mask_mod(window: int) -> Callable:
+    """mask_mod(b, h, q_idx, kv_idx) -> True where the query may attend to the key."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return mask_mod
+
+
+def block_mask_for(seq_len: int, window: int | None, device: torch.device) -> BlockMask:
+    """The cached block mask for causal attention over ``seq_len`` tokens with this window
+    (None = full causal). Batch and head dimensions broadcast (the mask is the same for all)."""
+    w = seq_len if window is None else min(window, seq_len)
+    key = (seq_len, w, str(device))
+    if key not in _block_masks:
+        # Building the mask evaluates mask_mod on a dense grid once; beyond 8k tokens that grid
+        # is large, so let torch compile the construction instead.
+        _block_masks[key] = create_block_mask(
+            sliding_window_mask_mod(w), B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
+            _compile=seq_len > 8192,
+        )
+    return _block_masks[key]
+
+
+def attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """q, k, v: [B, H, T, hd] -> [B, H, T, hd]; causal, restricted to the last ``window`` keys.
+
+    On CUDA this runs the compiled FlexAttention kernel; elsewhere flex's eager path (dense math,
+    fine for small test shapes only)."""
+    mask = block_mask_for(q.shape[-2], window, q.device)
+    if q.is_cuda:
+        return _flex()(q, k, v, block_mask=mask)
+    return flex_attention(q, k, v, block_mask=mask)

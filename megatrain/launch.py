@@ -1,0 +1,155 @@
+"""Run a stage's training ranks as a child process tree and watch it until it ends.
+
+The child is ``torchrun`` in its own process session (so one ``killpg`` stops every rank), tied
+to this process with PR_SET_PDEATHSIG (so the ranks die with their parent, even after SIGKILL),
+its output streamed line by line to a callback, and watched by the heartbeat watcher: a dead or
+hung rank gets its Python stack collected, then the whole job is stopped. The result says how the
+attempt ended (completed, anomaly with the trainer's verdict, hung, crashed, timeout).
+
+Engine code: the Prefect launch task calls ``run_ranks`` with its logger as the callback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatrain.config import Config
+
+# Exit codes of megatrain.train (torchrun passes the first failing rank's code through).
+EXIT_OK = 0
+EXIT_ANOMALY = 3
+
+
+@dataclass
+class LaunchResult:
+    status: str  # completed | anomaly | hung | crashed | timeout
+    returncode: int | None
+    wall_s: float
+    message: str = ""
+    verdict: dict | None = None
+    faulty_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "completed"
+
+
+def write_run_config(cfg: Config, path: str | Path) -> Path:
+    """Freeze a fully resolved config to YAML: what the ranks run is exactly what was validated."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(config_path: str | Path, nproc_per_node: int, overrides: list[str] | None = None) -> list[str]:
+    """One node's ranks. (A multi-node stage runs one of these per node, e.g. a Kubernetes indexed Job.)"""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "megatrain.train", "--config", str(config_path), *(overrides or []),
+    ]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGKILL the child when the launching thread's process dies."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the whole session, then SIGKILL what is left after the grace period."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _pump(stream, on_line: Callable[[str], None]) -> None:
+    for line in iter(stream.readline, ""):
+        on_line(line.rstrip("\n"))
+    stream.close()
+
+
+def run_ranks(
+    command: list[str],
+    *,
+    on_line: Callable[[str], None] = print,
+    watcher=None,
+    poll_s: float = 1.0,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    verdict_reader: Callable[[], dict | None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> LaunchResult:
+    """Start ``command`` in its own session and supervise it until it exits or is stopped.
+
+    ``watcher``: a ``HeartbeatWatcher`` (or None); a fault it reports stops the job.
+    ``verdict_reader``: returns the trainer's anomaly verdict (as a dict) after an EXIT_ANOMALY.
+    ``should_stop``: polled; True (the flow run was cancelled) stops the job.
+    """
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        start_new_session=True, preexec_fn=_die_with_parent, env=env, cwd=cwd,
+    )
+    pump = threading.Thread(target=_pump, args=(proc.stdout, on_line), daemon=True)
+    pump.start()
+    try:
+        while proc.poll() is None:
+            time.sleep(poll_s)
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                stop_process_group(proc)
+                return LaunchResult("timeout", proc.returncode, time.monotonic() - start,
+                                    f"stage attempt exceeded {timeout_s:.0f} s and was stopped")
+            if should_stop is not None and should_stop():
+                stop_process_group(proc)
+                return LaunchResult("crashed", proc.returncode, time.monotonic() - start, "stopped on request")
+            if watcher is not None and proc.poll() is None:
+                result = watcher.check()
+                if not result.ok:
+                    stacks = watcher.collect_stacks(result, result.faulty)
+                    stop_process_group(proc)
+                    return LaunchResult("hung", proc.returncode, time.monotonic() - start,
+                                        result.message(stacks), faulty_ranks=result.faulty)
+    finally:
+        stop_process_group(proc)  # on any exception (or a cancelled task) no rank outlives us
+        pump.join(timeout=5)
+
+    wall = time.monotonic() - start
+    if proc.returncode == EXIT_OK:
+        return LaunchResult("completed", 0, wall)
+    verdict = verdict_reader() if verdict_reader is not None else None
+    if proc.returncode == EXIT_ANOMALY or verdict is not None:
+        return LaunchResult("anomaly", proc.returncode, wall, (verdict or {}).get("message", "anomaly"), verdict)
+    return LaunchResult("crashed", proc.returncode, wall, f"ranks exited with code {proc.returncode}")

@@ -1,0 +1,31 @@
+"""Shard the campaign's corpus (skipped when the index already matches)."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from megatrain.campaign import CampaignConfig, stage_config
+
+
+@task(name="shard-data", retries=2, retry_delay_seconds=10, timeout_seconds=3600,
+      persist_result=True, cache_policy=INPUTS + TASK_SOURCE)
+def shard_stage_data(data_config: dict, seq_len: int, vocab_size: int) -> dict:
+    """Tokenize and pack one stage's data. The engine's sharder is itself idempotent (it finds an
+    index with the same fingerprint and returns it); the cache skips even that look-up."""
+    from megatrain.config import DataConfig
+    from megatrain.data.shard import shard_corpus
+
+    index = shard_corpus(DataConfig.model_validate(data_config), seq_len, vocab_size)
+    get_run_logger().info("shards at %s: %d samples in %d shards (version %s)",
+                          index.url, index.num_samples, len(index.shards), index.version)
+    return {"url": index.url, "version": index.version, "num_samples": index.num_samples, "shards": len(index.shards)}
+
+
+def shard_campaign_data(campaign: CampaignConfig) -> list[dict]:
+    """One shard version per distinct (data config, sequence length) among the stages."""
+    results = []
+    for index in range(len(campaign.stages)):
+        cfg = stage_config(campaign, index)
+        results.append(shard_stage_data(cfg.data.model_dump(mode="json"), cfg.seq_len, cfg.model.vocab_size))
+    return results

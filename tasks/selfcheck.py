@@ -1,0 +1,40 @@
+"""Run the node self-check (GEMM, memory bandwidth, all-reduce, storage, Redis)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+
+from megatrain.campaign import CampaignConfig, stage_config
+
+
+class SelfCheckFailed(RuntimeError):
+    pass
+
+
+@task(name="self-check", retries=1, retry_delay_seconds=5, timeout_seconds=600)
+def run_self_check(campaign: CampaignConfig) -> dict:
+    """Fails (naming the node and the check) when a measurement misses its threshold; on a
+    cluster the failing nodes are the eviction list the launcher honours."""
+    from megatrain.reliability.selfcheck import run_node_checks
+
+    cfg = stage_config(campaign, 0)
+    report = run_node_checks(cfg)
+    rows = [
+        {"node": report.node, "check": c.name, "value": round(c.value, 3), "threshold": c.threshold,
+         "unit": c.unit, "passed": c.passed}
+        for c in report.checks
+    ]
+    out = campaign.campaign_dir / "selfcheck.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    create_table_artifact(rows, key=f"{campaign.id}-selfcheck".lower(), description="node self-check")
+    failed = [r for r in rows if not r["passed"]]
+    for row in rows:
+        get_run_logger().info("%(node)s %(check)s: %(value)s %(unit)s (threshold %(threshold)s) passed=%(passed)s", row)
+    if failed:
+        raise SelfCheckFailed("self-check failed: " + "; ".join(f"{r['node']}: {r['check']}" for r in failed))
+    return {"node": report.node, "checks": len(rows), "path": str(Path(out))}

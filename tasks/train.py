@@ -1,0 +1,152 @@
+"""Train one stage: launch its ranks, upload checkpoints as they are staged, recover from faults.
+
+``train_stage`` is the resumable unit. Its result is persisted under a cache key built from the
+campaign id, the stage, the stage's config fingerprint and the data version (never the run id),
+so rerunning a campaign skips finished stages, and the interrupted one restarts its ranks, which
+restore the last committed checkpoint themselves.
+
+Inside a stage, each attempt is a ``launch-ranks`` task run; each staged checkpoint becomes its
+own ``upload-checkpoint`` task run while training goes on; each anomaly becomes a ``rollback``
+task run (and a Prefect event); a crash or hang re-runs the self-check before the restart.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from megatrain.campaign import CampaignConfig, stage_config
+from megatrain.config import load_config
+from tasks.checkpoint import staged_steps, upload_checkpoint
+from tasks.rollback import RollbackLimitExceeded, rollback
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+def _stage_cache_key(context, parameters) -> str:
+    campaign: CampaignConfig = parameters["campaign"]
+    index = parameters["index"]
+    return "-".join([
+        "stage", campaign.id, campaign.stages[index].name,
+        stage_config(campaign, index).fingerprint(), parameters["data_version"],
+    ])
+
+
+@task(name="launch-ranks", retries=0, timeout_seconds=None)
+def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s: float) -> dict:
+    """Run the stage's ranks once (torchrun in its own session) and say how the attempt ended.
+
+    ``timeout_seconds`` cannot interrupt a running thread, so the supervision (heartbeat watcher,
+    wall-clock limit, process-group kill) lives in the engine's ``run_ranks``.
+    """
+    from megatrain.launch import run_ranks, torchrun_command
+    from megatrain.reliability.anomaly import clear_verdict, read_verdict
+    from megatrain.reliability.heartbeat import HeartbeatWatcher
+
+    logger = get_run_logger()
+    cfg = load_config(config_path)
+    run_dir = cfg.train.run_dir
+    clear_verdict(run_dir)
+    watcher = HeartbeatWatcher.from_config(cfg.reliability, run_dir, cfg.run_id, world_size=nproc_per_node)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+    logger.info("attempt %d: %d ranks, run dir %s", attempt, nproc_per_node, run_dir)
+
+    def verdict():
+        found = read_verdict(run_dir)
+        return asdict(found) if found is not None else None
+
+    try:
+        result = run_ranks(
+            torchrun_command(config_path, nproc_per_node), on_line=logger.info, watcher=watcher,
+            timeout_s=timeout_s, env=env, verdict_reader=verdict,
+            poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
+        )
+    finally:
+        watcher.close()
+    (logger.info if result.ok else logger.error)("attempt %d ended: %s after %.1f s. %s",
+                                                attempt, result.status, result.wall_s, result.message)
+    return asdict(result)
+
+
+@task(name="train-stage", retries=0, persist_result=True, cache_key_fn=_stage_cache_key)
+def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict:
+    from megatrain.launch import write_run_config
+
+    logger = get_run_logger()
+    stage = campaign.stages[index]
+    cfg = stage_config(campaign, index)
+    # The ranks only stage checkpoints; this task uploads and commits each one as a task run.
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"upload_mode": "external"})})
+    config_path = str(write_run_config(cfg, campaign.stage_dir(index) / "config.yaml"))
+    policy = cfg.reliability
+    progress = create_progress_artifact(0.0, description=f"{campaign.id}: stage {stage.name}")
+
+    history: list[dict] = []
+    uploaded: set[int] = set()
+    restarts = rollbacks = 0
+    while True:
+        attempt = len(history) + 1
+        launch = launch_ranks.submit(config_path, campaign.nproc_per_node, attempt, campaign.stage_timeout_s)
+        while not launch.state.is_final():
+            _upload_new(cfg, uploaded)
+            update_progress_artifact(progress, 100.0 * _last_step(cfg.train.run_dir) / stage.steps)
+            time.sleep(1.0)
+        outcome = launch.result()
+        _upload_new(cfg, uploaded)  # what was staged before a crash is still good
+        history.append(outcome)
+        if outcome["status"] == "completed":
+            break
+        if outcome["status"] == "anomaly":
+            rollbacks += 1
+            try:
+                rollback(campaign.id, stage.name, config_path, outcome["verdict"], rollbacks)
+            except RollbackLimitExceeded as exc:
+                raise StageFailed(f"stage {stage.name}: {exc}") from None
+            continue
+        restarts += 1
+        if restarts > policy.max_restarts:
+            raise StageFailed(
+                f"stage {stage.name}: {restarts - 1} restarts used up; last attempt {outcome['status']}: "
+                f"{outcome['message']}"
+            )
+        logger.warning("stage %s attempt %d %s; restart %d/%d from the last committed checkpoint",
+                       stage.name, attempt, outcome["status"], restarts, policy.max_restarts)
+        if campaign.self_check:
+            from tasks.selfcheck import run_self_check
+
+            run_self_check(campaign)
+    update_progress_artifact(progress, 100.0)
+    return {
+        "stage": stage.name, "steps": stage.steps, "attempts": len(history), "restarts": restarts,
+        "rollbacks": rollbacks, "history": history, "run_dir": cfg.train.run_dir,
+        "durable_url": cfg.checkpoint.durable_url, "checkpoints": sorted(uploaded),
+    }
+
+
+def _upload_new(cfg, uploaded: set[int]) -> None:
+    """Submit one upload task run per newly staged step, and wait for them (in step order)."""
+    for step in staged_steps(cfg.checkpoint.staging_dir):
+        if step not in uploaded:
+            upload_checkpoint(cfg.checkpoint.staging_dir, cfg.checkpoint.durable_url, step, cfg.train.run_dir)
+            uploaded.add(step)
+
+
+def _last_step(run_dir: str) -> int:
+    """The last step in metrics.jsonl (progress only; cheap tail read)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - 4096))
+            lines = handle.read().decode(errors="ignore").strip().splitlines()
+        import json
+
+        return int(json.loads(lines[-1])["step"]) if lines else 0
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0
