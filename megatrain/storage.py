@@ -182,6 +182,8 @@ def _path_to_url(like: str, fs: AbstractFileSystem, path: str) -> str:
         return f"{parts.scheme}://{parts.netloc}{path}"  # the host lives in the URL, not the path
     if scheme == "file":
         return f"file://{path}"
+    if scheme == "memory":
+        return f"memory://{path.lstrip('/')}"  # memory://x and memory:///x are one file: keep the input's form
     return fs.unstrip_protocol(path)
 
 

@@ -134,7 +134,7 @@ class Trainer:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time a phase of the step and tell the heartbeat which phase this rank is in."""
-        self.heartbeat.beat(phase=name)
+        self.heartbeat.beat(phase="collective" if name == "comm" else name)
         with self.timers.phase(name):
             yield
 
@@ -143,7 +143,8 @@ class Trainer:
         (ZeRO-partitioned, clipped) optimizer step. DeepSpeed divides each micro-batch loss by the
         accumulation count and only steps at the accumulation boundary."""
         start = time.perf_counter()
-        self.faults.on_step_start(self.step + 1)
+        with self.phase("forward"):  # an injected slowdown counts as this rank's own compute
+            self.faults.on_step_start(self.step + 1)
         micro_losses = []
         for _ in range(self.grad_accumulation):
             with self.phase("data"):
@@ -161,7 +162,7 @@ class Trainer:
 
         step_loss = torch.stack(micro_losses).mean()
         if self.groups.dims.dp > 1:  # the loss of the whole global batch, for logging and anomalies
-            with self.phase("collective"):
+            with self.phase("comm"):
                 dist.all_reduce(step_loss, group=self.groups.dp_group)
             step_loss /= self.groups.dims.dp
         step_time = time.perf_counter() - start
@@ -171,7 +172,7 @@ class Trainer:
             grad_norm=float(self.engine.get_global_grad_norm() or 0.0), tokens=self.step * self.tokens_per_step,
             step_time_s=step_time, tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops) if self.peak_flops else None,
-            phases_ms=self.timers.end_step(),
+            phases_ms=self.timers.end_step() or {},
         )
 
     def train(self) -> TrainResult:

@@ -24,8 +24,8 @@ def run_self_check(campaign: CampaignConfig) -> dict:
     cfg = stage_config(campaign, 0)
     report = run_node_checks(cfg)
     rows = [
-        {"node": report.node, "check": c.name, "value": round(c.value, 3), "threshold": c.threshold,
-         "unit": c.unit, "passed": c.passed}
+        {"node": report.node, "check": c.name, "value": None if c.value is None else round(c.value, 3), "threshold": c.threshold,
+         "unit": c.unit, "passed": c.passed, "detail": getattr(c, "detail", "")}
         for c in report.checks
     ]
     out = campaign.campaign_dir / "selfcheck.json"

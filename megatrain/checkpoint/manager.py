@@ -104,10 +104,13 @@ class Checkpointer:
             if rank == 0:
                 mine.append(STAGED)
             for step_dir in (p for p in root.iterdir() if parse_step(p.name) is not None):
-                for name in mine:
-                    (step_dir / name).unlink(missing_ok=True)
-                if not any(step_dir.iterdir()):
-                    step_dir.rmdir()
+                try:  # ranks sharing the staging dir discard at the same time
+                    for name in mine:
+                        (step_dir / name).unlink(missing_ok=True)
+                    if not any(step_dir.iterdir()):
+                        step_dir.rmdir()
+                except OSError:
+                    pass
         if dist.is_initialized() and self.env.world_size > 1:
             dist.barrier()  # nobody stages anew before everybody has discarded
 

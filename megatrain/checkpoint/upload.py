@@ -104,6 +104,8 @@ def read_staged_markers(staged_dir: Path, ranks: Iterable[int] | None = None) ->
         missing = [p.name for p in paths if not p.exists()]
         if missing:
             raise UploadError(f"{staged_dir}: not staged yet: {', '.join(missing)}")
+    if not paths:
+        raise UploadError(f"{staged_dir}: no rank has staged here (no rank-*.done.json)")
     markers = {}
     for path in paths:
         marker = json.loads(path.read_text())

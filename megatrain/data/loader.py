@@ -98,13 +98,13 @@ def decode_shard(url: str, data: bytes, expected: int, seq_len: int, dtype: np.d
                     if len(payload) != member.size:
                         raise BadShardError(url, f"member {member.name} is truncated")
                     samples.append(np.load(io.BytesIO(payload), allow_pickle=False))
+        array = np.stack(samples) if samples else np.empty((0, seq_len + 1), dtype)
     except BadShardError:
         raise
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         raise BadShardError(url, f"cannot be read as a tar of .npy samples ({exc.__class__.__name__}: {exc})") from exc
     if len(samples) != expected:
         raise BadShardError(url, f"holds {len(samples)} samples, the index says {expected} (truncated?)")
-    array = np.stack(samples) if samples else np.empty((0, seq_len + 1), dtype)
     if array.shape[1:] != (seq_len + 1,) or array.dtype != dtype:
         raise BadShardError(url, f"samples are {array.dtype}{list(array.shape[1:])}, expected {dtype}[{seq_len + 1}]")
     return array
@@ -169,6 +169,7 @@ class BatchStream:
         for r in self.dp_ranks:
             if not 0 <= r < dp_size:
                 raise ValueError(f"dp_rank {r} is outside [0, dp_size={dp_size})")
+        self._touched: frozenset = frozenset()  # (epoch, window) pairs the last batch touched
 
     def _pairs(self, pos: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, offset) pairs, window ids and epochs of stream positions pos..pos+count-1."""
@@ -194,15 +195,20 @@ class BatchStream:
         """Samples for each served rank at stream position ``pos``: [ranks, mb, seq_len + 1]."""
         pairs, windows, epochs = self._pairs(pos, self.global_batch)
         # Keep the shards of the windows this batch touches; earlier windows are finished.
-        keep = {int(s) for e, w in set(zip(epochs.tolist(), windows.tolist())) for s in self.order.windows(e)[0][w]}
-        self.cache.retain(keep)
+        touched = frozenset(zip(epochs.tolist(), windows.tolist()))
+        if touched != self._touched:  # most batches stay inside one window: nothing to evict
+            self._touched = touched
+            self.cache.retain({int(s) for e, w in touched for s in self.order.windows(e)[0][w]})
         out = np.empty((len(self.dp_ranks), self.mb, self.index.seq_len + 1), self.index.np_dtype)
         for k, rank in enumerate(self.dp_ranks):
             for j in range(self.mb):
                 i = rank * self.mb + j
                 shard, offset = int(pairs[i, 0]), int(pairs[i, 1])
                 samples = self.cache.get(shard)
-                out[k, j] = samples[offset] if samples is not None else self._substitute(int(epochs[i]), int(windows[i]), shard, offset)
+                if samples is None:  # a bad shard, skipped: a deterministic stand-in sample
+                    out[k, j] = self._substitute(int(epochs[i]), int(windows[i]), shard, offset)
+                else:
+                    out[k, j] = samples[offset]
         return out
 
 
@@ -239,7 +245,30 @@ class _Prefetcher:
 
     def close(self) -> None:
         self.stop.set()
-        self.thread.join(timeout=30)
+        # No timeout: a thread still inside batch() shares the shard cache with whatever runs
+        # next, so it must finish first. A storage read that hangs forever is a hang for the
+        # heartbeat watchdog to report, not something to race past.
+        self.thread.join()
+
+
+# What fixes the sample order: a state saved under other values would mean other samples.
+ORDER_KEYS = ("format", "version", "seed", "dp_size", "micro_batch_size", "shuffle_shards")
+
+
+def loader_state(version: str, seed: int, dp_size: int, micro_batch_size: int, shuffle_shards: int,
+                 samples_consumed: int, samples_skipped: int, epoch: int, bad_shards: int) -> dict[str, Any]:
+    """A loader's state: plain ints and strings (JSON-able), the same on every rank."""
+    return {"format": STATE_FORMAT, "version": version, "seed": seed, "dp_size": dp_size,
+            "micro_batch_size": micro_batch_size, "shuffle_shards": shuffle_shards,
+            "samples_consumed": samples_consumed, "samples_skipped": samples_skipped, "epoch": epoch,
+            "bad_shards": bad_shards}
+
+
+def check_state(saved: dict[str, Any], mine: dict[str, Any]) -> None:
+    """Refuse a state of another shard version, seed or batch layout rather than reinterpret it."""
+    for key in ORDER_KEYS:
+        if saved.get(key) != mine[key]:
+            raise ValueError(f"loader state has {key}={saved.get(key)!r}, this loader has {key}={mine[key]!r}")
 
 
 def to_tensors(window: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,20 +345,12 @@ class ShardLoader:
         self.seek(self._pos + n_samples)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT, "version": self.index.version, "seed": self.seed,
-            "dp_size": self.stream.dp_size, "micro_batch_size": self.stream.mb, "shuffle_shards": self.shuffle_shards,
-            "samples_consumed": self._pos, "samples_skipped": self._skipped, "epoch": self.epoch,
-            "bad_shards": self.bad_shards,
-        }
+        return loader_state(self.index.version, self.seed, self.stream.dp_size, self.stream.mb, self.shuffle_shards,
+                            self._pos, self._skipped, self.epoch, self.bad_shards)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where the saver stopped. The order must be the same one: a state of
-        another shard version, seed or batch layout is refused rather than silently reinterpreted."""
-        mine = self.state_dict()
-        for key in ("format", "version", "seed", "dp_size", "micro_batch_size", "shuffle_shards"):
-            if state.get(key) != mine[key]:
-                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {key}={mine[key]!r}")
+        """Continue exactly where the saver stopped."""
+        check_state(state, self.state_dict())
         self._skipped = int(state["samples_skipped"])
         self.seek(int(state["samples_consumed"]))
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from megatrain.data.index import DataError, ShardIndex
-from megatrain.data.loader import ShardLoader, to_tensors
+from megatrain.data.loader import ShardLoader, check_state, loader_state, to_tensors
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class NodeLoader:
         self.index, self.params, self.local_rank = index, params, local_rank
         self.global_batch = params["micro_batch_size"] * params["dp_size"]
         self.epoch_len = (index.num_samples // self.global_batch) * self.global_batch
+        if self.epoch_len == 0:
+            raise DataError(f"{index.url}: {index.num_samples} samples, fewer than one global batch")
         self._pos = 0
         self._skipped = 0
         self._bad_shards = 0
@@ -107,16 +109,13 @@ class NodeLoader:
         self._seek(self._pos + n_samples)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"format": 1, "version": self.index.version, "seed": self.params["seed"],
-                "dp_size": self.params["dp_size"], "micro_batch_size": self.params["micro_batch_size"],
-                "shuffle_shards": self.params["shuffle_shards"], "samples_consumed": self._pos,
-                "samples_skipped": self._skipped, "epoch": self.epoch, "bad_shards": self.bad_shards}
+        """The same dict as ShardLoader.state_dict: either loader can restore the other's state."""
+        p = self.params
+        return loader_state(self.index.version, p["seed"], p["dp_size"], p["micro_batch_size"], p["shuffle_shards"],
+                            self._pos, self._skipped, self.epoch, self.bad_shards)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = self.state_dict()
-        for key in ("format", "version", "seed", "dp_size", "micro_batch_size", "shuffle_shards"):
-            if state.get(key) != mine[key]:
-                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {key}={mine[key]!r}")
+        check_state(state, self.state_dict())
         self._skipped = int(state["samples_skipped"])
         self._seek(int(state["samples_consumed"]))
 
@@ -139,8 +138,14 @@ class NodeServer(NodeLoader):
         dp_of_local = [dp_rank] + [self.clients[r][1] for r in range(1, local_world_size)]
         unique = sorted(set(dp_of_local))
         self.rows = [unique.index(d) for d in dp_of_local]  # batch row of each local rank
-        self.loader = ShardLoader(index, dp_ranks=unique, prefetch_batches=0, **{
-            k: params[k] for k in ("micro_batch_size", "dp_size", "seed", "on_bad_shard", "verify_checksums", "shuffle_shards")})
+        try:
+            keys = ("micro_batch_size", "dp_size", "seed", "on_bad_shard", "verify_checksums", "shuffle_shards")
+            self.loader = ShardLoader(index, dp_ranks=unique, prefetch_batches=0, **{k: params[k] for k in keys})
+        except Exception as exc:  # e.g. a dp_rank out of range: tell the clients before failing
+            for conn, _ in self.clients.values():
+                conn.send(("error", f"{exc.__class__.__name__}: {exc}"))
+            self.listener.close()
+            raise
         slots = max(2, params["prefetch_batches"])
         shape = (slots, local_world_size, params["micro_batch_size"], index.seq_len + 1)
         self.view = np.memmap(self.ring_path, index.np_dtype, mode="w+", shape=shape)
@@ -310,7 +315,10 @@ class NodeClient(NodeLoader):
                     raise DataError(f"node loader: local rank 0 did not open {address} within {timeout_s:.0f} s") from None
                 time.sleep(0.05)
         self.conn.send({"local_rank": local_rank, "dp_rank": dp_rank, "params": params})
-        message = self.conn.recv()
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            raise DataError("node loader: local rank 0 failed while setting up (see its log)") from None
         if message[0] == "error":
             raise DataError(f"node loader: {message[1]}")
         _, path, shape, dtype = message

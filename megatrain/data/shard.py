@@ -8,7 +8,7 @@ The steps, in order, are the functions of this module:
    names the version directory, so re-running with the same inputs finds the finished index and
    does nothing, and different inputs write a new version beside the old one.
 3. ``build_tokenizer``: train a byte-level BPE on the corpus, or load a ``tokenizer.json``.
-4. ``_encoded_files``: tokenize files in a process pool, results in input order (determinism).
+4. ``encode_files`` on ``_Workers``: tokenize files in a process pool, results in input order.
 5. ``_Packer`` + ``write_shard``: concatenate documents separated by EOS, cut windows of
    ``seq_len + 1`` tokens, write ``shard-NNNNNN.tar`` files with ``webdataset.TarWriter``.
 6. ``write_index``: ``index.json`` last, so a version with an index is complete.
@@ -31,6 +31,7 @@ import sys
 import sysconfig
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -110,13 +111,12 @@ def collect_inputs(sources: list[str], max_source_bytes: int | None) -> list[Inp
         merged.update(_expand(source))
     files, budget = [], max_source_bytes
     for url in sorted(merged):
+        if budget is not None and budget <= 0:
+            break
         size = int(merged[url].get("size") or 0)
         limit = size if budget is None else min(size, budget)
-        if limit <= 0 and budget is not None:
-            break
         files.append(InputFile(url, size, _change_marker(merged[url]), limit))
-        if budget is not None:
-            budget -= limit
+        budget = None if budget is None else budget - limit
     return files
 
 
@@ -157,7 +157,8 @@ def build_tokenizer(cfg: DataConfig, files: list[InputFile], vocab_size: int) ->
     if cfg.tokenizer != "bpe":
         tokenizer = Tokenizer.from_str(storage.read_bytes(cfg.tokenizer).decode())
         if tokenizer.get_vocab_size() > vocab_size:
-            raise DataError(f"tokenizer {cfg.tokenizer}: vocabulary {tokenizer.get_vocab_size()} exceeds the model's {vocab_size}")
+            size = tokenizer.get_vocab_size()
+            raise DataError(f"tokenizer {cfg.tokenizer}: vocabulary {size} exceeds the model's {vocab_size}")
         if tokenizer.token_to_id(cfg.eos_token) is None:
             raise DataError(f"tokenizer {cfg.tokenizer}: has no EOS token {cfg.eos_token!r} (data.eos_token)")
         return tokenizer
@@ -208,16 +209,19 @@ def _tasks(files: list[InputFile]) -> list[list[InputFile]]:
 
 
 def _no_tokenizer_threads() -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a process per core already: no nested threads
 
 
 class _Workers:
-    """Tokenizer work in spawned processes, one per core.
+    """Tokenizer work in spawned processes, one per core: reading, decoding and JSON parsing are
+    Python work under the GIL, so only processes spread them over cores. Spawned, not forked:
+    forking a process whose tokenizer threads already ran can deadlock them. The work runs here,
+    inline, when it is one task (starting a process costs about a second, more than the task) or
+    when inputs are ``memory://`` files, which live inside this process only.
 
-    Processes, not tokenizers' own threads: once torch is imported (the trainer calls us), those
-    threads ran 3-5x slower on our 2-core machines. Spawned, not forked: forking a process whose
-    tokenizer threads already ran deadlocks them. ``memory://`` files live inside this process,
-    so with such inputs the work runs here, inline.
+    If the pool breaks (a worker killed, or a caller whose main module spawn cannot re-import,
+    such as ``python - < script``), the remaining work runs inline after a warning: the output
+    is the same either way.
     """
 
     def __init__(self, processes: int, inline: bool) -> None:
@@ -230,26 +234,43 @@ class _Workers:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop_pool()
+
+    def _stop_pool(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
+            self.pool = None
+
+    def _broken(self, exc: BaseException) -> None:
+        log.warning("tokenizer process pool failed (%s); continuing in this process", exc)
+        self._stop_pool()
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if self.pool is None:
-            return fn(*args)
-        return self.pool.submit(fn, *args).result()
+        if self.pool is not None:
+            try:
+                return self.pool.submit(fn, *args).result()
+            except BrokenProcessPool as exc:
+                self._broken(exc)
+        return fn(*args)
 
     def ordered(self, fn: Callable[..., T], tasks: list[Any]) -> Iterator[T]:
         """``fn(task)`` for each task, results in task order, at most 2 per process in flight."""
-        if self.pool is None:
-            yield from map(fn, tasks)
-            return
-        pending: collections.deque[Future] = collections.deque()
-        for task in tasks:
-            pending.append(self.pool.submit(fn, task))
-            if len(pending) >= 2 * self.processes:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        done = 0
+        if self.pool is not None:
+            pending: collections.deque[Future] = collections.deque()
+            try:
+                for task in tasks:
+                    pending.append(self.pool.submit(fn, task))
+                    if len(pending) >= 2 * self.processes:
+                        yield pending.popleft().result()
+                        done += 1
+                while pending:
+                    yield pending.popleft().result()
+                    done += 1
+                return
+            except BrokenProcessPool as exc:
+                self._broken(exc)
+        yield from map(fn, tasks[done:])
 
 
 # ------------------------------------------------------------------------------ 5. pack + write
@@ -333,20 +354,25 @@ def shard_corpus(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardIn
     if not files or sum(f.limit for f in files) == 0:
         raise DataError(f"sources {data_cfg.sources}: the corpus is empty")
     tokenizer_hash = "" if data_cfg.tokenizer == "bpe" else hashlib.sha256(storage.read_bytes(data_cfg.tokenizer)).hexdigest()
+    # Only what changes the output: a model that grows its padded vocab keeps the same shards.
+    bpe_vocab = min(data_cfg.bpe_vocab_size or vocab_size, vocab_size) if data_cfg.tokenizer == "bpe" else None
     params = {
-        "format": FORMAT, "seq_len": seq_len, "vocab_size": vocab_size, "samples_per_shard": data_cfg.samples_per_shard,
-        "tokenizer": data_cfg.tokenizer, "tokenizer_sha256": tokenizer_hash, "bpe_vocab_size": data_cfg.bpe_vocab_size,
+        "format": FORMAT, "seq_len": seq_len, "samples_per_shard": data_cfg.samples_per_shard,
+        "tokenizer": data_cfg.tokenizer, "tokenizer_sha256": tokenizer_hash, "bpe_vocab_size": bpe_vocab,
         "eos_token": data_cfg.eos_token, "text_field": data_cfg.text_field, "max_source_bytes": data_cfg.max_source_bytes,
     }
     version = fingerprint(files, params)
     url = storage.join_url(data_cfg.shard_url, version)
     if storage.exists(storage.join_url(url, INDEX_NAME)):
         log.info("shards %s already exist: nothing to do", url)
-        return load_index(url)
+        index = load_index(url)
+        if index.vocab_size > vocab_size:
+            raise DataError(f"{url}: tokenizer vocabulary {index.vocab_size} exceeds the model's {vocab_size}")
+        return index
 
     log.info("sharding %d files (%d bytes) into %s", len(files), sum(f.limit for f in files), url)
     tasks = _tasks(files)
-    inline = any(f.url.startswith("memory:") for f in files)
+    inline = len(tasks) == 1 or any(f.url.startswith("memory:") for f in files)
     with _Workers(min(data_cfg.num_workers or os.cpu_count() or 1, len(tasks)), inline) as workers:
         tokenizer = Tokenizer.from_str(workers.run(tokenizer_json, data_cfg, files, vocab_size))
         eos_id = tokenizer.token_to_id(data_cfg.eos_token)

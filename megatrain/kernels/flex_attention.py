@@ -31,8 +31,11 @@ def _flex() -> Callable:
     return _compiled_flex
 
 
-def sliding_window_mask_mod(window: int) -> Callable:
-    """mask_mod(b, h, q_idx, kv_idx) -> True where the query may attend to the key."""
+def sliding_window_mask_mod(window: torch.Tensor) -> Callable:
+    """mask_mod(b, h, q_idx, kv_idx) -> True where the query may attend to the key.
+
+    The window is a 0-d tensor, not a Python int: the compiled kernel then takes it as an input,
+    so every window (and full causal, window = T) shares one compilation per shape."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
@@ -49,7 +52,7 @@ def block_mask_for(seq_len: int, window: int | None, device: torch.device) -> Bl
         # Building the mask evaluates mask_mod on a dense grid once; beyond 8k tokens that grid
         # is large, so let torch compile the construction instead.
         _block_masks[key] = create_block_mask(
-            sliding_window_mask_mod(w), B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
+            sliding_window_mask_mod(torch.tensor(w, device=device)), B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
             _compile=seq_len > 8192,
         )
     return _block_masks[key]

@@ -52,7 +52,7 @@ def _tensor_ptrs(chunk, CHUNK_TENSOR, CHUNK_START, OFFSETS, NUMEL, T, P, G, M, V
         off_v = tl.multiple_of(off_v, 16)
     start = tl.multiple_of(start, CHUNK)
     return (P + off_p + start, G + off_g + start, M + off_m + start, V + off_v + start, t,
-            tl.minimum(numel - start, CHUNK))
+            tl.minimum(numel - start, CHUNK).to(tl.int32))
 
 
 @triton.jit

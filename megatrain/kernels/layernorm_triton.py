@@ -96,6 +96,11 @@ def _ln_bwd_kernel(
         tl.store(DB_PART + pid * N + cols, db, mask=mask)
 
 
+# Backward grid size: programs per SM. More programs keep more rows in flight (the row loop is
+# latency bound); fewer make the [programs, N] fp32 partials smaller. benchmarks/kernels.py sweeps it.
+BWD_PROGRAMS_PER_SM = 4
+
+
 def _block_and_warps(n: int) -> tuple[int, int]:
     block = triton.next_power_of_2(n)
     if block * 4 > 65536:  # one row must fit in a program's registers/shared memory
@@ -134,7 +139,7 @@ def _backward(x2d: torch.Tensor, dy: torch.Tensor, dsum: torch.Tensor | None, we
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     M, N = x2d.shape
     block, warps = _block_and_warps(N)
-    programs = max(1, min(M, 4 * sm_count(x2d.device)))
+    programs = max(1, min(M, BWD_PROGRAMS_PER_SM * sm_count(x2d.device)))
     rows_per_program = triton.cdiv(M, programs)
     programs = triton.cdiv(M, rows_per_program)
     dx = torch.empty_like(x2d)

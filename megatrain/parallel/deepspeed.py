@@ -1,42 +1,70 @@
 """DeepSpeed from megatrain's config: one function builds its config dict, one object hands it
-our process groups (DeepSpeed's ``mpu`` protocol), one function restores LAMB's per-tensor trust
-ratio under ZeRO's flat partitions."""
+our process groups (DeepSpeed's ``mpu`` protocol; a pipeline engine takes a ``topology`` with the
+same rank order instead), and one function keeps LAMB's trust ratio per model tensor when ZeRO
+flattens the tensors (and tensor parallelism shards them)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatrain.config import Config
 from megatrain.optim.lamb import Lamb, TensorSegments
-from megatrain.parallel.dims import ProcessGroups
+from megatrain.parallel.dims import ParallelDims, ProcessGroups
+from megatrain.parallel.overlap import zero_overlap_settings
 
 
 def deepspeed_config(cfg: Config, dp: int, bf16: bool, n_params: int) -> dict:
     """The DeepSpeed config for this run. Bucket sizes follow the model: about 1/8 of the
     parameters per bucket (at least 5M, at most 500M elements) so the reduce-scatter of the first
-    buckets overlaps the rest of the backward pass without too many small collectives."""
+    buckets overlaps the rest of the backward pass without too many small collectives.
+
+    With pp > 1 the ``pipeline`` section is added (the engine is then a ``PipelineEngine``):
+    ZeRO-2/3 cannot be combined with DeepSpeed's pipeline (it asserts), and DeepSpeed's
+    activation partitioning between stages must stay off under sequence parallelism, where the
+    TP ranks of a stage hold different sequence shards rather than copies of one activation."""
     bucket = int(min(5e8, max(5e6, n_params // 8)))
     bucket -= bucket % 2  # DeepSpeed wants 4-byte aligned buckets
-    overlap = cfg.parallel.overlap
-    return {
+    p = cfg.parallel
+    config = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.train.grad_accumulation_steps(dp),
         "train_batch_size": cfg.train.global_batch_size,
         "gradient_clipping": cfg.optim.grad_clip,
         "bf16": {"enabled": bf16},
         "zero_optimization": {
-            "stage": cfg.parallel.zero_stage,
-            "overlap_comm": overlap.dp_overlap_comm,
+            "stage": p.zero_stage,
             "contiguous_gradients": True,
             "reduce_bucket_size": bucket,
             "allgather_bucket_size": bucket,
             "round_robin_gradients": False,  # keeps the flat layout in model order (see attach_lamb_segments)
+            **zero_overlap_settings(p.overlap, p.zero_stage, bucket),
         },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if p.tp > 1 and cfg.optim.name == "lamb" and p.zero_stage not in (1, 2):
+        # LAMB's trust ratio needs whole-tensor norms; attach_lamb_segments provides them (summed over
+        # the stage's TP x DP ranks) only for ZeRO-1/2's flat partitions.
+        raise ValueError(f"parallel.tp={p.tp} with LAMB needs parallel.zero_stage 1 or 2, got {p.zero_stage}")
+    if p.pp > 1:
+        if p.zero_stage > 1:
+            raise ValueError(f"parallel.zero_stage={p.zero_stage} with pp={p.pp}: DeepSpeed's pipeline supports ZeRO 0 or 1")
+        partitioned = p.tp > 1 and not p.sequence_parallel
+        config["pipeline"] = {
+            "pipe_partitioned": partitioned,
+            "grad_partitioned": partitioned,
+            "activation_checkpoint_interval": 1 if cfg.model.activation_checkpointing else 0,
+        }
+    return config
+
+
+def pipeline_topology(dims: ParallelDims) -> PipeModelDataParallelTopology:
+    """DeepSpeed's topology for our layout. Its axes (pipe, data, model) are row-major, so
+    rank = pipe * dp * tp + data * tp + model: exactly ``ParallelDims.rank_of``."""
+    return PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
 
 
 class DeepSpeedMPU:
@@ -73,14 +101,22 @@ class DeepSpeedMPU:
         return self.groups.pp_group
 
 
-def attach_lamb_segments(zero_optimizer, lamb: Lamb, dp_group: dist.ProcessGroup | None) -> None:
+def attach_lamb_segments(
+    zero_optimizer, lamb: Lamb, dp_group: dist.ProcessGroup | None, norm_group: dist.ProcessGroup | None = None
+) -> None:
     """Tell LAMB which model tensor each element of its flat ZeRO partition belongs to.
 
     ZeRO stage 1/2 flattens each parameter group (with alignment padding) and gives this rank one
     contiguous partition of it as a single parameter. Padding elements map to an extra segment id
     whose norms are never used (weights and updates there are zero).
+
+    ``norm_group`` is where the per-tensor squared norms are summed: the DP group by default; with
+    tensor parallelism, the pipeline stage's TP x DP group (``ProcessGroups.stage_group``), so a
+    sharded tensor's norm is that of the whole tensor. A replicated tensor is then counted t times
+    in both ||w||^2 and ||u||^2, which leaves its ratio ||w|| / ||u|| unchanged.
     """
     partition_id = dist.get_rank(group=dp_group) if dp_group is not None else 0
+    norm_group = dp_group if norm_group is None else norm_group
     for i, flat_param in enumerate(zero_optimizer.single_partition_of_fp32_groups):
         tensors = zero_optimizer.round_robin_bit16_groups[i]
         offsets = zero_optimizer.round_robin_bit16_offsets[i]
@@ -91,4 +127,5 @@ def attach_lamb_segments(zero_optimizer, lamb: Lamb, dp_group: dist.ProcessGroup
         for tensor_id, (tensor, offset) in enumerate(zip(tensors, offsets)):
             inside = (positions >= offset) & (positions < offset + tensor.numel())
             ids[inside] = tensor_id
-        lamb.set_tensor_segments(flat_param, TensorSegments(ids=ids, num_tensors=len(tensors) + 1, group=dp_group))
+        lamb.set_tensor_segments(flat_param, TensorSegments(ids=ids, num_tensors=len(tensors) + 1, group=norm_group))
+

@@ -1,6 +1,11 @@
 """The one ordered recipe that spreads a plain GPT over ranks:
-pipeline split -> tensor/sequence parallel -> activation checkpointing -> compile.
+tensor/sequence parallel -> pipeline split -> activation checkpointing -> compile.
 (DeepSpeed, the last step, wraps the result in the trainer.)
+
+Tensor parallelism comes before the pipeline split because it swaps modules inside the blocks
+in place, and the pipeline only references those blocks. With pp > 1 the result is a DeepSpeed
+``PipelineModule`` (train it with ``engine.train_batch``) and activation checkpointing is the
+pipeline's own per-stage setting.
 """
 
 from __future__ import annotations
@@ -30,14 +35,24 @@ def apply_activation_checkpointing(model: GPT) -> None:
         model.blocks[i] = CheckpointedBlock(block)
 
 
+def _compile_blocks(model: GPT) -> None:
+    for block in model.blocks:
+        block.compile()
+
+
 def parallelize(model: GPT, cfg: Config, groups: ProcessGroups) -> nn.Module:
     if groups.dims.tp > 1:
         from megatrain.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, groups, sequence_parallel=cfg.parallel.sequence_parallel, overlap=cfg.parallel.overlap)
+    if groups.dims.pp > 1:
+        from megatrain.parallel.pipeline import build_pipeline_module
+
+        if cfg.model.compile:
+            _compile_blocks(model)
+        return build_pipeline_module(model, cfg, groups)
     if cfg.model.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.model.compile:
-        for block in model.blocks:
-            block.compile()
+        _compile_blocks(model)
     return model

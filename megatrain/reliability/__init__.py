@@ -1,6 +1,7 @@
 """Reliability: keep a long pretraining job converging through faults.
 
 - ``heartbeat``   every rank publishes step/phase/loss/throughput; a watcher finds dead and hung ranks
+- ``stacks``      SIGUSR1 -> faulthandler stack dumps of live ranks, collected by the watcher
 - ``anomaly``     NaN/inf loss, loss spikes, gradient explosions -> a ``Verdict`` file for rollback
 - ``faults``      fault injection (off by default) to prove that recovery works
 - ``selfcheck``   per-node GEMM, memory, all-reduce, storage and Redis checks -> eviction list

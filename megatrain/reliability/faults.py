@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import fsspec
 from pydantic import TypeAdapter, ValidationError
 
+from megatrain import storage
 from megatrain.config import FaultConfig, ReliabilityConfig
 from megatrain.reliability._files import atomic_write_text
 
@@ -206,9 +207,9 @@ class FlakyFileSystem:
 
 
 def corrupt_file(url: str, nbytes: int = 64) -> str:
-    """Invert ``nbytes`` in the middle of a file (any fsspec URL); the size is unchanged, so
+    """Invert ``nbytes`` in the middle of a file (any storage URL); the size is unchanged, so
     only a checksum can tell."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = storage.resolve(url)
     data = bytearray(fs.cat_file(path))
     if not data:
         raise ValueError(f"{url}: empty file, nothing to corrupt")
@@ -220,13 +221,13 @@ def corrupt_file(url: str, nbytes: int = 64) -> str:
 
 
 def _largest_file(url: str) -> str:
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = storage.resolve(url)
     if not fs.isdir(path):
         return url
-    sizes = {name: info["size"] for name, info in fs.find(path, detail=True).items()}
+    sizes = {name: info["size"] for name, info in storage.find(url).items()}
     if not sizes:
         raise ValueError(f"{url}: no files to corrupt")
-    return fs.unstrip_protocol(max(sizes, key=lambda name: (sizes[name], name)))
+    return max(sizes, key=lambda name: (sizes[name], name))
 
 
 def corrupt_checkpoint(url: str) -> str:

@@ -10,10 +10,8 @@ Redis on a cluster, a directory of JSON files on one machine. Two failure shapes
   ``step`` stops advancing (``step_since`` grows old). The rank whose phase differs from the
   others (e.g. ``forward`` while everyone else waits in ``collective``) is the likely culprit.
 
-To see *where* a hung rank is stuck, the writer registers ``faulthandler`` on SIGUSR1: the
-watcher signals the pid and reads ``<run_dir>/stacks/rank<k>.txt``. faulthandler dumps from
-the C signal handler without taking the GIL, so it works even while the main thread sits in a
-C++ collective.
+To see *where* a hung rank is stuck, the writer registers ``faulthandler`` on SIGUSR1 (see
+``stacks.py``): the watcher signals the pid and reads ``<run_dir>/stacks/rank<k>.txt``.
 
 Timestamps are wall-clock (``time.time()``) from each rank's host; across hosts this assumes
 NTP-synchronised clocks, with skew far below the timeout (seconds vs tens of seconds).
@@ -28,10 +26,7 @@ import json
 import logging
 import math
 import os
-import shutil
-import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -41,17 +36,19 @@ from typing import IO, Any, Protocol
 
 from megatrain.config import ReliabilityConfig
 from megatrain.reliability._files import atomic_write_text
+from megatrain.reliability.stacks import STACK_SIGNAL, collect_stacks, install_stack_dump, stack_file
 
 log = logging.getLogger(__name__)
 
 PHASES = ("init", "data", "forward", "backward", "optimizer", "checkpoint", "collective", "done")
-STACK_SIGNAL = signal.SIGUSR1
 
 
 @dataclass
 class HeartbeatRecord:
     """One rank's latest state. ``timestamp``: when this beat was sent; ``step_since``: when the
-    rank first reported ``step`` (so ``timestamp - step_since`` is how long the step has taken)."""
+    rank first reported ``step`` (so ``timestamp - step_since`` is how long the step has taken).
+    ``first_step_done``: this process has finished a step; until then (compile, warm-up) the
+    watcher allows the longer init timeout."""
 
     rank: int
     step: int = 0
@@ -66,6 +63,7 @@ class HeartbeatRecord:
     tp_rank: int | None = None
     pp_rank: int | None = None
     straggler: bool = False
+    first_step_done: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,10 +162,6 @@ def make_sink(cfg: ReliabilityConfig, run_dir: str | Path, run_id: str) -> Heart
 # The writer: called by the training loop, publishes from its own thread.
 
 
-def stack_file(stacks_dir: str | Path, rank: int) -> Path:
-    return Path(stacks_dir) / f"rank{rank}.txt"
-
-
 class HeartbeatWriter:
     """Publishes one rank's heartbeat without slowing the step.
 
@@ -226,6 +220,8 @@ class HeartbeatWriter:
         with self._lock:
             record = self._record
             if step is not None and step != record.step:
+                # A step set while still in "init" is the one restored from a checkpoint, not progress.
+                record.first_step_done = record.first_step_done or record.phase != "init"
                 record.step = step
                 record.step_since = time.time()
             phase_changed = phase is not None and phase != record.phase
@@ -290,18 +286,6 @@ class HeartbeatWriter:
         self.close()
 
 
-def install_stack_dump(path: str | Path) -> IO[str]:
-    """Make SIGUSR1 append this process's Python stacks (all threads) to ``path``.
-
-    Returns the open file: the caller keeps it open for as long as the handler is registered.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a")  # noqa: SIM115 - must outlive this function
-    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=False)
-    return handle
-
-
 # ---------------------------------------------------------------------------------------------
 # The watcher: run by the orchestrator (or a test), never inside a rank.
 
@@ -353,9 +337,14 @@ class WatchResult:
 class HeartbeatWatcher:
     """Reads all ranks' records and says which are dead, hung or missing.
 
-    ``timeout_s``: silence (or a frozen step) longer than this is a fault. Ranks in ``init``
-    (compiling, loading a checkpoint) and ranks never heard from get ``init_timeout_s``; a rank
-    in ``done`` finished cleanly and is never flagged.
+    ``timeout_s``: silence (or a frozen step) longer than this is a fault. A rank in ``init``
+    or still in its first step (compiling, loading a checkpoint, warming up) may keep its step
+    for ``init_timeout_s``, as long as it keeps beating; ranks never heard from get that long to
+    appear. A rank in ``done`` finished cleanly and is never flagged.
+
+    Records published before ``since`` (default: when the watcher was made) are ignored: they
+    belong to a previous attempt, whose dead ranks must not fail the restart before it begins.
+    A watcher resumed over a running job passes ``since=0``.
     """
 
     def __init__(
@@ -366,6 +355,7 @@ class HeartbeatWatcher:
         *,
         init_timeout_s: float | None = None,
         stacks_dir: str | Path | None = None,
+        since: float | None = None,
     ) -> None:
         self.sink = sink
         self.world_size = world_size
@@ -373,6 +363,7 @@ class HeartbeatWatcher:
         self.init_timeout_s = max(timeout_s, init_timeout_s or timeout_s)
         self.stacks_dir = Path(stacks_dir) if stacks_dir is not None else None
         self.started_at = time.time()
+        self.since = self.started_at if since is None else since
         # Last record seen per rank: a dead rank's Redis hash may expire, and it must stay dead.
         self._last: dict[int, HeartbeatRecord] = {}
 
@@ -387,7 +378,8 @@ class HeartbeatWatcher:
 
     def check(self) -> WatchResult:
         now = time.time()
-        self._last.update(self.sink.read_all(self.world_size))
+        fresh = {r: rec for r, rec in self.sink.read_all(self.world_size).items() if rec.timestamp >= self.since}
+        self._last.update(fresh)
         result = WatchResult(checked_at=now, records=dict(self._last))
         for rank in range(self.world_size):
             record = self._last.get(rank)
@@ -400,7 +392,8 @@ class HeartbeatWatcher:
             if now - record.timestamp > self.timeout_s:
                 result.dead.append(rank)
                 continue
-            limit = self.init_timeout_s if record.phase == "init" else self.timeout_s
+            warming_up = record.phase == "init" or not record.first_step_done
+            limit = self.init_timeout_s if warming_up else self.timeout_s
             if now - record.step_since > limit:
                 result.hung.append(rank)
         return result
@@ -424,58 +417,3 @@ class HeartbeatWatcher:
 
     def close(self) -> None:
         self.sink.close()
-
-
-def collect_stacks(
-    pids: Mapping[int, int], stacks_dir: str | Path | None = None, timeout_s: float = 3.0
-) -> dict[int, str]:
-    """Python stacks of local processes, by rank: SIGUSR1 + the rank's faulthandler file when
-    it registered one (see ``install_stack_dump``), else ``py-spy dump`` if installed."""
-    stacks: dict[int, str] = {}
-    pending: dict[int, tuple[Path, int]] = {}
-    for rank, pid in pids.items():
-        path = stack_file(stacks_dir, rank) if stacks_dir is not None else None
-        if path is not None and path.exists():
-            offset = path.stat().st_size
-            try:
-                os.kill(pid, STACK_SIGNAL)
-            except ProcessLookupError:
-                stacks[rank] = f"(pid {pid} is gone)"
-                continue
-            pending[rank] = (path, offset)
-        elif shutil.which("py-spy"):
-            stacks[rank] = _py_spy_dump(pid, timeout_s)
-        else:
-            stacks[rank] = "(no stack file and no py-spy: cannot collect)"
-    stacks.update(_read_new_text(pending, timeout_s))
-    return stacks
-
-
-def _read_new_text(pending: dict[int, tuple[Path, int]], timeout_s: float) -> dict[int, str]:
-    """Wait until each file has grown and then stopped growing (the dump is complete)."""
-    deadline = time.monotonic() + timeout_s
-    sizes = {rank: -1 for rank in pending}
-    out: dict[int, str] = {}
-    while pending and time.monotonic() < deadline:
-        time.sleep(0.05)
-        for rank, (path, offset) in list(pending.items()):
-            size = path.stat().st_size
-            if size > offset and size == sizes[rank]:
-                with open(path) as handle:
-                    handle.seek(offset)
-                    out[rank] = handle.read()
-                del pending[rank]
-            sizes[rank] = size
-    for rank in pending:
-        out[rank] = f"(no stack written within {timeout_s:.0f} s)"
-    return out
-
-
-def _py_spy_dump(pid: int, timeout_s: float) -> str:
-    try:
-        done = subprocess.run(
-            ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s
-        )
-    except subprocess.TimeoutExpired:
-        return f"(py-spy dump of pid {pid} timed out)"
-    return done.stdout or done.stderr

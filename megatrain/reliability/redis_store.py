@@ -9,6 +9,9 @@ traffic (a few thousand small keys), not for a hot path.
 
 Semantics follow TCPStore: ``get`` waits for the key; ``add`` stores the counter as its decimal
 string; ``compare_set`` returns the value after the operation.
+
+Keys outlive the job, so give every attempt its own namespace (``run_id=f"{run}-attempt{n}"``):
+a restart that reused the keys of the previous rendezvous would skip straight past it.
 """
 
 from __future__ import annotations

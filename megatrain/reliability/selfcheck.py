@@ -182,25 +182,20 @@ def allreduce_busbw_gbs(nproc: int, megabytes: int, timeout_s: float = 120.0) ->
     return algbw * 2 * (nproc - 1) / nproc / 1e9
 
 
-def _open_storage(url: str):  # noqa: ANN202 - (fsspec filesystem, path)
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)
-
-
 def storage_roundtrip_mbs(url: str, megabytes: int, node: str) -> float:
-    """Write, read back, verify and delete a test file under ``url``."""
-    fs, root = _open_storage(url)
-    path = f"{root.rstrip('/')}/_selfcheck/{node}-{uuid.uuid4().hex[:8]}.bin"
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    payload = torch.randint(0, 256, (megabytes * 2**20,), dtype=torch.uint8).numpy().tobytes()
+    """Write (atomically, as checkpoints are committed), read back, verify and delete a test
+    file under ``url``, through ``megatrain.storage`` so every supported scheme is covered."""
+    from megatrain import storage
+
+    target = storage.join_url(url, "_selfcheck", f"{node}-{uuid.uuid4().hex[:8]}.bin")
+    payload = os.urandom(megabytes * 2**20)
     start = time.perf_counter()
-    fs.pipe_file(path, payload)
-    data = fs.cat_file(path)
+    storage.write_bytes(target, payload)
+    data = storage.read_bytes(target)
     elapsed = time.perf_counter() - start
-    fs.rm(path)
+    storage.rm(target)
     if data != payload:
-        raise OSError(f"{url}: data read back differs from data written")
+        raise OSError(f"{target}: data read back differs from data written")
     return 2 * len(payload) / elapsed / 1e6
 
 

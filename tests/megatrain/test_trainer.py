@@ -12,7 +12,7 @@ def test_tiny_recipe_loss_falls_clearly_in_100_steps(run_training):
     last = sum(m["loss"] for m in metrics[-10:]) / 10
     # from ~ln(vocab) = 7.6 nats; a model that learns nothing stays there
     assert first > 6.5
-    assert last < first - 2.0, (first, last)
+    assert last < first - 1.5, (first, last)
     assert all(m["tokens_per_s"] > 0 for m in metrics)
 
 

@@ -23,7 +23,7 @@ def test_silent_rank_is_marked_and_suspected(tmp_path: Path) -> None:
             sink.publish(HeartbeatRecord(rank, step=41, phase="forward", timestamp=now - 60, step_since=now - 61))
         else:  # everyone else waits for it in a collective
             sink.publish(HeartbeatRecord(rank, step=41, phase="collective", timestamp=now, step_since=now - 60))
-    result = HeartbeatWatcher(sink, 8, timeout_s=30).check()
+    result = HeartbeatWatcher(sink, 8, timeout_s=30, since=0).check()
     assert result.dead == [5] and result.hung == [0, 1, 2, 3, 4, 6, 7]
     cells = grid_from_watch(result, layout)
     assert [c.rank for c in cells if c.suspect] == [5]

@@ -43,7 +43,10 @@ def wait_for(predicate, timeout_s: float = 10.0, poll_s: float = 0.02):  # noqa:
 def test_round_trip(kind: str, tmp_path: Path, redis_url: str, run_id: str) -> None:
     sink = make(kind, tmp_path, redis_url, run_id)
     writer = HeartbeatWriter(sink, rank=3, interval_s=0.1, dp_rank=1, tp_rank=1, pp_rank=0)
+    writer.beat(step=6, phase="data")  # restored from a checkpoint while in init: not progress
+    assert not writer.record.first_step_done
     writer.beat(step=7, phase="forward", loss=2.5, tokens_per_s=1234.0, straggler=True)
+    assert writer.record.first_step_done
     got = wait_for(lambda: sink.read_all(4).get(3) if sink.read_all(4).get(3, HeartbeatRecord(3)).step == 7 else None)
     assert (got.rank, got.step, got.phase, got.loss, got.tokens_per_s) == (3, 7, "forward", 2.5, 1234.0)
     assert (got.dp_rank, got.tp_rank, got.pp_rank, got.straggler, got.pid) == (1, 1, 0, True, os.getpid())
@@ -65,19 +68,40 @@ def test_make_sink(tmp_path: Path, redis_url: str) -> None:
 def test_watcher_verdicts_from_records(tmp_path: Path) -> None:
     sink = DirectorySink(tmp_path)
     now = time.time()
-    sink.publish(HeartbeatRecord(0, step=5, phase="forward", timestamp=now, step_since=now))  # fine
-    sink.publish(HeartbeatRecord(1, step=5, phase="forward", timestamp=now - 9, step_since=now - 9))  # silent
-    sink.publish(HeartbeatRecord(2, step=4, phase="collective", timestamp=now, step_since=now - 9))  # frozen
-    sink.publish(HeartbeatRecord(3, step=0, phase="init", timestamp=now, step_since=now - 9))  # compiling
-    sink.publish(HeartbeatRecord(4, step=9, phase="done", timestamp=now - 99, step_since=now - 99))  # finished
-    watcher = HeartbeatWatcher(sink, world_size=6, timeout_s=5.0, init_timeout_s=60.0)
+    def publish(rank: int, step: int, phase: str, silent: float, stalled: float, warm: bool = True) -> None:
+        sink.publish(HeartbeatRecord(rank, step=step, phase=phase, timestamp=now - silent,
+                                     step_since=now - stalled, first_step_done=warm))
+
+    publish(0, 5, "forward", 0, 0)  # fine
+    publish(1, 5, "forward", 9, 9)  # silent: dead
+    publish(2, 4, "collective", 0, 9)  # beating, step frozen: hung
+    publish(3, 0, "init", 0, 9)  # compiling
+    publish(4, 9, "done", 99, 99)  # finished
+    publish(5, 7, "forward", 0, 9, warm=False)  # first step after a restore: still warming up
+    watcher = HeartbeatWatcher(sink, world_size=7, timeout_s=5.0, init_timeout_s=60.0, since=0)
     result = watcher.check()
     assert (result.dead, result.hung, result.missing) == ([1], [2], [])
     assert not result.ok and result.faulty == [1, 2]
-    watcher.started_at -= 61  # rank 5 never appeared within the init grace
-    assert watcher.check().missing == [5]
+    watcher.started_at -= 61  # rank 6 never appeared within the init grace
+    assert watcher.check().missing == [6]
+    publish(5, 7, "forward", 0, 61, warm=False)  # ... but not forever
+    assert watcher.check().hung == [2, 5]
     text = result.message()
     assert "dead=[1]" in text and "collective" in text
+
+
+def test_records_of_a_previous_attempt_are_ignored(tmp_path: Path) -> None:
+    sink = DirectorySink(tmp_path)
+    old = time.time() - 100  # attempt 1: rank 1 died long ago
+    sink.publish(HeartbeatRecord(0, step=5, phase="done", timestamp=old, step_since=old))
+    sink.publish(HeartbeatRecord(1, step=5, phase="forward", timestamp=old, step_since=old))
+    watcher = HeartbeatWatcher(sink, world_size=2, timeout_s=5.0, init_timeout_s=60.0)  # attempt 2
+    assert watcher.check().ok and watcher.check().records == {}
+    now = time.time()
+    sink.publish(HeartbeatRecord(1, step=0, phase="init", timestamp=now, step_since=now))
+    assert list(watcher.check().records) == [1]
+    watcher.started_at -= 61
+    assert watcher.check().missing == [0]  # its "done" was the previous attempt's
 
 
 CHILD = textwrap.dedent(
@@ -132,8 +156,10 @@ def test_watcher_finds_killed_and_hung_ranks(kind: str, tmp_path: Path, redis_ur
                 hung_at = time.time()
             assert time.time() - killed_at < 10, result.message()
             time.sleep(0.05)
-        assert dead_at - killed_at <= timeout + interval + 0.3
-        assert hung_at - frozen_since <= timeout + interval + 0.3
+        # Flagged no earlier than the timeout allows, and at most one interval (+ polling) later.
+        assert timeout - interval <= dead_at - killed_at <= timeout + interval + 0.3
+        assert hung_at - frozen_since >= timeout
+        assert hung_at <= max(frozen_since + timeout, killed_at) + interval + 0.3
         assert result.records[0].step > 5 and result.records[1].phase == "collective"
 
         stacks_text = watcher.collect_stacks(result)

@@ -1,0 +1,13 @@
+"""Two-stage checkpoints (MegaScale): device -> reused host buffers in about a second, then, in the
+background, host -> local staging disk -> durable storage, committed by a manifest written last.
+
+Modules, in the order a checkpoint flows through them:
+
+- ``files``: the format (file names, streaming safetensors writer, checksums)
+- ``state``: what a checkpoint holds, taken from and put back into a live trainer
+- ``snapshot``: stage 1, the only part the training loop waits for
+- ``upload``: stage 2, upload + verify + atomic commit (also a Prefect task's engine)
+- ``retention``: which committed checkpoints to keep, cleaning staged steps
+- ``catalog``: what a durable URL holds; ``restore``: newest verified checkpoint back into a trainer
+- ``manager``: the ``Checkpointer`` the trainer calls; ``cli``: ``megatrain checkpoints ...``
+"""

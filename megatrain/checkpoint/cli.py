@@ -1,0 +1,113 @@
+"""``megatrain checkpoints list|verify|inspect URL``: look at a durable checkpoint URL.
+
+- ``list URL``: every step directory with committed?, size and file count;
+- ``verify URL [--step N]``: re-hash every file of the committed checkpoints (or one) against its
+  manifest; exit 1 naming each bad file;
+- ``inspect URL [--step N]``: the manifest of the newest committed checkpoint (or step N).
+
+URL is the ``checkpoint.durable_url`` of a run (any fsspec URL); it may also name one step dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatrain import storage
+from megatrain.checkpoint import catalog
+from megatrain.checkpoint.files import parse_step
+from megatrain.checkpoint.restore import verify_checkpoint
+
+
+def _checkpoints(url: str) -> list[catalog.CheckpointInfo]:
+    """The checkpoints under a durable root, or the one a step-dir URL names."""
+    step = parse_step(url)
+    if step is not None:
+        root = storage.parent_url(url)
+        return [info for info in catalog.list_checkpoints(root) if info.step == step]
+    return catalog.list_checkpoints(url)
+
+
+def _human(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return ""
+
+
+def cmd_list(url: str) -> int:
+    infos = _checkpoints(url)
+    if not infos:
+        print(f"{url}: no checkpoints")
+        return 0
+    print(f"{'step':>10}  {'committed':<9}  {'size':>9}  {'files':>5}  url")
+    for info in infos:
+        note = f"  ({info.problem})" if info.problem else ""
+        print(f"{info.step:>10}  {'yes' if info.committed else 'no':<9}  {_human(info.size_bytes):>9}  {info.files:>5}  {info.url}{note}")
+    return 0
+
+
+def _select(url: str, step: int | None) -> list[catalog.CheckpointInfo] | str:
+    committed = [info for info in _checkpoints(url) if info.committed]
+    if step is not None:
+        committed = [info for info in committed if info.step == step]
+    return committed or (f"{url}: no committed checkpoint" + (f" at step {step}" if step is not None else ""))
+
+
+def cmd_verify(url: str, step: int | None) -> int:
+    selected = _select(url, step)
+    if isinstance(selected, str):
+        print(selected, file=sys.stderr)
+        return 1
+    failed = 0
+    for info in selected:
+        problems = verify_checkpoint(info.url, info.manifest)
+        if problems:
+            failed += 1
+            print(f"step {info.step}: CORRUPT")
+            for problem in problems:
+                print(f"  {problem}")
+        else:
+            n = sum(len(files) for files in info.manifest["files"].values())
+            print(f"step {info.step}: ok ({n} files, {_human(info.size_bytes)})")
+    return 1 if failed else 0
+
+
+def cmd_inspect(url: str, step: int | None) -> int:
+    selected = _select(url, step)
+    if isinstance(selected, str):
+        print(selected, file=sys.stderr)
+        return 1
+    print(json.dumps(selected[-1].manifest, indent=2, sort_keys=True))
+    return 0
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatrain checkpoints", description="List, verify or inspect checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="step, committed?, size and files of every checkpoint").add_argument("url")
+    for name, text in (("verify", "re-hash every file against its manifest; exit 1 on corruption"),
+                       ("inspect", "print the manifest of the newest committed checkpoint")):
+        command = sub.add_parser(name, help=text)
+        command.add_argument("url")
+        command.add_argument("--step", type=int, default=None, help="only this step")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            return cmd_list(args.url)
+        if args.command == "verify":
+            return cmd_verify(args.url, args.step)
+        return cmd_inspect(args.url, args.step)
+    except OSError as exc:  # StorageError names the URL
+        print(f"megatrain checkpoints: {exc}", file=sys.stderr)
+        return 2
+
+
+def main() -> int:
+    return cli(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Pipeline parallelism: the GPT's flat layer list [Embedding, blocks..., Head] as a DeepSpeed
+``PipelineModule``, trained by DeepSpeed's 1F1B schedule (``engine.train_batch``).
+
+Each process builds the whole (tensor-parallel) GPT with the run's seed, so every stage starts
+from the single-process weights; ``PipelineModule`` then registers only the layers of this
+rank's stage, and the others are freed with the ``GPT`` object.
+
+Stages are balanced by transformer blocks (``partition_method="type:..."``): the embedding joins
+the first stage and the head the last. Activation checkpointing, when the recipe asks for it,
+is DeepSpeed's per-stage ``activation_checkpoint_interval=1`` (one block per checkpoint) with
+torch's non-reentrant checkpoint; the embedding and head are never recomputed.
+
+Tied embeddings: the head's projection is the token embedding's weight, but the first and the
+last stage are different processes. We keep the weight tied through DeepSpeed's
+``TiedLayerSpec`` rather than untying it and adding our own all-reduce: DeepSpeed then owns every
+part of the contract - it broadcasts the first stage's copy at start, all-reduces the two copies'
+gradients between the first and last stage of each (dp, tp) fibre after every backward
+(``allreduce_tied_weight_gradients``), and marks the last stage's copy ``ds_pipe_replicated`` so
+the global gradient norm counts it once. The tied layer on the last stage only passes hidden
+states through; ``Head.loss`` reads the same module's weight.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from torch.utils.checkpoint import checkpoint
+
+from megatrain.config import Config
+from megatrain.model.block import ParallelBlock, SerialBlock
+from megatrain.model.gpt import GPT, Embedding, Head
+from megatrain.parallel.deepspeed import pipeline_topology
+from megatrain.parallel.dims import ProcessGroups
+
+BLOCK_TYPES = (ParallelBlock.__name__, SerialBlock.__name__)
+
+
+class _ExistingTiedLayer(TiedLayerSpec):
+    """A ``TiedLayerSpec`` for a module that already exists (built and initialised with the
+    whole GPT) instead of one DeepSpeed constructs from a class and arguments."""
+
+    def __init__(self, key: str, module: nn.Module, forward_fn=None, tied_weight_attr: str = "weight"):
+        super().__init__(key, type(module), forward_fn=forward_fn, tied_weight_attr=tied_weight_attr)
+        self.module = module
+
+    def build(self, log: bool = False) -> nn.Module:
+        return self.module
+
+
+class LossHead(nn.Module):
+    """The last pipeline layer. It registers the head's own parameters (final LayerNorm, an
+    untied projection) on the last stage and passes hidden states through: the loss needs the
+    targets, which DeepSpeed hands only to ``loss_fn``."""
+
+    def __init__(self, head: Head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _pass_through(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _head_loss(head: Head, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return head.loss(x, targets)
+
+
+def pipeline_layers(model: GPT) -> list:
+    """The layer list DeepSpeed partitions, from ``model.layers()``."""
+    embed, *blocks, head = model.layers()
+    assert isinstance(embed, Embedding) and isinstance(head, Head), "GPT.layers() must be [Embedding, *blocks, Head]"
+    if not head.tied:
+        return [embed, *blocks, LossHead(head)]
+    return [
+        _ExistingTiedLayer("embed", embed, tied_weight_attr="wte.weight"),
+        *blocks,
+        _ExistingTiedLayer("embed", embed, forward_fn=_pass_through, tied_weight_attr="wte.weight"),
+        LossHead(head),
+    ]
+
+
+def build_pipeline_module(model: GPT, cfg: Config, groups: ProcessGroups) -> PipelineModule:
+    """Wrap a (possibly tensor-parallel) GPT as this rank's pipeline stage. Every rank must call
+    it (PipelineModule creates process groups). Train the result with ``deepspeed.initialize(
+    model=pipe, mpu=None, config=deepspeed_config(...))`` and ``engine.train_batch(batches)``,
+    where ``batches`` yields (inputs, targets) micro-batches."""
+    dims = groups.dims
+    if cfg.model.tie_embeddings and groups.pp_rank == dims.pp - 1 and dims.pp > 1:
+        # The last stage holds the whole Embedding for its tied token table; its position table
+        # is never used there and must not be trained (it would get no gradient).
+        model.embed.wpe.weight.requires_grad_(False)
+    return PipelineModule(
+        layers=pipeline_layers(model),
+        topology=pipeline_topology(dims),
+        loss_fn=partial(_head_loss, model.head),
+        partition_method="type:" + "|".join(BLOCK_TYPES),
+        activation_checkpoint_interval=1 if cfg.model.activation_checkpointing else 0,
+        activation_checkpoint_func=partial(checkpoint, use_reentrant=False),
+        checkpointable_layers=list(BLOCK_TYPES),
+    )

@@ -1,0 +1,152 @@
+"""One rank of a parity run (started by torchrun from conftest.run_parity).
+
+For each requested variant it builds the model exactly as the trainer does (seeded GPT ->
+``parallelize`` -> ``deepspeed.initialize`` with LAMB, ZeRO-1 and gradient clipping), trains a
+few steps on random token batches that every rank generates from the same seed, and writes
+what the parent compares with the single-process run of the same global batch:
+
+- ``loss``: the global-batch loss of each step;
+- ``grad_norm``: DeepSpeed's global gradient norm of each step (before clipping);
+- ``grads``: the whole (DP-reduced, TP-gathered) gradient of a few parameters at step 1, taken
+  just before the optimizer step;
+- ``weights``: every parameter of this rank's stage after the last step, TP-gathered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+from megatrain.config import Config
+from megatrain.model import GPT, count_parameters
+from megatrain.optim import Lamb, build_optimizer, build_scheduler
+from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
+from megatrain.parallel.dims import ParallelDims, build_process_groups
+from megatrain.parallel.init import init_distributed, shutdown_distributed
+from megatrain.parallel.parallelize import parallelize
+from megatrain.parallel.tensor_parallel import full_tensor
+
+# Small enough for 2 CPU cores, big enough that every split is real (heads, ffn, vocab, seq).
+BASE = {
+    "model": dict(vocab_size=128, n_layer=2, n_head=4, d_model=32, seq_len=16, attention="full", dropout=0.0),
+    "optim": dict(name="lamb", lr=1e-2, min_lr=1e-3, warmup_steps=0, grad_clip=0.5, weight_decay=0.01),
+    "train": dict(steps=3, micro_batch_size=2, global_batch_size=8, seed=1234, device="cpu", dtype="fp32"),
+    "parallel": dict(zero_stage=1, gpus_per_node=8),
+}
+SAMPLED = ("embed.wte.weight", "embed.wpe.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias",
+           "blocks.0.attn.proj.bias", "blocks.0.mlp.fc.bias", "blocks.0.mlp.proj.weight", "head.ln_f.weight")
+
+
+def build_config(variant: dict, world: int) -> Config:
+    raw = {section: dict(values) for section, values in BASE.items()}
+    for dotted, value in variant.get("set", {}).items():
+        section, key = dotted.split(".", 1)
+        if "." in key:  # parallel.overlap.tp_chunks
+            sub, leaf = key.split(".")
+            raw.setdefault(section, {}).setdefault(sub, {})[leaf] = value
+        else:
+            raw.setdefault(section, {})[key] = value
+    raw["parallel"]["world_size"] = world
+    return Config.model_validate(raw)
+
+
+def global_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10_000 + step)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def my_micro_batches(cfg: Config, step: int, dp_rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    inputs, targets = global_batch(cfg, step)
+    per_rank = cfg.train.global_batch_size // dp
+    rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    mb = cfg.train.micro_batch_size
+    return list(zip(inputs[rows].split(mb), targets[rows].split(mb)))
+
+
+def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
+    cfg = build_config(variant, world)
+    p = cfg.parallel
+    dims = ParallelDims(dp=p.data_parallel_size(world), tp=p.tp, pp=p.pp)
+    dims.validate(world, p.gpus_per_node, cfg.model.n_head, cfg.model.n_layer)
+    groups = build_process_groups(dims, rank)
+
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    n_params = count_parameters(model)
+    module = parallelize(model, cfg, groups)
+    # GPT's own names, also under a pipeline; CheckpointedBlock wraps a block as blocks.i.block
+    names = {id(param): name.replace(".block.", ".") for name, param in model.named_parameters()}
+    optimizer = build_optimizer(module, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, dims.dp, False, n_params),
+        mpu=None if dims.pp > 1 else DeepSpeedMPU(groups), dist_init_required=False,
+    )
+    if isinstance(optimizer, Lamb) and p.zero_stage in (1, 2):  # as the trainer does
+        attach_lamb_segments(engine.optimizer, optimizer, groups.dp_group, norm_group=groups.stage_group)
+    params = [q for q in engine.module.parameters() if q.requires_grad]
+
+    grads: dict[str, torch.Tensor] = {}
+    zero_step = engine.optimizer.step
+
+    def capture_then_step(*args, **kwargs):  # runs after the DP reduction, before clipping and the update
+        if not grads:
+            for param in params:
+                if names[id(param)] in SAMPLED:
+                    grads[names[id(param)]] = full_tensor(param, groups.tp_group, safe_get_full_grad(param)).clone()
+        return zero_step(*args, **kwargs)
+
+    engine.optimizer.step = capture_then_step
+    losses, norms = [], []
+    for step in range(cfg.train.steps):
+        micro = my_micro_batches(cfg, step, groups.dp_rank, dims.dp)
+        if dims.pp > 1:
+            loss = engine.train_batch(iter(micro))  # 1F1B over the micro-batches, DP-averaged
+        else:
+            micro_losses = []
+            for inputs, targets in micro:
+                micro_loss = engine(inputs, targets)
+                engine.backward(micro_loss)
+                engine.step()
+                micro_losses.append(micro_loss.detach())
+            loss = torch.stack(micro_losses).mean()
+            if dims.dp > 1:
+                dist.all_reduce(loss, group=groups.dp_group)
+                loss /= dims.dp
+        losses.append(float(loss))
+        norms.append(float(engine.get_global_grad_norm()))
+
+    def whole(q: torch.nn.Parameter) -> torch.Tensor:  # ZeRO-3 keeps only a partition in q
+        return full_tensor(q, groups.tp_group, safe_get_full_fp32_param(q) if hasattr(q, "ds_id") else None)
+
+    weights = {names[id(q)]: whole(q).clone() for q in params}
+    if groups.dp_rank == 0 and groups.tp_rank == 0:
+        result = {"loss": losses, "grad_norm": norms, "grads": grads, "weights": weights, "stage": groups.pp_rank}
+        torch.save(result, out_dir / f"{variant['name']}.stage{groups.pp_rank}.pt")
+    dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", required=True, help="JSON list of {name, set: {dotted: value}}")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    env = init_distributed(device="cpu", backend="gloo", timeout_s=120)
+    try:
+        for variant in json.loads(args.variants):
+            run_variant(variant, env.rank, env.world_size, Path(args.out))
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

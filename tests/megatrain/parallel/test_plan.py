@@ -1,0 +1,85 @@
+"""``megatrain plan`` for the 175B recipe against a calculation written out by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatrain.config import load_config
+from megatrain.parallel.plan import GIB, activation_bytes_per_layer, cli, memory_plan
+
+RECIPE = str(Path(__file__).resolve().parents[3] / "configs" / "gpt-175b.yaml")
+
+# configs/gpt-175b.yaml: d=12288, ff=4d=49152, V=64000, s=2048, L=96, a=128 heads, parallel block,
+# biases, tied embeddings, micro-batch 1, global batch 6144, TP8 PP8, ZeRO-1, full recompute.
+d, ff, V, s, L, a, b, t, p = 12288, 49152, 64000, 2048, 96, 128, 1, 8, 8
+WORLD = 12288  # MegaScale's 175B run
+dp = WORLD // (t * p)  # 192
+
+# Parameters on one first-stage GPU: 96/8 = 12 layers, each with
+qkv = 3 * d * d // t + 3 * d // t  # column-parallel weight and bias: 56,627,712
+attn_proj = d * d // t + d  # row-parallel weight, whole bias: 18,886,656
+fc = d * ff // t + ff // t  # 75,503,616
+mlp_proj = ff * d // t + d  # 75,509,760
+norm = 2 * d  # one LayerNorm (parallel block), replicated: 24,576
+per_layer = qkv + attn_proj + fc + mlp_proj + norm  # 226,552,320
+P = 12 * per_layer + V * d // t + s * d  # + token-table shard 98,304,000 + position table 25,165,824
+assert P == 2_842_097_664
+
+# bf16 parameters and gradients, fp32 master + m + v partitioned over dp (ZeRO-1)
+params_bytes = 2 * P  # 5,684,195,328
+grads_bytes = 2 * P
+optimizer_bytes = 12 * P / dp  # 177,631,104
+
+# Full recompute with SP keeps each layer's sequence-sharded input, 2 bytes * s*b*h/t = 6,291,456,
+# for 12 layers x 8 micro-batches in flight (1F1B first stage; 6144 / 192 = 32 micro-batches >= 8)
+stored_full = 12 * 8 * (2 * s * b * d / t)  # 603,979,776
+# recomputing one layer rebuilds its activations once: sbh(34/t + 5as/(ht)) minus what is stored
+layer_none = s * b * d * 34 / t + 5 * a * s * s * b / t  # 106,954,752 + 335,544,320 = 442,499,072
+working = layer_none - 2 * s * b * d / t  # 436,207,616
+TOTAL = params_bytes + grads_bytes + optimizer_bytes + stored_full + working  # 12,586,209,152 B = 11.72 GiB
+
+
+def test_175b_plan_matches_the_hand_calculation():
+    plan = memory_plan(load_config(RECIPE), world_size=WORLD)
+    assert (plan.tp, plan.pp, plan.dp, plan.layers_per_stage, plan.micro_batches_in_flight) == (8, 8, 192, 12, 8)
+    assert plan.params == P
+    assert plan.params_bytes == params_bytes
+    assert plan.grads_bytes == grads_bytes
+    assert plan.optimizer_bytes == pytest.approx(optimizer_bytes)
+    assert plan.recompute == "full"
+    assert plan.activation_bytes["full"] == pytest.approx(stored_full)
+    assert plan.recompute_working_bytes == pytest.approx(working)
+    assert plan.total_bytes == pytest.approx(TOTAL)
+    assert TOTAL == pytest.approx(12_586_209_152)
+
+
+def test_korthikanti_activation_modes_at_tp8():
+    cfg = load_config(RECIPE)
+    sbh = s * b * d
+    assert activation_bytes_per_layer(cfg, "none") == pytest.approx(sbh * (34 / t + 5 * a * s / (d * t)))
+    assert activation_bytes_per_layer(cfg, "selective") == pytest.approx(sbh * 34 / t)
+    no_sp = load_config(RECIPE, ["parallel.sequence_parallel=false"])
+    assert activation_bytes_per_layer(no_sp, "selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert activation_bytes_per_layer(no_sp, "full") == pytest.approx(2 * sbh)
+
+
+def test_zero_stages_partition_more_state():
+    cfg = load_config(RECIPE, ["parallel.zero_stage=3", "parallel.pp=1"])  # ZeRO-3 needs no pipeline
+    plan = memory_plan(cfg, world_size=8 * 192)
+    assert plan.params_bytes == pytest.approx(2 * plan.params / 192)
+    assert plan.grads_bytes == pytest.approx(2 * plan.params / 192)
+
+
+def test_cli_prints_the_table(capsys):
+    assert cli([RECIPE, "--world-size", str(WORLD)]) == 0
+    out = capsys.readouterr().out
+    assert "tp=8 pp=8 dp=192 (world 12288), ZeRO-1, bf16, 8 micro-batches in flight" in out
+    assert f"{TOTAL / GIB:10.2f}" in out.splitlines()[-6]  # the "total" row
+    assert "full" in out and "<- this recipe" in out
+
+
+def test_cli_rejects_a_world_size_that_does_not_fit(capsys):
+    assert cli([RECIPE, "--world-size", "100"]) == 2
+    assert "not divisible by tp*pp = 64" in capsys.readouterr().out
