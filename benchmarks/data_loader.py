@@ -48,13 +48,15 @@ def throughput(index, prefetch: int, batches: int) -> float:
 
 
 def matmul_step(duration_s: float) -> callable:
-    """A matmul loop calibrated to take about ``duration_s``."""
-    a = torch.randn(256, 256)
-    started = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    per = (time.perf_counter() - started) / 20
-    repeats = max(1, round(duration_s / per))
+    """A matmul loop calibrated to take about ``duration_s`` (median of 5 timed calibrations)."""
+    a = torch.randn(384, 384)
+    timings = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(10):
+            a @ a
+        timings.append((time.perf_counter() - started) / 10)
+    repeats = max(1, round(duration_s / sorted(timings)[2]))
     return lambda: [a @ a for _ in range(repeats)]
 
 

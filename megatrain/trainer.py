@@ -67,11 +67,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
 
         self.index = prepare_data(cfg, env)
-        self.loader = build_loader(
-            self.index, micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.groups.dp_rank,
-            dp_size=self.groups.dims.dp, seed=cfg.data.seed, prefetch_batches=cfg.data.prefetch_batches,
-            on_bad_shard=cfg.data.on_bad_shard, verify_checksums=cfg.data.verify_checksums,
-        )
+        self.loader = self._build_loader()
 
         model = GPT(cfg.model).to(env.device)
         self.n_params = count_parameters(model)
@@ -99,6 +95,22 @@ class Trainer:
         log.info("model: %.1fM parameters, %s block, %s attention; layout dp=%d tp=%d pp=%d; accumulation %d",
                  self.n_params / 1e6, cfg.model.block, cfg.model.attention, self.groups.dims.dp,
                  self.groups.dims.tp, self.groups.dims.pp, self.grad_accumulation)
+
+    def _build_loader(self):
+        """One reader per rank, or (parallel.node_loader) one per node serving its local ranks
+        from shared memory; ranks of one tensor-parallel group pass the same dp_rank."""
+        cfg = self.cfg
+        common = dict(
+            micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.groups.dp_rank, dp_size=self.groups.dims.dp,
+            seed=cfg.data.seed, prefetch_batches=cfg.data.prefetch_batches, on_bad_shard=cfg.data.on_bad_shard,
+            verify_checksums=cfg.data.verify_checksums, shuffle_shards=cfg.data.shuffle_shards,
+        )
+        if cfg.parallel.node_loader and self.env.local_world_size > 1:
+            from megatrain.data.node_loader import build_node_loader
+
+            return build_node_loader(self.index, local_rank=self.env.local_rank,
+                                     local_world_size=self.env.local_world_size, **common)
+        return build_loader(self.index, **common)
 
     def _build_layout(self) -> ProcessGroups:
         p = self.cfg.parallel

@@ -14,7 +14,7 @@ Control channel: a Unix socket per node (``multiprocessing.connection``, authent
 from a ``channel`` string all local ranks agree on. It carries small messages only:
 
     client -> server   hello(local rank, dp rank, loader params)   once
-    server -> client   ring(shared memory name, slots, shape)      once
+    server -> client   ring(ring file path, shape, dtype)          once
     server -> client   batch(stream position, slot, bad shards)    per step
     client -> server   ack(slot)                                   per step: the slot may be reused
     both ways          bye / close / error(text)
@@ -160,6 +160,8 @@ class NodeServer(NodeLoader):
             conn.send(("ring", self.ring_path, shape, index.dtype))
             threading.Thread(target=self._receive, args=(rank, conn), daemon=True, name=f"node-loader-ack{rank}").start()
         self.producer = self._start()
+        log.info("node loader: local rank 0 serves %d local ranks (dp ranks %s) through %s",
+                 local_world_size, dp_of_local, self.ring_path)
 
     def _accept(self, n: int, timeout_s: float) -> dict[int, tuple[Connection, int]]:
         clients: dict[int, tuple[Connection, int]] = {}
@@ -359,6 +361,11 @@ def build_node_loader(index: ShardIndex, *, local_rank: int, local_world_size: i
     Every local rank of the node calls this with the same ``channel`` (default: derived from the
     torchrun rendezvous variables) and the same loader parameters; each passes its own dp_rank.
     The result behaves like ``build_loader``'s ShardLoader.
+
+    The ranks that join must all call ``next()`` in lockstep (one call each per micro-batch): a
+    slot is reused only when every rank released it. Ranks that never read data (middle pipeline
+    stages) must not join; number the reading ranks of the node 0..n-1 as ``local_rank`` and pass
+    n as ``local_world_size``.
     """
     params = {"micro_batch_size": micro_batch_size, "dp_size": dp_size, "seed": seed, "on_bad_shard": on_bad_shard,
               "verify_checksums": verify_checksums, "shuffle_shards": shuffle_shards,

@@ -53,16 +53,29 @@ def chunk_bounds(length: int, chunks: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """Ranks' inputs concatenated along dim 0 of ``output``: ``all_gather_single`` from torch
+    2.13 on, ``all_gather_into_tensor`` (deprecated there) on the GPU image's torch 2.11."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """Rank r gets the sum of block r (along dim 0) of every rank's ``input``."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, group=group, async_op=async_op)
+
+
 def _start_all_gather(piece: torch.Tensor, world: int, group: dist.ProcessGroup):
     """Async all-gather of [B, n, d] pieces into [world, B, n, d]; returns (buffer, work)."""
     buffer = piece.new_empty((world * piece.shape[0], *piece.shape[1:]))  # gloo wants dim 0 = world * B
-    work = dist.all_gather_into_tensor(buffer, piece.contiguous(), group=group, async_op=True)
+    work = all_gather_flat(buffer, piece.contiguous(), group, async_op=True)
     return buffer.view(world, *piece.shape), work
 
 
 def _start_reduce_scatter(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup):
     """Async reduce-scatter of send [world, B, n, d] into out [B, n, d] (rank r gets send[r] summed)."""
-    return dist.reduce_scatter_tensor(out, send.flatten(0, 1), group=group, async_op=True)
+    return reduce_scatter_flat(out, send.flatten(0, 1), group, async_op=True)
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -89,7 +102,7 @@ class _AllGatherMatmul(torch.autograd.Function):
             piece = buffer.transpose(0, 1)  # [B, t, n, d]
             full[:, :, off : off + n] = piece
             for out, weight in zip(outs, weights):
-                out[:, :, off : off + n] = F.linear(piece, weight) * 1.01
+                out[:, :, off : off + n] = F.linear(piece, weight)
         ctx.group, ctx.bounds = group, bounds
         ctx.save_for_backward(full, *weights)
         return (full.view(B, world * s, d), *(out.view(B, world * s, -1) for out in outs))
@@ -162,7 +175,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
                 pending = _start_all_gather(grad_out[:, nxt_off : nxt_off + nxt_n], world, ctx.group)
             work.wait()
             g = buffer.transpose(0, 1)  # [B, t, n, d]
-            grad_x[:, :, off : off + n] = g @ weight * 1.01
+            grad_x[:, :, off : off + n] = g @ weight
             grad_weight += g.reshape(-1, g.shape[-1]).t() @ rows_by_rank[:, :, off : off + n].reshape(-1, k)
         return grad_x.view(B, T, k), grad_weight, None, None
 

@@ -43,7 +43,7 @@ from megatrain.config import OverlapConfig
 from megatrain.model.block import ParallelBlock, SerialBlock
 from megatrain.model.gpt import GPT, Head
 from megatrain.parallel.dims import ProcessGroups
-from megatrain.parallel.overlap import all_gather_matmul, matmul_reduce_scatter
+from megatrain.parallel.overlap import all_gather_flat, all_gather_matmul, matmul_reduce_scatter, reduce_scatter_flat
 
 # ---------------------------------------------------------------- collectives along the sequence
 
@@ -52,7 +52,7 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[B, s, ...] on each rank -> [B, t*s, ...], rank r's shard at positions r*s .. r*s+s-1."""
     world = dist.get_world_size(group)
     buffer = x.new_empty((world * x.shape[0], *x.shape[1:]))  # gloo wants dim 0 = world * B
-    dist.all_gather_into_tensor(buffer, x.contiguous(), group=group)
+    all_gather_flat(buffer, x.contiguous(), group)
     return buffer.view(world, *x.shape).transpose(0, 1).reshape(x.shape[0], world * x.shape[1], *x.shape[2:])
 
 
@@ -64,7 +64,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
         raise ValueError(f"sequence parallelism: sequence length {T} is not divisible by tp={world}")
     send = x.reshape(B, world, T // world, *x.shape[2:]).transpose(0, 1).flatten(0, 1).contiguous()
     out = x.new_empty(B, T // world, *x.shape[2:])
-    dist.reduce_scatter_tensor(out, send, group=group)
+    reduce_scatter_flat(out, send, group)
     return out
 
 
@@ -346,7 +346,7 @@ def _patch_head(head: Head, group: dist.ProcessGroup, sequence_parallel: bool, v
         local = hidden(x) @ head.projection().t()  # [B, T, V/t]
         world = dist.get_world_size(group)
         shards = local.new_empty((world * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(shards, local.contiguous(), group=group)
+        all_gather_flat(shards, local.contiguous(), group)
         return shards.view(world, *local.shape).movedim(0, -2).reshape(*local.shape[:-1], -1)  # [B, T, V]
 
     head.loss, head.forward = loss, forward

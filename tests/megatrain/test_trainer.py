@@ -19,7 +19,7 @@ def test_tiny_recipe_loss_falls_clearly_in_100_steps(run_training):
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
 def test_two_process_zero1_matches_one_process(run_training, optimizer):
-    common = SMALL + [f"optim.name={optimizer}", "train.steps=5", "train.micro_batch_size=4",
+    common = SMALL + [f"optim.name={optimizer}", "optim.lr=3e-3", "train.steps=5", "train.micro_batch_size=4",
                       "train.global_batch_size=8", "parallel.zero_stage=1", "optim.warmup_steps=2"]
     single, _ = run_training(common, nproc=1, name="single")
     double, _ = run_training(common, nproc=2, name="double")
