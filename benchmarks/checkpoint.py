@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         record(**{f"snapshot_{key}_blocked_s": timing.blocked_s, f"snapshot_{key}_copy_s": timing.copy_s})
         print(f"snapshot ({key}): blocked {timing.blocked_s:.3f} s", flush=True)
         written = staged.result()
-        record(staging_write_s=written.write_s, staging_gbs=written.bytes / 1e9 / written.write_s)
+        record(**{f"staging_{key}_write_s": written.write_s},
+               staging_write_s=written.write_s, staging_gbs=written.bytes / 1e9 / written.write_s)
         print(f"staging write: {written.write_s:.2f} s ({result['staging_gbs']:.2f} GB/s)", flush=True)
         if step == 1:
             shutil.rmtree(written.path)

@@ -5,36 +5,74 @@
 Shapes: 8 x 2048 = 16384 tokens, d 2048, ff 8192, vocab 50304, 16 heads of 128, bf16.
 Ceilings are measured here, not taken from datasheets: a device-to-device copy
 (``torch.empty_like(x).copy_(x)`` on 2 GiB, counting bytes read + written) for the
-memory-bound kernels, and an 8192^3 bf16 matmul for the matmul-bound ones. For each memory-bound
-kernel "GB/s" is the fewest bytes the op must move (inputs read once, outputs written once) over
-the measured time, so it is comparable to the copy ceiling. Times are medians of
-``triton.testing.do_bench``. Prints a table; writes every number as JSON to ``--out``.
+memory-bound kernels, and an 8192^3 bf16 matmul for the matmul-bound ones.
+
+Two times per row: ``ms`` is eager (``triton.testing.do_bench``, median; includes Python, autograd
+and launch overhead whenever the CPU is slower than the GPU), ``graph_ms`` replays the same work
+captured in a CUDA graph (``do_bench_cudagraph``): GPU time alone, which is what counts in a
+training step where the GPU runs behind the CPU. "GB/s" is the fewest bytes the op must move
+(inputs read once, outputs written once) over ``graph_ms``, comparable to the copy ceiling.
+The memory-bound fused kernels also get a per-kernel profile (printed, and in the JSON).
+Prints a table; writes every number as JSON to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
+from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 
 TOKENS, D, FF, VOCAB, HEADS, HEAD_DIM, BATCH, SEQ = 8 * 2048, 2048, 8192, 50304, 16, 128, 8, 2048
 BF16 = torch.bfloat16
+PROFILES: dict[str, list[tuple[str, float]]] = {}  # fused op -> [(kernel, us per call)]
 
 
 def bench(fn: Callable[[], object], rep_ms: int = 200) -> float:
-    """Median milliseconds of fn (CUDA events, after warm-up)."""
+    """Median eager milliseconds of fn (CUDA events, after warm-up, L2 flushed between calls)."""
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=50, rep=rep_ms, return_mode="median"))
+
+
+def bench_graph(fn: Callable[[], object], rep_ms: int = 100) -> float | None:
+    """Median milliseconds of fn replayed from a CUDA graph; None if it cannot be captured."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+    except Exception as exc:  # noqa: BLE001 - report, keep the eager number
+        print(f"  (graph capture failed: {type(exc).__name__}: {str(exc)[:120]})")
+        torch.cuda.synchronize()
+        return None
+
+
+def profile(name: str, fn: Callable[[], object], calls: int = 5) -> None:
+    """Per-kernel GPU time of fn, averaged over ``calls`` (after one warm-up call)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        totals: dict[str, float] = defaultdict(float)
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                totals[event.name[:60]] += event.time_range.elapsed_us() / calls
+        PROFILES[name] = sorted(totals.items(), key=lambda kv: -kv[1])[:8]
+    except Exception as exc:  # noqa: BLE001 - a profile is a bonus, never a reason to lose the timings
+        print(f"  (profile of {name} failed: {type(exc).__name__}: {str(exc)[:120]})")
 
 
 def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad_out: torch.Tensor | None = None):
@@ -47,23 +85,37 @@ def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad_ou
     return run
 
 
+def fwd_only(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor]):
+    def run():
+        with torch.no_grad():
+            fn(*inputs)
+
+    return run
+
+
 def ceilings() -> dict:
-    x = torch.randn(2**30 // 2 * 2, device="cuda", dtype=BF16)  # 2 GiB
+    x = torch.randn(2**30, device="cuda", dtype=BF16)  # 2 GiB
     copy_ms = bench(lambda: torch.empty_like(x).copy_(x))
     a = torch.randn(8192, 8192, device="cuda", dtype=BF16)
     b = torch.randn(8192, 8192, device="cuda", dtype=BF16)
     mm_ms = bench(lambda: a @ b)
-    del x, a, b
     return {"copy_GBps": 2 * 2**31 / copy_ms / 1e6, "matmul_bf16_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
 
 
-def row(op: str, impl: str, ms: float, bytes_: float | None = None, flops: float | None = None, **extra) -> dict:
-    out = {"op": op, "impl": impl, "ms": ms, **extra}
+def row(op: str, impl: str, ms: float, graph_ms: float | None = None, bytes_: float | None = None,
+        flops: float | None = None, **extra) -> dict:
+    out = {"op": op, "impl": impl, "ms": ms, "graph_ms": graph_ms, **extra}
+    best = graph_ms if graph_ms is not None else ms
     if bytes_ is not None:
-        out["GBps"] = bytes_ / ms / 1e6
+        out["GBps"] = bytes_ / best / 1e6
     if flops is not None:
-        out["TFLOPs"] = flops / ms / 1e9
+        out["TFLOPs"] = flops / best / 1e9
     return out
+
+
+def timed(op: str, impl: str, fn: Callable[[], object], bytes_: float | None = None,
+          flops: float | None = None, **extra) -> dict:
+    return row(op, impl, bench(fn), bench_graph(fn), bytes_, flops, **extra)
 
 
 def bench_layernorm() -> list[dict]:
@@ -75,28 +127,28 @@ def bench_layernorm() -> list[dict]:
     w = torch.ones(D, device="cuda", dtype=BF16, requires_grad=True)
     b = torch.zeros(D, device="cuda", dtype=BF16, requires_grad=True)
     dy = torch.randn_like(x)
-    nbytes = 5 * x.numel() * 2  # fwd: read x, write y; bwd: read x, dy, write dx
+    size = x.numel() * 2
     rows = []
     for impl in ("reference", "fused"):
-        ms = bench(fwd_bwd(lambda x, w, b: layer_norm(x, w, b, 1e-5, impl), [x, w, b], dy))
-        rows.append(row("layernorm", impl, ms, nbytes))
-    for per_sm in (2, 4, 8, 16):  # the backward's persistent grid: programs per SM
+        ln = lambda x, w, b, impl=impl: layer_norm(x, w, b, 1e-5, impl)  # noqa: E731
+        rows.append(timed("layernorm fwd", impl, fwd_only(ln, [x, w, b]), 2 * size))  # read x, write y
+        rows.append(timed("layernorm", impl, fwd_bwd(ln, [x, w, b], dy), 5 * size))  # + read x, dy, write dx
+    profile("layernorm fused", fwd_bwd(lambda x, w, b: layer_norm(x, w, b, 1e-5, "fused"), [x, w, b], dy))
+    for per_sm in (2, 8, 16):  # the backward's persistent grid: programs per SM (default 4)
         layernorm_triton.BWD_PROGRAMS_PER_SM = per_sm
-        ms = bench(fwd_bwd(lambda x, w, b: layer_norm(x, w, b, 1e-5, "fused"), [x, w, b], dy))
-        rows.append(row("layernorm", f"fused, bwd {per_sm}/SM", ms, nbytes))
+        fn = fwd_bwd(lambda x, w, b: layer_norm(x, w, b, 1e-5, "fused"), [x, w, b], dy)
+        rows.append(timed("layernorm", f"fused, bwd {per_sm}/SM", fn, 5 * size))
     layernorm_triton.BWD_PROGRAMS_PER_SM = 4
 
-    def add_ln(impl):
-        return lambda x, r, w, b: add_layer_norm(x, r, w, b, 1e-5, impl)
-
-    # fwd: read x, r, write s, y; bwd: read s, dy, ds, write dx (one tensor serves x and r)
-    nbytes = 8 * x.numel() * 2
     for impl in ("reference", "fused"):
         def run(impl=impl):
-            y, s = add_ln(impl)(x, r, w, b)
+            y, s = add_layer_norm(x, r, w, b, 1e-5, impl)
             torch.autograd.grad([y, s], [x, r, w, b], [dy, dy])
 
-        rows.append(row("add+layernorm", impl, bench(run), nbytes))
+        # fwd: read x, r, write s, y; bwd: read s, dy, ds, write dx (one tensor serves x and r)
+        rows.append(timed("add+layernorm", impl, run, 8 * size))
+        if impl == "fused":
+            profile("add+layernorm fused", run)
     return rows
 
 
@@ -106,19 +158,21 @@ def bench_gelu() -> list[dict]:
     x = torch.randn(TOKENS, FF, device="cuda", dtype=BF16, requires_grad=True)
     bias = torch.zeros(FF, device="cuda", dtype=torch.float32, requires_grad=True)  # fp32 param, as in training
     dy = torch.randn_like(x)
-    nbytes = 5 * x.numel() * 2  # fwd: read x, write y; bwd: read x, dy, write dx
+    size = x.numel() * 2
     rows = []
     for impl in ("reference", "fused"):
+        gelu = lambda x, b, impl=impl: bias_gelu(x, b, impl)  # noqa: E731
         # the reference's x + fp32 bias promotes to fp32: its grad_out must be fp32 too
         grad = dy.float() if impl == "reference" else dy
-        ms = bench(fwd_bwd(lambda x, b: bias_gelu(x, b, impl), [x, bias], grad))
-        rows.append(row("bias+gelu", impl, ms, nbytes))
+        rows.append(timed("bias+gelu fwd", impl, fwd_only(gelu, [x, bias]), 2 * size))  # read x, write y
+        rows.append(timed("bias+gelu", impl, fwd_bwd(gelu, [x, bias], grad), 5 * size))  # + read x, dy, write dx
+    profile("bias+gelu fused", fwd_bwd(lambda x, b: bias_gelu(x, b, "fused"), [x, bias], dy))
     return rows
 
 
 def bench_cross_entropy() -> list[dict]:
-    from megatrain.kernels import cross_entropy as ce
     from megatrain.kernels.cross_entropy import lm_head_cross_entropy
+    from megatrain.kernels.cross_entropy_triton import lm_head_cross_entropy_fused
 
     hidden = torch.randn(TOKENS, D, device="cuda", dtype=BF16, requires_grad=True)
     weight = (0.02 * torch.randn(VOCAB, D, device="cuda")).requires_grad_()  # fp32 param under autocast
@@ -126,13 +180,14 @@ def bench_cross_entropy() -> list[dict]:
     useful = 6 * TOKENS * VOCAB * D  # logits fwd (2NVd) + dhidden, dweight (4NVd)
     rows = []
     variants = [("reference", "reference", None), ("chunked", "chunked", None), ("fused", "fused", None),
-                ("fused, dW via bf16 product", "fused", False)]
-    for name, impl, out_dtype in variants:
-        ce._addmm_out_dtype_works = out_dtype
-
-        def run(impl=impl):
+                ("fused, 4096-row chunks", "fused", 4096)]
+    for name, impl, chunk_rows in variants:
+        def run(impl=impl, chunk_rows=chunk_rows):
             with torch.autocast("cuda", dtype=BF16):
-                loss = lm_head_cross_entropy(hidden, weight, targets, impl)
+                if chunk_rows is None:
+                    loss = lm_head_cross_entropy(hidden, weight, targets, impl)
+                else:
+                    loss = lm_head_cross_entropy_fused(hidden, weight, targets, chunk_rows)
             torch.autograd.grad(loss, [hidden, weight])
 
         run()
@@ -142,34 +197,37 @@ def bench_cross_entropy() -> list[dict]:
         run()
         torch.cuda.synchronize()
         peak_gb = (torch.cuda.max_memory_allocated() - base) / 1e9
-        rows.append(row("lm_head+CE", name, bench(run, rep_ms=400), flops=useful, peak_GB=peak_gb,
-                        addmm_out_dtype=ce._addmm_out_dtype_works))
-    ce._addmm_out_dtype_works = None
+        rows.append(row("lm_head+CE", name, bench(run, rep_ms=400), flops=useful, peak_GB=peak_gb))
     return rows
+
+
+def _attention_flops(seq: int, window: int | None, batch: int) -> float:
+    w = seq if window is None else window
+    pairs = sum(min(i + 1, w) for i in range(seq))  # (query, key) pairs actually attended
+    return 3.5 * 4 * batch * HEADS * HEAD_DIM * pairs  # fwd: QK^T + AV; bwd = 2.5x fwd
 
 
 def bench_attention() -> list[dict]:
     from megatrain.kernels.attention import attention_sdpa
     from megatrain.kernels.flex_attention import attention_flex
 
-    shape = (BATCH, HEADS, SEQ, HEAD_DIM)
-    q, k, v = [torch.randn(shape, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
-    dout = torch.randn_like(q)
-
-    def flops(window: int | None) -> float:
-        w = SEQ if window is None else window
-        pairs = sum(min(i + 1, w) for i in range(SEQ))  # (query, key) pairs actually attended
-        return 3.5 * 4 * BATCH * HEADS * HEAD_DIM * pairs  # fwd: QK^T + AV; bwd = 2.5x fwd
-
-    cases = [("sdpa (cuDNN/flash), full causal", lambda q, k, v: attention_sdpa(q, k, v, None), None),
-             ("flex, full causal", lambda q, k, v: attention_flex(q, k, v, None), None),
-             ("flex, window 1024", lambda q, k, v: attention_flex(q, k, v, 1024), 1024),
-             ("flex, window 512", lambda q, k, v: attention_flex(q, k, v, 512), 512),
-             ("sdpa + dense mask, window 1024", lambda q, k, v: attention_sdpa(q, k, v, 1024), 1024)]
     rows = []
-    for name, fn, window in cases:
-        ms = bench(fwd_bwd(fn, [q, k, v], dout))
-        rows.append(row("attention", name, ms, flops=flops(window)))
+    # At the training shape (T=2048), then at T=8192 with the same tokens, where windows pay more.
+    for batch, seq, cases in (
+        (BATCH, SEQ, [("sdpa (cuDNN/flash), full causal", "sdpa", None), ("flex, full causal", "flex", None),
+                      ("flex, window 1024", "flex", 1024), ("flex, window 512", "flex", 512),
+                      ("sdpa + dense mask, window 1024", "sdpa", 1024)]),
+        (BATCH * SEQ // 8192, 8192, [("T=8192 sdpa, full causal", "sdpa", None),
+                                     ("T=8192 flex, window 1024", "flex", 1024)]),
+    ):
+        shape = (batch, HEADS, seq, HEAD_DIM)
+        q, k, v = [torch.randn(shape, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
+        dout = torch.randn_like(q)
+        for name, impl, window in cases:
+            fn = attention_sdpa if impl == "sdpa" else attention_flex
+            run = fwd_bwd(lambda q, k, v, fn=fn, window=window: fn(q, k, v, window), [q, k, v], dout)
+            rows.append(timed("attention", name, run, flops=_attention_flops(seq, window, batch)))
+        del q, k, v, dout
     return rows
 
 
@@ -211,8 +269,8 @@ def bench_lamb() -> list[dict]:
     nbytes = 40 * n  # read g, m, v, w; write m, v; read m, v, w; write w (fp32)
     rows = []
     for name, fn in (("foreach", _lamb_foreach), ("fused (Triton)", lamb_step_fused)):
-        ms = bench(lambda: fn(params, grads, ms_, vs, **hyper), rep_ms=500)
-        rows.append(row("lamb step", name, ms, nbytes, params=n))
+        ms = bench(lambda fn=fn: fn(params, grads, ms_, vs, **hyper), rep_ms=500)
+        rows.append(row("lamb step", name, ms, bytes_=nbytes, params=n))
     return rows
 
 
@@ -236,21 +294,29 @@ def main() -> None:
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
               "shapes": dict(tokens=TOKENS, d=D, ff=FF, vocab=VOCAB, heads=HEADS, head_dim=HEAD_DIM, dtype="bf16"),
-              "ceilings": ceil, "rows": rows}
+              "ceilings": ceil, "rows": rows, "kernel_profiles_us": PROFILES}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    print_table(result)
+
+
+def print_table(result: dict) -> None:
+    ceil = result["ceilings"]
     print(f"\n{result['device']}, torch {result['torch']}: copy {ceil['copy_GBps']:.0f} GB/s, "
           f"bf16 matmul {ceil['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
-    print(f"{'op':<14} {'impl':<34} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'extra':>12}")
-    for r in rows:
+    for name, kernels in PROFILES.items():
+        print(f"{name}: " + "; ".join(f"{k} {us:.0f} us" for k, us in kernels))
+    print(f"{'op':<16} {'impl':<34} {'ms':>8} {'graph ms':>9} {'GB/s':>6} {'%copy':>6} {'TFLOP/s':>8} {'peak mem':>9}")
+    for r in result["rows"]:
         if r["impl"] == "FAILED":
-            print(f"{r['op']:<14} FAILED: {r['error']}")
+            print(f"{r['op']:<16} FAILED: {r['error']}")
             continue
+        graph = f"{r['graph_ms']:.3f}" if r.get("graph_ms") is not None else ""
         gbps = f"{r['GBps']:.0f}" if "GBps" in r else ""
         pct = f"{100 * r['GBps'] / ceil['copy_GBps']:.0f}" if "GBps" in r else ""
         tf = f"{r['TFLOPs']:.0f}" if "TFLOPs" in r else ""
-        extra = f"{r['peak_GB']:.2f} GB" if "peak_GB" in r else ""
-        print(f"{r['op']:<14} {r['impl']:<34} {r['ms']:>8.3f} {gbps:>7} {pct:>6} {tf:>8} {extra:>12}")
+        mem = f"{r['peak_GB']:.2f} GB" if "peak_GB" in r else ""
+        print(f"{r['op']:<16} {r['impl']:<34} {r['ms']:>8.3f} {graph:>9} {gbps:>6} {pct:>6} {tf:>8} {mem:>9}")
 
 
 if __name__ == "__main__":

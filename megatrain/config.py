@@ -326,7 +326,9 @@ class Config(_Section):
             raise ValueError(f"parallel.tp ({tp}) must divide model.vocab_size ({self.model.vocab_size})")
         if self.parallel.pp > self.model.n_layer:
             raise ValueError(f"parallel.pp ({self.parallel.pp}) exceeds model.n_layer ({self.model.n_layer})")
-        if self.parallel.dp is not None:
+        if self.parallel.world_size is not None:
+            self.train.grad_accumulation_steps(self.parallel.data_parallel_size(self.parallel.world_size))
+        elif self.parallel.dp is not None:
             self.train.grad_accumulation_steps(self.parallel.dp)
         if self.train.seq_len is not None and self.train.seq_len > self.model.seq_len:
             raise ValueError(f"train.seq_len ({self.train.seq_len}) must be <= model.seq_len ({self.model.seq_len})")

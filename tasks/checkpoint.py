@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+from prefect import task
+from tasks._log import run_logger
 
 
 def staged_steps(staging_dir: str) -> list[int]:
@@ -19,5 +20,5 @@ def upload_checkpoint(staging_dir: str, durable_url: str, step: int, run_dir: st
     from megatrain.checkpoint.upload import upload_staged_step
 
     result = upload_staged_step(staging_dir, durable_url, step)
-    get_run_logger().info("committed step %d to %s", step, durable_url)
+    run_logger().info("committed step %d to %s", step, durable_url)
     return result

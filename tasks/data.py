@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from megatrain.campaign import CampaignConfig, stage_config
+from tasks._log import run_logger
 
 
 @task(name="shard-data", retries=2, retry_delay_seconds=10, timeout_seconds=3600,
@@ -17,7 +18,7 @@ def shard_stage_data(data_config: dict, seq_len: int, vocab_size: int) -> dict:
     from megatrain.data.shard import shard_corpus
 
     index = shard_corpus(DataConfig.model_validate(data_config), seq_len, vocab_size)
-    get_run_logger().info("shards at %s: %d samples in %d shards (version %s)",
+    run_logger().info("shards at %s: %d samples in %d shards (version %s)",
                           index.url, index.num_samples, len(index.shards), index.version)
     return {"url": index.url, "version": index.version, "num_samples": index.num_samples, "shards": len(index.shards)}
 

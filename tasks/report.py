@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from megatrain.campaign import CampaignConfig
+from tasks._log import run_logger
 
 
 def _key(*parts: str) -> str:
@@ -56,5 +57,5 @@ def write_report(campaign: CampaignConfig, stage_results: list[dict]) -> dict:
     summary = {"campaign": campaign.id, "stages": stage_rows, "checkpoints": checkpoint_rows,
                "loss_curve": str(loss_png), "report": str(report_dir / "report.md")}
     (report_dir / "report.json").write_text(json.dumps(summary, indent=2))
-    get_run_logger().info("report written to %s", report_dir)
+    run_logger().info("report written to %s", report_dir)
     return summary

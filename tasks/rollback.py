@@ -3,12 +3,13 @@ tell the world (a Prefect event per rollback, which an automation can act on).""
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 
 from megatrain.config import load_config
 from megatrain.reliability.rollback import RollbackRecord, append_rollback, read_rollbacks
+from tasks._log import run_logger
 
 
 class RollbackLimitExceeded(RuntimeError):
@@ -30,7 +31,7 @@ def rollback(campaign_id: str, stage: str, config_path: str, verdict: dict, coun
     """
     from megatrain.checkpoint.restore import newest_restorable_step
 
-    logger = get_run_logger()
+    logger = run_logger()
     cfg = load_config(config_path)
     policy = cfg.reliability
     run_dir = cfg.train.run_dir

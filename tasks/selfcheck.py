@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from megatrain.campaign import CampaignConfig, stage_config
+from tasks._log import run_logger
 
 
 class SelfCheckFailed(RuntimeError):
@@ -34,7 +35,7 @@ def run_self_check(campaign: CampaignConfig) -> dict:
     create_table_artifact(rows, key=f"{campaign.id}-selfcheck".lower(), description="node self-check")
     failed = [r for r in rows if not r["passed"]]
     for row in rows:
-        get_run_logger().info("%(node)s %(check)s: %(value)s %(unit)s (threshold %(threshold)s) passed=%(passed)s", row)
+        run_logger().info("%(node)s %(check)s: %(value)s %(unit)s (threshold %(threshold)s) passed=%(passed)s", row)
     if failed:
         raise SelfCheckFailed("self-check failed: " + "; ".join(f"{r['node']}: {r['check']}" for r in failed))
     return {"node": report.node, "checks": len(rows), "path": str(Path(out))}

@@ -17,13 +17,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from megatrain.campaign import CampaignConfig, stage_config
 from megatrain.config import load_config
 from tasks.checkpoint import staged_steps, upload_checkpoint
 from tasks.rollback import RollbackLimitExceeded, rollback
+from tasks._log import run_logger
 
 
 class StageFailed(RuntimeError):
@@ -50,7 +51,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.heartbeat import HeartbeatWatcher
 
-    logger = get_run_logger()
+    logger = run_logger()
     cfg = load_config(config_path)
     run_dir = cfg.train.run_dir
     clear_verdict(run_dir)
@@ -79,7 +80,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
 def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict:
     from megatrain.launch import write_run_config
 
-    logger = get_run_logger()
+    logger = run_logger()
     stage = campaign.stages[index]
     cfg = stage_config(campaign, index)
     # The ranks only stage checkpoints; this task uploads and commits each one as a task run.
@@ -93,6 +94,7 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
     restarts = rollbacks = 0
     while True:
         attempt = len(history) + 1
+        _upload_new(cfg, uploaded)  # staged before an earlier crash: commit it before the ranks restore
         launch = launch_ranks.submit(config_path, campaign.nproc_per_node, attempt, campaign.stage_timeout_s)
         while not launch.state.is_final():
             _upload_new(cfg, uploaded)

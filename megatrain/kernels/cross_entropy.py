@@ -70,25 +70,13 @@ def default_chunk_rows(n_rows: int, vocab: int) -> int:
     return max(1, min(n_rows, rows))
 
 
-_addmm_out_dtype_works: bool | None = None  # probed once: does torch.addmm take out_dtype here?
-
-
 def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc (fp32) + a @ b, with a bf16/fp16 product summed in fp32 (returns the new accumulator).
-
-    cuBLAS can write a bf16 product straight into fp32 (``torch.addmm(..., out_dtype=)``, CUDA);
-    elsewhere the product is rounded to the input dtype once per chunk, then added in fp32, which
-    is no worse than the reference's single bf16 product for the whole batch."""
-    global _addmm_out_dtype_works
+    """acc (fp32) += a @ b. A bf16 product is rounded to bf16 once per chunk, then added in fp32:
+    no worse than the reference's single bf16 product for the whole batch. (cuBLAS writing the
+    bf16 product straight into fp32, ``torch.addmm(..., out_dtype=torch.float32)``, measured
+    slower on an H200: 19.3 vs 18.7 ms for the whole loss at 1.3B shapes.)"""
     if a.dtype == torch.float32:
         return acc.addmm_(a, b)
-    if a.is_cuda and _addmm_out_dtype_works is not False:
-        try:
-            out = torch.addmm(acc, a, b, out_dtype=torch.float32)
-            _addmm_out_dtype_works = True
-            return out
-        except (RuntimeError, TypeError):
-            _addmm_out_dtype_works = False
     return acc.add_(a @ b)
 
 

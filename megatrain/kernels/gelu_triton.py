@@ -1,8 +1,11 @@
 """Fused bias + GeLU (tanh approximation) in Triton, forward and backward.
 
-    y = gelu(x + b),  gelu(z) = 0.5 z (1 + tanh(k (z + 0.044715 z^3))),  k = sqrt(2 / pi)
+    y = gelu(x + b),  gelu(z) = 0.5 z (1 + tanh(u)),  u = k (z + 0.044715 z^3),  k = sqrt(2 / pi)
 
-This matches ``F.gelu(z, approximate="tanh")``. The forward saves only x (the pre-bias input,
+This matches ``F.gelu(z, approximate="tanh")``. The kernels use the identity
+0.5 (1 + tanh(u)) = sigmoid(2u), so gelu(z) = z * s with s = sigmoid(2u) = 1 / (1 + exp(-2u)):
+one exp and one division, and no cancellation in 1 + tanh(u) for negative z. The derivative is
+s + z s (1 - s) 2k (1 + 3 * 0.044715 z^2). The forward saves only x (the pre-bias input,
 which the fc matmul produced anyway) and recomputes z = x + b in the backward: one read instead
 of storing a second [tokens, ff] tensor.
 
@@ -21,14 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-_SQRT_2_OVER_PI = 0.7978845608028654
-_COEF = 0.044715
-
-
 @triton.jit
-def _tanh(z):
-    # tl has no tanh on every version; 2*sigmoid(2z) - 1 is exact in fp32 to rounding.
-    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+def _sigmoid_2u(z):
+    """sigmoid(2u) for u = k (z + c z^3); exp(-2u) may overflow to inf, giving s = 0 as it should."""
+    two_u = 2.0 * 0.7978845608028654 * (z + 0.044715 * z * z * z)
+    return 1.0 / (1.0 + tl.exp(-two_u))
 
 
 @triton.jit
@@ -40,8 +40,7 @@ def _bias_gelu_fwd_kernel(X, B, Y, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.con
     z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
-    tl.store(Y + offs, (0.5 * z * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, (z * _sigmoid_2u(z)).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -54,7 +53,9 @@ def _bias_gelu_bwd_kernel(
     col_mask = cols < N
     if HAS_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # dbias: summed elementwise over the row steps, reduced across rows once at the end
+    # (a cross-warp reduction per step would cost a shared-memory round trip each time).
+    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i in tl.static_range(0, ROWS_PER_PROGRAM, BLOCK_M):
         rows = pid_m * ROWS_PER_PROGRAM + i + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & col_mask[None, :]
@@ -63,15 +64,14 @@ def _bias_gelu_bwd_kernel(
         if HAS_BIAS:
             z += b[None, :]
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
-        # d/dz [0.5 z (1 + t)] = 0.5 (1 + t) + 0.5 z (1 - t^2) k (1 + 3 c z^2)
-        dgelu = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
+        s = _sigmoid_2u(z)
+        dgelu = s + z * s * (1.0 - s) * (2.0 * 0.7978845608028654) * (1.0 + 3.0 * 0.044715 * z * z)
         dx = dy * dgelu
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
-            db += tl.sum(dx, axis=0)  # masked elements have dy = 0
+            db += dx  # masked elements have dy = 0
     if HAS_BIAS:
-        tl.store(DB_PART + pid_m.to(tl.int64) * N + cols, db, mask=col_mask)
+        tl.store(DB_PART + pid_m.to(tl.int64) * N + cols, tl.sum(db, axis=0), mask=col_mask)
 
 
 # Tiles: 8 x 512 in the forward (16 elements per thread at 8 warps: two 16-byte bf16 loads);

@@ -14,12 +14,22 @@ the "collective matmul" of Wang et al. 2023):
 
 Collectives are issued with ``async_op=True`` and waited on just before their result is read. On
 GPU, NCCL runs an async collective on its own stream and ``work.wait()`` only makes the compute
-stream wait, so the same code overlaps there (set CUDA_DEVICE_MAX_CONNECTIONS=1 so the GEMM
-kernels queue behind the collectives in issue order); on CPU with gloo the collective runs on
-gloo's thread. ``tp_chunks=1`` turns this off: the plain regions in tensor_parallel.py are used.
+stream wait, so the same code overlaps there (Megatron-LM sets CUDA_DEVICE_MAX_CONNECTIONS=1 so
+the GPU starts kernels in issue order); on CPU with gloo the collective runs on gloo's thread.
+``tp_chunks=1`` turns this off: the plain regions in tensor_parallel.py are used. Only sequence
+parallelism uses it (without SP the regions are all-reduces, not chunked here).
+
+Where it applies in megatrain's GPT (tensor_parallel.apply_tensor_parallel): the all-gather of
+every block is fused with the attention ``qkv`` GEMM, which the enter region computes and hands
+to the ``ColumnParallelLinear``; the MLP's ``fc`` GEMM is not, because ``MLP`` calls
+``F.linear(x, fc.weight)`` itself. The serial block's two projections are fused with their
+reduce-scatters. The parallel block's reduce-scatter takes attn + mlp summed, after both
+projections, so it has no single GEMM to fuse with and runs unchunked.
 
 Data parallel (DeepSpeed, see ``zero_overlap_settings``): ZeRO's ``overlap_comm`` reduces
-gradient buckets on a side stream while the backward pass continues. Prefetching the first
+gradient buckets on a side stream while the backward pass continues (ZeRO-2: every backward;
+ZeRO-1: the backward at the accumulation boundary; under the pipeline engine, which runs the
+backward outside ZeRO, after the last one). Prefetching the first
 all-gather of an iteration exists only where an iteration starts with an all-gather, i.e. ZeRO-3
 (``stage3_prefetch_bucket_size``: parameters are fetched ahead of the module that needs them,
 in the order recorded during the first step). Under ZeRO-1/2 parameters stay whole between

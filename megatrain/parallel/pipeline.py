@@ -3,7 +3,8 @@
 
 Each process builds the whole (tensor-parallel) GPT with the run's seed, so every stage starts
 from the single-process weights; ``PipelineModule`` then registers only the layers of this
-rank's stage, and the others are freed with the ``GPT`` object.
+rank's stage, and the weights of the other stages' layers are released (moved to the meta
+device: DeepSpeed keeps a reference to every layer it was given).
 
 Stages are balanced by transformer blocks (``partition_method="type:..."``): the embedding joins
 the first stage and the head the last. Activation checkpointing, when the recipe asks for it,
@@ -95,8 +96,9 @@ def build_pipeline_module(model: GPT, cfg: Config, groups: ProcessGroups) -> Pip
         # The last stage holds the whole Embedding for its tied token table; its position table
         # is never used there and must not be trained (it would get no gradient).
         model.embed.wpe.weight.requires_grad_(False)
-    return PipelineModule(
-        layers=pipeline_layers(model),
+    layers = pipeline_layers(model)
+    pipe = PipelineModule(
+        layers=layers,
         topology=pipeline_topology(dims),
         loss_fn=partial(_head_loss, model.head),
         partition_method="type:" + "|".join(BLOCK_TYPES),
@@ -104,3 +106,9 @@ def build_pipeline_module(model: GPT, cfg: Config, groups: ProcessGroups) -> Pip
         activation_checkpoint_func=partial(checkpoint, use_reentrant=False),
         checkpointable_layers=list(BLOCK_TYPES),
     )
+    on_this_stage = {id(module) for module in pipe.modules()}
+    for layer in layers:
+        module = layer.module if isinstance(layer, _ExistingTiedLayer) else layer
+        if id(module) not in on_this_stage:
+            module.to("meta")
+    return pipe

@@ -138,3 +138,12 @@ def test_init_from_takes_weights_and_optimizer_only(fresh, tmp_path):
     assert other.loader.position == 0  # its own data position
     assert other.engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)  # its own schedule
     assert other.engine.optimizer.state  # but the moments came along
+
+
+def test_thread_mode_applies_retention_and_cleans_staging(fresh):
+    cfg, trainer, checkpointer = fresh(interval=1, keep_last=2, keep_every=2)
+    run(trainer, checkpointer, 5)
+    checkpointer.close()
+    assert [info.step for info in catalog.committed(cfg.checkpoint.durable_url)] == [2, 4, 5]
+    staging = Path(cfg.checkpoint.staging_dir)
+    assert not any(staging.iterdir())  # every staged step is committed, so none is kept

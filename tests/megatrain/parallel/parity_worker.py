@@ -93,6 +93,9 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     if isinstance(optimizer, Lamb) and p.zero_stage in (1, 2):  # as the trainer does
         attach_lamb_segments(engine.optimizer, optimizer, groups.dp_group, norm_group=groups.stage_group)
     params = [q for q in engine.module.parameters() if q.requires_grad]
+    if dims.pp > 1:  # the other stages' layers were built too, and must have been released
+        local = {id(q) for q in engine.module.parameters()}
+        assert all(q.is_meta for q in model.parameters() if id(q) not in local), "other stages' weights kept"
 
     grads: dict[str, torch.Tensor] = {}
     zero_step = engine.optimizer.step
