@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import sys
@@ -87,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="scratch dir on the local disk (default: a temp dir)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--skip-upload", action="store_true")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (host copies on CPU use them; torchrun ranks get 1)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))

@@ -62,7 +62,7 @@ def profile(name: str, fn: Callable[[], object], calls: int = 5) -> None:
     try:
         fn()
         torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
@@ -198,6 +198,8 @@ def bench_cross_entropy() -> list[dict]:
         torch.cuda.synchronize()
         peak_gb = (torch.cuda.max_memory_allocated() - base) / 1e9
         rows.append(row("lm_head+CE", name, bench(run, rep_ms=400), flops=useful, peak_GB=peak_gb))
+        if name == "fused":
+            profile("lm_head+CE fused", run, calls=2)
     return rows
 
 

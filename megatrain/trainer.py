@@ -71,8 +71,9 @@ class Trainer:
 
         model = GPT(cfg.model).to(env.device)
         self.n_params = count_parameters(model)
-        model = parallelize(model, cfg, self.groups)
+        model = parallelize(model, cfg, self.groups)  # a DeepSpeed PipelineModule when pp > 1
         self.engine = self._build_engine(model)
+        self.batches = self._device_batches()
 
         self.step = 0
         self.checkpointer = Checkpointer(cfg, env, self.groups)
@@ -124,13 +125,22 @@ class Trainer:
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
         bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and self.env.device.type == "cuda")
         ds_config = deepspeed_config(cfg, self.groups.dims.dp, bf16, self.n_params)
+        # A PipelineModule brings its own topology (built in our rank order), so no mpu then.
+        mpu = None if self.groups.dims.pp > 1 else DeepSpeedMPU(self.groups)
         engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
-            mpu=DeepSpeedMPU(self.groups), dist_init_required=False,
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu,
+            dist_init_required=False,
         )
         if isinstance(optimizer, Lamb) and cfg.parallel.zero_stage in (1, 2):
-            attach_lamb_segments(engine.optimizer, optimizer, self.groups.dp_group)
+            # norms summed over the stage's TP x DP ranks: a TP-sharded tensor's norm is the whole tensor's
+            attach_lamb_segments(engine.optimizer, optimizer, self.groups.dp_group, norm_group=self.groups.stage_group)
         return engine
+
+    def _device_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The loader's (inputs, targets) micro-batches on this rank's device."""
+        while True:
+            inputs, targets = next(self.loader)
+            yield inputs.to(self.env.device, non_blocking=True), targets.to(self.env.device, non_blocking=True)
 
     def _apply_rollbacks(self) -> None:
         """After an anomaly the orchestrator restored us to an earlier step: skip the window."""
@@ -151,32 +161,12 @@ class Trainer:
             yield
 
     def train_step(self) -> StepMetrics:
-        """One optimizer step: grad_accumulation micro-batches of forward and backward, then the
-        (ZeRO-partitioned, clipped) optimizer step. DeepSpeed divides each micro-batch loss by the
-        accumulation count and only steps at the accumulation boundary."""
+        """One optimizer step over the global batch; returns its metrics."""
         start = time.perf_counter()
         with self.phase("forward"):  # an injected slowdown counts as this rank's own compute
             self.faults.on_step_start(self.step + 1)
-        micro_losses = []
-        for _ in range(self.grad_accumulation):
-            with self.phase("data"):
-                inputs, targets = next(self.loader)
-                inputs = inputs.to(self.env.device, non_blocking=True)
-                targets = targets.to(self.env.device, non_blocking=True)
-            with self.phase("forward"):
-                loss = self.faults.transform_loss(self.step + 1, self.engine(inputs, targets))
-            with self.phase("backward"):
-                self.engine.backward(loss)
-            with self.phase("optimizer"):
-                self.engine.step()
-            micro_losses.append(loss.detach().float())
+        step_loss = self._pipeline_batch() if self.groups.dims.pp > 1 else self._accumulated_batch()
         self.step += 1
-
-        step_loss = torch.stack(micro_losses).mean()
-        if self.groups.dims.dp > 1:  # the loss of the whole global batch, for logging and anomalies
-            with self.phase("comm"):
-                dist.all_reduce(step_loss, group=self.groups.dp_group)
-            step_loss /= self.groups.dims.dp
         step_time = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / step_time
         return StepMetrics(
@@ -186,6 +176,38 @@ class Trainer:
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops) if self.peak_flops else None,
             phases_ms=self.timers.end_step() or {},
         )
+
+    def _accumulated_batch(self) -> torch.Tensor:
+        """grad_accumulation micro-batches of forward and backward, then the (ZeRO-partitioned,
+        clipped) optimizer step. DeepSpeed divides each micro-batch loss by the accumulation count
+        and only steps at the accumulation boundary. Returns the loss of the global batch."""
+        micro_losses = []
+        for _ in range(self.grad_accumulation):
+            with self.phase("data"):
+                inputs, targets = next(self.batches)
+            with self.phase("forward"):
+                loss = self.faults.transform_loss(self.step + 1, self.engine(inputs, targets))
+            with self.phase("backward"):
+                self.engine.backward(loss)
+            with self.phase("optimizer"):
+                self.engine.step()
+            micro_losses.append(loss.detach().float())
+        step_loss = torch.stack(micro_losses).mean()
+        if self.groups.dims.dp > 1:  # the loss of the whole global batch, for logging and anomalies
+            with self.phase("comm"):
+                dist.all_reduce(step_loss, group=self.groups.dp_group)
+            step_loss /= self.groups.dims.dp
+        return step_loss
+
+    def _pipeline_batch(self) -> torch.Tensor:
+        """1F1B: DeepSpeed pulls grad_accumulation micro-batches from self.batches (first and last
+        stage only), interleaves their forwards and backwards across the stages, reduces
+        gradients (DP, and the tied embedding between first and last stage) and steps. Its loss
+        is already averaged over micro-batches and DP, and broadcast to every stage. An injected
+        loss fault can only change the reported loss here: the backward runs inside DeepSpeed."""
+        with self.phase("pipeline"):
+            loss = self.engine.train_batch(self.batches)
+        return self.faults.transform_loss(self.step + 1, loss.detach().float())
 
     def train(self) -> TrainResult:
         start = time.perf_counter()

@@ -35,7 +35,7 @@ STAGED = "staged.json"
 FORMAT_VERSION = 1
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
-_CHUNK = 64 << 20  # write and hash in 64 MiB slices so one huge tensor does not hold the GIL long
+_CHUNK = 64 << 20  # write and hash 64 MiB slices, so hashing one slice overlaps writing it
 
 
 def step_dir_name(step: int) -> str:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatrain import storage
 from megatrain.checkpoint import state
 from megatrain.checkpoint.files import (
-    MANIFEST, STAGED, model_file, parse_step, rank_meta_file, rank_tensor_file, step_dir_name,
+    MANIFEST, STAGED, model_file, parse_step, rank_marker, rank_meta_file, rank_tensor_file, step_dir_name,
 )
 from megatrain.checkpoint.restore import restore_checkpoint
 from megatrain.checkpoint.retention import apply_retention, clean_staging
@@ -87,7 +87,10 @@ class Checkpointer:
             return 0
         step = restore_checkpoint(trainer, self.ckpt.durable_url, self.fingerprint, self.layout, self.groups)
         if step is None and self.ckpt.init_from:
-            restore_checkpoint(trainer, self.ckpt.init_from, None, self.layout, self.groups, full=False)
+            found = restore_checkpoint(trainer, self.ckpt.init_from, None, self.layout, self.groups, full=False)
+            if found is None:
+                log.warning("checkpoint.init_from=%s holds no committed checkpoint: starting from scratch",
+                            self.ckpt.init_from)
         self.last_saved_step = step
         return step or 0
 
@@ -98,7 +101,7 @@ class Checkpointer:
         root = Path(self.ckpt.staging_dir)
         if root.is_dir():
             rank, g = self.groups.rank, self.groups
-            mine = [rank_tensor_file(rank), rank_meta_file(rank), f"rank-{rank:05d}.done.json"]
+            mine = [rank_tensor_file(rank), rank_meta_file(rank), rank_marker(rank)]
             if g.dp_rank == 0:
                 mine.append(model_file(g.pp_rank, g.tp_rank))
             if rank == 0:

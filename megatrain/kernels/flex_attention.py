@@ -6,6 +6,12 @@ a *block mask*: a per-128x128-tile summary saying which tiles are fully masked (
 visible (no per-element mask), or partial. With window w at sequence T, only about w/T of the
 causal tiles are computed, so the cost falls with the window.
 
+Measured on an H200, forward + backward, 16 heads of 128, bf16: at T=2048 (batch 8) SDPA full
+causal takes 1.15 ms, flex full causal 1.52, flex window 1024 1.28, window 512 0.96, and SDPA with
+a dense window mask 3.24. Flex's kernel is slower per FLOP than cuDNN's, so a window only saves
+time once it is well below T/2; at T=8192 (batch 2) a 1024 window takes 1.52 ms against SDPA's
+3.82 for full causal.
+
 Convention (as ``attention.py``): query i sees keys j with i - w < j <= i.
 
 Two things are built once and cached: the compiled ``flex_attention`` (eager flex runs a slow

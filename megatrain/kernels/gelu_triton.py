@@ -14,6 +14,9 @@ modulo per element. The backward also reduces dbias: each program sums its tile'
 into one partial row, and a torch sum over [row tiles, ff] (a few MB) finishes it, so the large
 dx is never re-read.
 
+Measured on an H200 at [16384, 8192] bf16 with an fp32 bias (GPU time): forward 0.135 ms (94% of
+the copy rate), forward + backward 0.406 ms against 1.53 ms for the unfused ``F.gelu(x + b)``.
+
 The output is written in x's dtype (bf16 under autocast; the fp32 bias does not promote it as
 the unfused ``x + b`` would); dbias takes the bias's dtype.
 """

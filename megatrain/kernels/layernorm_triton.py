@@ -13,6 +13,11 @@ input's dtype, except under CUDA autocast, where it is written directly in the a
 (bf16): every consumer of a LayerNorm output is a linear that would cast it anyway, so this halves
 the bytes written and saves each consumer a cast. Weight/bias gradients take the parameter's dtype.
 
+Measured on an H200 at [16384, 2048] bf16 (GPU time, CUDA graph): forward 0.040 ms (79% of the
+device-to-device copy rate), forward + backward 0.129 ms against torch's 0.202; residual add +
+LayerNorm 0.160 ms against 0.298 unfused. Eager, the Python side of the autograd Function costs
+more than the GPU work at this size (0.36 ms per forward + backward when nothing else is queued).
+
 This module imports Triton at the top: only import it on a machine where Triton is installed
 (``megatrain.kernels.layernorm`` does so lazily).
 """
@@ -97,7 +102,8 @@ def _ln_bwd_kernel(
 
 
 # Backward grid size: programs per SM. More programs keep more rows in flight (the row loop is
-# latency bound); fewer make the [programs, N] fp32 partials smaller. benchmarks/kernels.py sweeps it.
+# latency bound); fewer make the [programs, N] fp32 partials smaller. benchmarks/kernels.py sweeps
+# it; on an H200 at [16384, 2048] bf16, fwd+bwd took 0.149 / 0.129 / 0.130 / 0.139 ms at 2/4/8/16.
 BWD_PROGRAMS_PER_SM = 4
 
 

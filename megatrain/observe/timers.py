@@ -35,7 +35,7 @@ from typing import Iterator
 
 import torch
 
-PHASES = ("data", "forward", "backward", "optimizer", "comm", "checkpoint")
+PHASES = ("data", "forward", "backward", "optimizer", "pipeline", "comm", "checkpoint")
 
 
 @dataclass

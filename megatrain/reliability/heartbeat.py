@@ -40,7 +40,7 @@ from megatrain.reliability.stacks import STACK_SIGNAL, collect_stacks, install_s
 
 log = logging.getLogger(__name__)
 
-PHASES = ("init", "data", "forward", "backward", "optimizer", "checkpoint", "collective", "done")
+PHASES = ("init", "data", "forward", "backward", "optimizer", "pipeline", "checkpoint", "collective", "done")
 
 
 @dataclass
