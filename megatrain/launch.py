@@ -69,8 +69,9 @@ def torchrun_command(config_path: str | Path, nproc_per_node: int, overrides: li
     ]
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGKILL the child when the launching thread's process dies."""
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (used as the launcher's
+    preexec_fn, and by each rank under torchrun, so no rank outlives a killed flow)."""
     PR_SET_PDEATHSIG = 1
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -121,7 +122,7 @@ def run_ranks(
     start = time.monotonic()
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        start_new_session=True, preexec_fn=_die_with_parent, env=env, cwd=cwd,
+        start_new_session=True, preexec_fn=die_with_parent, env=env, cwd=cwd,
     )
     pump = threading.Thread(target=_pump, args=(proc.stdout, on_line), daemon=True)
     pump.start()

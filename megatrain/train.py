@@ -31,6 +31,10 @@ def setup_logging(rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging(int(os.environ.get("RANK", 0)))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive the agent
+        from megatrain.launch import die_with_parent
+
+        die_with_parent()
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:  # before any process group or model exists

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -49,6 +51,12 @@ class TrainResult:
     status: str  # "completed", or the kind of anomaly that stopped the run
 
 
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
 def prepare_data(cfg: Config, env: DistEnv) -> ShardIndex:
     """Rank 0 writes (or finds) the shards; the others wait and read the same index."""
     url = [None]
@@ -64,7 +72,7 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.groups = self._build_layout()
         self.grad_accumulation = cfg.train.grad_accumulation_steps(self.groups.dims.dp)
-        torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+        seed_everything(cfg.train.seed)  # same initial weights on every rank
 
         self.index = prepare_data(cfg, env)
         self.loader = self._build_loader()

@@ -136,7 +136,8 @@ def _upload_new(cfg, uploaded: set[int]) -> None:
     """Submit one upload task run per newly staged step, and wait for them (in step order)."""
     for step in staged_steps(cfg.checkpoint.staging_dir):
         if step not in uploaded:
-            upload_checkpoint(cfg.checkpoint.staging_dir, cfg.checkpoint.durable_url, step, cfg.train.run_dir)
+            upload_checkpoint(cfg.checkpoint.staging_dir, cfg.checkpoint.durable_url, step,
+                              cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
             uploaded.add(step)
 
 

@@ -7,3 +7,54 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="megatrain-prefect
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def shard_root(tmp_path_factory):
+    """One shard directory for the session: sharding is idempotent, so only the first run pays."""
+    return tmp_path_factory.mktemp("shards")
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A real Prefect server (SQLite in a temp dir) for the flow and task tests, one per session."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture
+def campaign_file(tmp_path, shard_root):
+    """Writes a small campaign (the tiny recipe at one layer, every path under tmp_path) and
+    returns its path: ``campaign_file("id", stages_yaml, nproc=1, extra_yaml="")``."""
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def write(campaign_id: str, stages: str, nproc: int = 1, extra: str = "") -> Path:
+        path = tmp_path / f"{campaign_id}.yaml"
+        path.write_text(
+            textwrap.dedent(f"""\
+                id: {campaign_id}
+                recipe: {root / 'configs/tiny-cpu.yaml'}
+                nproc_per_node: {nproc}
+                root_dir: {tmp_path / 'campaigns'}
+                shard_url: {shard_root}
+                self_check: false
+                overrides:
+                  - model.n_layer=1
+                  - data.max_source_bytes=400000
+                  - checkpoint.interval=2
+                  - reliability.heartbeat_interval_s=0.5
+                  - reliability.heartbeat_timeout_s=60
+                """) + textwrap.dedent(extra) + "stages:\n" + textwrap.indent(textwrap.dedent(stages), "  ")
+        )
+        return path
+
+    return write

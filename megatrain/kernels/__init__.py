@@ -14,10 +14,18 @@ import functools
 import torch
 
 
-def resolve(impl: str, x: torch.Tensor) -> str:
-    """``auto`` means fused on CUDA when Triton imports, reference elsewhere."""
+def resolve(impl: str, x: torch.Tensor, under_compile: str | None = "reference") -> str:
+    """``auto`` means fused on CUDA when Triton imports, reference elsewhere, and
+    ``under_compile`` inside a region that ``torch.compile`` is tracing. For elementwise ops
+    (LayerNorm, GeLU) that is the reference: inductor fuses the plain-torch ops with their
+    neighbours (the bias add before a GeLU, the residual add before a LayerNorm) into kernels
+    of its own, which a hand-written autograd Function would hide from it. ``None`` keeps the
+    CUDA/CPU choice under compile too (the LM-head loss, whose reference materialises the
+    logits)."""
     if impl != "auto":
         return impl
+    if under_compile is not None and torch.compiler.is_compiling():
+        return under_compile
     if x.is_cuda and triton_available():
         return "fused"
     return "reference"

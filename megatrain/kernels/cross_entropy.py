@@ -141,7 +141,7 @@ def lm_head_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tensor, ta
 
 
 def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    choice = resolve(impl, hidden)
+    choice = resolve(impl, hidden, under_compile=None)
     if choice == "fused":
         from megatrain.kernels.cross_entropy_triton import lm_head_cross_entropy_fused
 

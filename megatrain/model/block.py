@@ -3,15 +3,32 @@
 Each block has ``enter``/``exit`` slots (identity here). Tensor + sequence parallelism replaces
 them from outside with all-gather / reduce-scatter regions; the parallel block needs one of each
 per layer because attention and MLP read the same normalised input and their outputs are summed.
+
+The parallel block can run its four projections as two matmuls (PaLM's fused formulation):
+[qkv | fc] = h [W_qkv | W_fc]^T, and attn_proj(y) + mlp_proj(g) = [y | g] [W_attn_proj | W_mlp_proj]^T.
+Same parameters, same math; bigger GEMMs (N = 3d + ff, then K = d + ff) run closer to the
+tensor cores' peak, and the attention projection's small [d, d] GEMM disappears. It is used
+where ``FUSE_PROJECTIONS`` says (by default: inside ``torch.compile``, where inductor writes
+the producers of the concatenated activations straight into one buffer and turns the split
+gradients into views; in eager the concatenations and the split's backward would each cost a
+copy of a [tokens, 3d + ff] tensor) and only while the block is plain (no tensor parallelism:
+its column/row-parallel linears and enter/exit regions keep the unfused path).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from megatrain.config import ModelConfig
 from megatrain.model.layers import MLP, Attention, LayerNorm
+
+# When the parallel block fuses its projections: "compile" (inside torch.compile only),
+# "always" (eager too; for tests) or "never" (for ablations). Read at call time.
+FUSE_PROJECTIONS: Literal["compile", "always", "never"] = "compile"
 
 
 class ParallelBlock(nn.Module):
@@ -26,8 +43,29 @@ class ParallelBlock(nn.Module):
         self.exit = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+        if self._fuse_projections():
+            return x + self.fused_projections(self.ln(x))
         h = self.enter(self.ln(x))
         return x + self.exit(self.attn(h) + self.mlp(h))
+
+    def _fuse_projections(self) -> bool:
+        if FUSE_PROJECTIONS == "never" or (FUSE_PROJECTIONS == "compile" and not torch.compiler.is_compiling()):
+            return False
+        plain = (type(self.enter) is nn.Identity and type(self.exit) is nn.Identity
+                 and all(type(m) is nn.Linear for m in (self.attn.qkv, self.attn.proj, self.mlp.fc, self.mlp.proj)))
+        biases = [m.bias is None for m in (self.attn.qkv, self.attn.proj, self.mlp.fc, self.mlp.proj)]
+        return plain and len(set(biases)) == 1
+
+    def fused_projections(self, h: torch.Tensor) -> torch.Tensor:
+        """attn(h) + mlp(h) with two matmuls instead of four (see the module docstring)."""
+        attn, mlp = self.attn, self.mlp
+        w_in = torch.cat([attn.qkv.weight, mlp.fc.weight])  # [3d + ff, d]
+        b_in = None if attn.qkv.bias is None else torch.cat([attn.qkv.bias, mlp.fc.bias])
+        qkv, pre = F.linear(h, w_in, b_in).split([attn.qkv.out_features, mlp.fc.out_features], dim=-1)
+        y = torch.cat([attn.attend(qkv), mlp.activate(pre, None)], dim=-1)  # [B, T, d + ff]
+        w_out = torch.cat([attn.proj.weight, mlp.proj.weight], dim=1)  # [d, d + ff]
+        b_out = None if attn.proj.bias is None else attn.proj.bias + mlp.proj.bias
+        return F.linear(y, w_out, b_out)
 
 
 class SerialBlock(nn.Module):

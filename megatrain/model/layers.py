@@ -39,13 +39,16 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv = self.qkv(x)  # [B, T, 3 * H * hd]
+        return self.proj(self.attend(self.qkv(x)))
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The part between the two projections: qkv [B, T, 3 * H * hd] -> [B, T, H * hd].
+        ``qkv`` may be a strided view (the fused input projection of the parallel block)."""
+        B, T, _ = qkv.shape
         n_head = qkv.shape[-1] // (3 * self.head_dim)
-        q, k, v = qkv.view(B, T, 3, n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, hd]
+        q, k, v = qkv.unflatten(-1, (3, n_head, self.head_dim)).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, hd]
         y = causal_attention(q, k, v, self.window, self.impl)  # [B, H, T, hd]
-        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
-        return self.proj(y)
+        return y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -59,4 +62,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.linear(x, self.fc.weight)  # [B, T, ff]; bias goes into the GeLU kernel
-        return self.proj(bias_gelu(h, self.fc.bias, self.impl))
+        return self.proj(self.activate(h, self.fc.bias))
+
+    def activate(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """gelu(h + bias), the part between the two projections."""
+        return bias_gelu(h, bias, self.impl)

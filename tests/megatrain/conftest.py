@@ -42,12 +42,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="session")
-def shard_root(tmp_path_factory) -> Path:
-    """One shard directory for the session: sharding is idempotent, so only the first run pays."""
-    return tmp_path_factory.mktemp("shards")
-
-
 @pytest.fixture
 def run_training(tmp_path, shard_root):
     """Run the trainer and return (metrics rows, completed process). Paths go under tmp_path."""
