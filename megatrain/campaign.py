@@ -101,8 +101,9 @@ def stage_config(campaign: CampaignConfig, index: int) -> Config:
         derived.append(f"checkpoint.init_from={campaign.stage_durable_url(index - 1)}")
     try:
         return load_config(_resolve(campaign.recipe), [*campaign.overrides, *stage.overrides, *derived])
-    except ConfigError as exc:
-        raise ValueError(f"stage {stage.name!r}: {exc}") from None
+    except ConfigError as exc:  # name the stage; the fields are those of the resolved run config
+        fields = "\n".join(str(exc).splitlines()[1:]) or str(exc)
+        raise ValueError(f"stage {stage.name!r} ({campaign.recipe} + campaign and stage overrides):\n{fields}") from None
 
 
 def load_campaign(path: str | Path, overrides: list[str] | None = None) -> CampaignConfig:

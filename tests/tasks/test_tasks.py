@@ -1,0 +1,82 @@
+"""Each task's side effect, called through ``.fn()`` (no flow run), against real files and a real
+Prefect server for the artifacts and events they emit."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megatrain.campaign import load_campaign, stage_config
+from megatrain.config import ConfigError
+from megatrain.reliability.rollback import read_rollbacks
+
+ONE_STAGE = "- {name: only, steps: 6}\n"
+
+
+def test_validate_campaign_returns_the_campaign_and_refuses_bad_fields(campaign_file):
+    from tasks.campaign import validate_campaign
+
+    campaign = validate_campaign.fn(str(campaign_file("ok", ONE_STAGE)))
+    assert campaign.id == "ok" and campaign.stages[0].steps == 6
+    bad = campaign_file("bad", "- {name: only, steps: 6, overrides: [model.n_head=7]}\n")
+    with pytest.raises(ConfigError, match="(?s)stage 'only'.*model: .*divisible by n_head"):
+        validate_campaign.fn(str(bad))
+
+
+def _stage_config_file(campaign_file, name="rb"):
+    from megatrain.launch import write_run_config
+
+    campaign = load_campaign(campaign_file(name, ONE_STAGE))
+    cfg = stage_config(campaign, 0)
+    return campaign, cfg, write_run_config(cfg, campaign.stage_dir(0) / "config.yaml")
+
+
+def test_rollback_records_the_window_and_stops_after_the_limit(prefect_api, campaign_file):
+    from tasks.rollback import RollbackLimitExceeded, rollback
+
+    campaign, cfg, config_path = _stage_config_file(campaign_file)
+    verdict = {"kind": "loss_spike", "step": 5, "value": 40.0, "baseline": 3.0, "message": "loss 40 vs 3"}
+    record = rollback.fn(campaign.id, "only", str(config_path), verdict, 1)
+    # no committed checkpoint yet: back to step 0, skipping the five batches that led to the spike
+    assert record["restore_step"] == 0 and record["skip_samples"] == 5 * cfg.train.global_batch_size
+    for count in range(2, cfg.reliability.max_rollbacks + 1):
+        rollback.fn(campaign.id, "only", str(config_path), dict(verdict, step=5 + count), count)
+    assert len(read_rollbacks(cfg.train.run_dir)) == cfg.reliability.max_rollbacks
+    with pytest.raises(RollbackLimitExceeded, match="loss_spike at step 5 -> step 0"):
+        rollback.fn(campaign.id, "only", str(config_path), dict(verdict, step=20), 99)
+
+
+def test_write_report_makes_tables_a_curve_and_a_summary(prefect_api, campaign_file):
+    from tasks.report import write_report
+
+    campaign = load_campaign(campaign_file("report", ONE_STAGE))
+    run_dir = campaign.stage_dir(0)
+    run_dir.mkdir(parents=True)
+    rows = [{"step": s, "loss": 7.0 - 0.1 * s, "lr": 1e-3, "grad_norm": 1.0, "tokens": 1024 * s,
+             "step_time_s": 0.1, "tokens_per_s": 10240.0, "mfu": None, "phases_ms": {"forward": 30.0}}
+            for s in range(1, 7)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = {"stage": "only", "steps": 6, "attempts": 2, "restarts": 1, "rollbacks": 0, "run_dir": str(run_dir),
+              "durable_url": str(campaign.stage_durable_url(0)),
+              "history": [{"status": "crashed", "message": "ranks exited with code 1"}, {"status": "completed", "message": ""}]}
+    summary = write_report.fn(campaign, [result])
+    (stage,) = summary["stages"]
+    assert stage["final loss"] == pytest.approx(6.4) and stage["restarts"] == 1 and stage["tokens/s"] == 10240
+    report = (campaign.campaign_dir / "report" / "report.md").read_text()
+    assert "attempt 1: **crashed**" in report and "attempt 2: **completed**" in report
+    assert (campaign.campaign_dir / "report" / "loss.png").stat().st_size > 1000
+
+
+def test_self_check_passes_on_this_machine_and_names_a_failing_check(prefect_api, campaign_file):
+    from tasks.selfcheck import SelfCheckFailed, run_self_check
+
+    campaign = load_campaign(campaign_file("sc", ONE_STAGE))
+    result = run_self_check.fn(campaign)
+    assert result["checks"] >= 3
+    rows = json.loads((campaign.campaign_dir / "selfcheck.json").read_text())
+    assert all(row["passed"] for row in rows) and all(math.isfinite(row["value"]) for row in rows)
+    strict = campaign.model_copy(update={"overrides": [*campaign.overrides, "reliability.selfcheck.min_gemm_tflops=1e9"]})
+    with pytest.raises(SelfCheckFailed, match="gemm"):
+        run_self_check.fn(strict)
