@@ -283,10 +283,7 @@ def run_step(launches: list[tuple[str, ...]], args, deadline: float) -> list[dic
         envs = {json.dumps(CONFIGS[n].env, sort_keys=True) for n in names}
         assert len(nprocs) == 1 and len(envs) == 1, f"one launch needs one world size and one env: {names}"
         nproc = nprocs.pop()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **SAFE_ENV, **CONFIGS[names[0]].env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)
+        env = _child_env(CONFIGS[names[0]].env)
         if not args.cpu and len(launches) > 1:  # side by side: one GPU each
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu + i) for i in range(nproc))
             gpu += nproc
@@ -357,6 +354,9 @@ def summarize(name: str, work_dir: Path) -> dict | None:
         "peak_reserved_gib": [r.get("peak_reserved_gib") for r in ranks],
         "build_s": max(r["build_s"] for r in ranks), "losses": [s["loss"] for s in loss_rank["steps"]],
         "device": r0["device"], "overrides": r0["overrides"], "env": r0["env"],
+        "per_rank": [{"rank": r["rank"], "wall_s": [s["wall_s"] for s in r["steps"]],
+                      "trainer_step_time_s": [s["trainer_step_time_s"] for s in r["steps"]],
+                      "build_s": r["build_s"]} for r in ranks],
     }
 
 
@@ -438,8 +438,63 @@ def machine_info(args) -> dict:
                                                  timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired):
         pass
+    try:
+        info["git"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                     timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
     info["config_sha256"] = hashlib.sha256((ROOT / args.config).read_bytes()).hexdigest()[:16]
     return info
+
+
+def _child_env(extra: dict) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **SAFE_ENV, **extra)
+    # torchrun sets 1 thread per rank only when it starts several: give every launch the same
+    env.setdefault("OMP_NUM_THREADS", "4")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def start_tp_overlap_check(args):
+    """tests/megatrain/parallel/bench_tp_overlap.py on 2 GPUs (NCCL): TP correctness against the
+    unsharded model in fp32, then one 4-layer 1.3B-shape forward + backward per overlap setting."""
+    out = Path(args.work_dir) / "tp_overlap.json"
+    out.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), "tests/megatrain/parallel/bench_tp_overlap.py", "--out", str(out),
+               *(["--check-only"] if args.cpu else [])]
+    extra = {} if args.tp_overlap_connections == "unset" else {"CUDA_DEVICE_MAX_CONNECTIONS": args.tp_overlap_connections}
+    env = _child_env(extra)
+    if args.tp_overlap_connections == "unset":
+        env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    printable = " ".join(f"{k}={v}" for k, v in extra.items()) + " " + shlex.join(command)
+    print(f"$ {printable.strip()}", flush=True)
+    log_path = Path(args.work_dir) / "tp_overlap.log"
+    handle = log_path.open("w")
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, handle, log_path, out, printable.strip(), time.monotonic()
+
+
+def finish_tp_overlap_check(check, timeout: float = 240.0) -> dict:
+    proc, handle, log_path, out, printable, started = check
+    status = "ok"
+    try:
+        proc.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
+    except subprocess.TimeoutExpired:
+        status = "timeout"
+        _stop(proc)
+    handle.close()
+    if status == "ok" and proc.returncode:
+        status = f"failed (exit {proc.returncode})"
+    lines = [l for l in log_path.read_text(errors="replace").splitlines() if l.startswith(("tp=", "check", "time"))]
+    print("\n".join(lines) if status == "ok" else f"tp overlap check {status}:\n" +
+          "\n".join(log_path.read_text(errors="replace").splitlines()[-30:]), flush=True)
+    record = {"command": printable, "status": status, "wall_s": time.monotonic() - started, "lines": lines}
+    if out.exists():
+        record["result"] = json.loads(out.read_text())
+    return record
 
 
 def shard_command(args) -> list[str]:
@@ -458,18 +513,19 @@ def driver(args) -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=1))
 
+    check = start_tp_overlap_check(args) if args.tp_overlap_check else None  # GPU work beside the CPU sharding
     command = shard_command(args)
     print("$ " + shlex.join(command), flush=True)
     t = time.monotonic()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=ROOT, env=_child_env({}), capture_output=True, text=True)
     report["shard"] = {"command": shlex.join(command), "seconds": time.monotonic() - t, "rc": done.returncode,
                        "summary": done.stdout[-2000:]}
     print(done.stdout[-1500:], done.stderr[-3000:] if done.returncode else "", flush=True)
-    if done.returncode:
-        save()
-        return 1
+    if check is not None:
+        report["tp_overlap_check"] = finish_tp_overlap_check(check)
     save()
+    if done.returncode:
+        return 1
 
     wanted = set(args.only.split(",")) if args.only else set(CONFIGS)
     unknown = wanted - set(CONFIGS)
@@ -513,6 +569,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--launch-timeout", type=float, default=400.0)
     p.add_argument("--min-launch-s", type=float, default=45.0, help="start no launch with less time left")
     p.add_argument("--set", dest="extra", action="append", default=[], help="extra override for every run")
+    p.add_argument("--tp-overlap-check", action="store_true",
+                   help="first run tests/megatrain/parallel/bench_tp_overlap.py on 2 GPUs (beside the sharding)")
+    p.add_argument("--tp-overlap-connections", default="1", help="its CUDA_DEVICE_MAX_CONNECTIONS ('unset' for none)")
     args = p.parse_args(argv)
     if args.config is None:
         args.config = CPU_CONFIG if args.cpu else GPU_CONFIG

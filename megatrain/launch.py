@@ -112,12 +112,15 @@ def run_ranks(
     cwd: str | Path | None = None,
     verdict_reader: Callable[[], dict | None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_fault: Callable[[object], None] | None = None,
 ) -> LaunchResult:
     """Start ``command`` in its own session and supervise it until it exits or is stopped.
 
     ``watcher``: a ``HeartbeatWatcher`` (or None); a fault it reports stops the job.
     ``verdict_reader``: returns the trainer's anomaly verdict (as a dict) after an EXIT_ANOMALY.
     ``should_stop``: polled; True (the flow run was cancelled) stops the job.
+    ``on_fault``: called with the watcher's result when it reports a fault, before the job stops
+    (the flow draws who hung from it).
     """
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -140,6 +143,8 @@ def run_ranks(
                 result = watcher.check()
                 if not result.ok:
                     stacks = watcher.collect_stacks(result, result.faulty)
+                    if on_fault is not None:
+                        on_fault(result)
                     stop_process_group(proc)
                     return LaunchResult("hung", proc.returncode, time.monotonic() - start,
                                         result.message(stacks), faulty_ranks=result.faulty)

@@ -28,6 +28,7 @@ from megatrain.data.shard import ShardIndex, load_index, shard_corpus
 from megatrain.model import GPT, count_parameters
 from megatrain.observe.metrics import MetricsLogger, StepMetrics
 from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
+from megatrain.observe.straggler import StragglerMonitor
 from megatrain.observe.timers import StepTimers
 from megatrain.optim import Lamb, build_optimizer, build_scheduler
 from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
@@ -101,6 +102,7 @@ class Trainer:
         self.heartbeat.beat(step=self.step, phase="data")
         self.anomaly = AnomalyDetector(cfg.reliability.anomaly)
         self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir)
+        self.stragglers = StragglerMonitor(env.world_size)
         log.info("model: %.1fM parameters, %s block, %s attention; layout dp=%d tp=%d pp=%d; accumulation %d",
                  self.n_params / 1e6, cfg.model.block, cfg.model.attention, self.groups.dims.dp,
                  self.groups.dims.tp, self.groups.dims.pp, self.grad_accumulation)
@@ -224,7 +226,11 @@ class Trainer:
             while self.step < self.cfg.train.steps:
                 metrics = self.train_step()
                 self.metrics.log(metrics)
-                self.heartbeat.beat(step=self.step, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s)
+                # forward time of the previous step (timers read one step late): a straggler's own
+                # compute; its peers' extra time shows up as waiting inside backward's reductions
+                flagged = self.stragglers.observe(self.step, metrics.phases_ms.get("forward", 0.0) / 1000)
+                self.heartbeat.beat(step=self.step, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,
+                                    straggler=self.env.rank in flagged)
                 verdict = self.anomaly.observe(self.step, metrics.loss, metrics.grad_norm)
                 if verdict is not None:  # stop before this step's state can be checkpointed
                     self._stop_on_anomaly(verdict)
@@ -236,6 +242,8 @@ class Trainer:
             self.heartbeat.close(phase="done" if verdict is None and self.step >= self.cfg.train.steps else None)
             self.metrics.close()
             self.loader.close()
+            if self.env.rank == 0:
+                self.stragglers.save(self.cfg.train.run_dir)
         return TrainResult(
             steps=self.step, final_loss=metrics.loss if metrics else float("nan"),
             tokens=self.step * self.tokens_per_step, wall_s=time.perf_counter() - start,

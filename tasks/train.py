@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from megatrain.campaign import CampaignConfig, stage_config
 from megatrain.config import load_config
@@ -63,10 +63,20 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
         found = read_verdict(run_dir)
         return asdict(found) if found is not None else None
 
+    def draw_who_hung(watch_result) -> None:
+        from megatrain.observe.hang_view import Layout, grid_from_watch, plot_hang_grid, render_markdown
+
+        dims = cfg.parallel
+        layout = Layout(pp=dims.pp, dp=dims.data_parallel_size(nproc_per_node), tp=dims.tp)
+        cells = grid_from_watch(watch_result, layout)
+        png = plot_hang_grid(cells, layout, Path(run_dir) / f"hang-attempt{attempt}.png")
+        create_markdown_artifact(f"### Who hung (attempt {attempt})\n\n{render_markdown(cells, layout)}\n\n`{png}`",
+                                 description="ranks by pipeline stage x data-parallel x tensor-parallel")
+
     try:
         result = run_ranks(
             torchrun_command(config_path, nproc_per_node), on_line=logger.info, watcher=watcher,
-            timeout_s=timeout_s, env=env, verdict_reader=verdict,
+            timeout_s=timeout_s, env=env, verdict_reader=verdict, on_fault=draw_who_hung,
             poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
         )
     finally:

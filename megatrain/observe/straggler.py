@@ -104,3 +104,35 @@ def gather_rank_times(seconds: float, group: object | None = None) -> list[float
     out = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(out, mine, group=group)
     return [float(t.item()) for t in out]
+
+
+class StragglerMonitor:
+    """Used by the trainer: collects every rank's compute time each step (one tiny all-gather),
+    and says which ranks are stragglers; rank 0 saves the matrix and its heat map at the end."""
+
+    def __init__(self, world_size: int, *, every: int = 10, warmup_steps: int = 5, window: int = 50) -> None:
+        self.enabled = world_size >= 3  # with fewer ranks there are no "peers" to compare with
+        self.every = every
+        self.warmup_steps = warmup_steps
+        self.window = window
+        self.rows: list[list[float]] = []
+        self.flagged: list[int] = []
+
+    def observe(self, step: int, compute_s: float | None) -> list[int]:
+        if not self.enabled or compute_s is None:
+            return self.flagged
+        self.rows.append(gather_rank_times(compute_s))
+        if step % self.every == 0:  # every rank computes the same answer from the same rows
+            self.flagged = find_stragglers(self.rows, warmup_steps=self.warmup_steps, window=self.window)
+        return self.flagged
+
+    def save(self, run_dir: str | Path) -> Path | None:
+        if not self.rows:
+            return None
+        import json
+
+        out = Path(run_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        flagged = find_stragglers(self.rows, warmup_steps=self.warmup_steps, window=self.window)
+        (out / "stragglers.json").write_text(json.dumps({"stragglers": flagged, "compute_s": self.rows}))
+        return plot_heatmap(self.rows, out / "stragglers.png", flagged=flagged)
