@@ -49,6 +49,11 @@ def deepspeed_config(cfg: Config, dp: int, bf16: bool, n_params: int) -> dict:
         # LAMB's trust ratio needs whole-tensor norms; attach_lamb_segments provides them (summed over
         # the stage's TP x DP ranks) only for ZeRO-1/2's flat partitions.
         raise ValueError(f"parallel.tp={p.tp} with LAMB needs parallel.zero_stage 1 or 2, got {p.zero_stage}")
+    if p.pp > 1 and bf16 and cfg.optim.name == "lamb" and p.zero_stage == 0:
+        # DeepSpeed's pipeline engine wraps a bf16 ZeRO-0 optimizer in its BF16_Optimizer, which hands
+        # LAMB one flat tensor per group: one trust ratio for the whole model, silently.
+        raise ValueError("parallel.pp > 1 with LAMB in bf16 needs parallel.zero_stage 1 (DeepSpeed's BF16_Optimizer "
+                         "would flatten the parameters and LAMB would compute one trust ratio for all of them)")
     if p.pp > 1:
         if p.zero_stage > 1:
             raise ValueError(f"parallel.zero_stage={p.zero_stage} with pp={p.pp}: DeepSpeed's pipeline supports ZeRO 0 or 1")

@@ -37,6 +37,14 @@ steps: the only DP all-gather is the one that redistributes updated partitions a
 ``step()``, bucketed by ``allgather_bucket_size``; DeepSpeed issues it synchronously there, so
 MegaScale's "start it at the next iteration's first layer" has no hook in DeepSpeed 0.19.
 
+ZeRO-0 (plain data parallelism, what a 1-2 GPU recipe with LAMB picks: no flat partitions, so
+LAMB keeps its fused per-tensor kernel): DeepSpeed all-reduces every gradient after the backward
+pass (``engine.allreduce_gradients``), with nothing to overlap. ``attach_dp_overlap`` replaces
+that with torch DDP's scheme (``DataParallelGradReducer``): gradients are packed into buckets in
+the order backward produces them, and each full bucket's all-reduce starts on NCCL's stream while
+the backward pass goes on; the end of the backward waits for the last ones. It needs the trainer
+to call it once after ``deepspeed.initialize``.
+
 Pipeline (DeepSpeed): its 1F1B executor uses blocking send/recv (``p2p.send`` asserts
 ``async_op == False``), so MegaScale's decoupled send/recv needs a patched schedule; the
 ``pp_decouple_send_recv`` switch is accepted and has no effect yet.
@@ -211,3 +219,138 @@ def zero_overlap_settings(overlap: OverlapConfig, zero_stage: int, bucket: int) 
     if zero_stage == 3:
         settings["stage3_prefetch_bucket_size"] = bucket if overlap.dp_prefetch else 0
     return settings
+
+
+# ---------------------------------------------------------------- data parallel, ZeRO-0
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.buffer: torch.Tensor | None = None  # allocated at the first reduction
+        self.views: list[torch.Tensor] = []
+        self.ready: set[int] = set()
+        self.work = None
+
+    def allocate(self) -> None:
+        first = self.params[0]
+        self.buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def make_buckets(params: list[torch.Tensor], bucket_numel: int) -> list[_Bucket]:
+    """Parameters in reverse order, cut into buckets of at most ``bucket_numel`` elements (a larger
+    parameter gets a bucket of its own), one dtype and device per bucket."""
+    buckets: list[_Bucket] = []
+    current: list[torch.Tensor] = []
+    for p in reversed(params):
+        if current and (sum(q.numel() for q in current) + p.numel() > bucket_numel
+                        or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
+            buckets.append(_Bucket(current))
+            current = []
+        current.append(p)
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
+class DataParallelGradReducer:
+    """All-reduce (average) gradients over ``group`` in buckets while the backward pass runs.
+
+    Buckets hold parameters in reverse registration order (about the order backward produces
+    their gradients) up to ``bucket_numel`` elements, one dtype and device each. A parameter's
+    post-accumulate-grad hook copies its gradient into its bucket; when every parameter of a
+    bucket is in, the bucket's all-reduce starts (async). A callback at the end of the backward
+    pass starts any bucket still incomplete (parameters without a gradient count as zeros),
+    waits for all of them and makes each ``param.grad`` a view of its reduced bucket. Only the
+    backward passes for which ``is_boundary()`` is true reduce (gradient accumulation: the last
+    micro-batch of a step); the others accumulate locally as usual.
+    """
+
+    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup | None, bucket_numel: int,
+                 is_boundary=lambda: True):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.is_boundary = is_boundary
+        self.average_op = dist.ReduceOp.AVG if dist.get_backend(group) == "nccl" else None
+        params = [p for p in params if p.requires_grad]
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("DataParallelGradReducer: a parameter is listed twice")
+        self.buckets = make_buckets(params, bucket_numel)
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._queued = False
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.is_boundary():
+            return
+        bucket, _ = self._where[id(param)]
+        if id(param) in bucket.ready or bucket.work is not None:
+            raise RuntimeError("DataParallelGradReducer: a gradient arrived twice in one backward pass "
+                               "(after its bucket was reduced)")
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.buffer is None:
+            bucket.allocate()
+        dst, src = [], []
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                dst.append(view)
+                src.append(p.grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if self.average_op is not None:
+            bucket.work = dist.all_reduce(bucket.buffer, op=self.average_op, group=self.group, async_op=True)
+        else:  # gloo has no AVG
+            bucket.buffer.div_(self.world)
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def _finish(self) -> None:
+        self._queued = False
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+            bucket.work = None
+            bucket.ready.clear()
+
+
+def dp_bucket_numel(n_params: int) -> int:
+    """About 1/32 of the model per bucket, 5M..100M elements: enough collectives to overlap the
+    backward pass, each large enough for full NVLink bandwidth; the bucket that completes last
+    (and cannot overlap anything) stays small."""
+    return int(min(1e8, max(5e6, n_params // 32)))
+
+
+def attach_dp_overlap(engine, cfg, groups) -> DataParallelGradReducer | None:
+    """Overlap ZeRO-0's gradient all-reduce with the backward pass (see the module docstring).
+    Call once after ``deepspeed.initialize``; returns None where it does not apply: ZeRO-1/2/3
+    (DeepSpeed's ``overlap_comm`` does it there), dp == 1, a pipeline engine (it reduces after its
+    schedule), or ``parallel.overlap.dp_overlap_comm`` off."""
+    p = cfg.parallel
+    if p.zero_stage != 0 or groups.dims.dp == 1 or groups.dims.pp > 1 or not p.overlap.dp_overlap_comm:
+        return None
+    params = [q for q in engine.module.parameters() if q.requires_grad]
+    reducer = DataParallelGradReducer(params, groups.dp_group, dp_bucket_numel(sum(q.numel() for q in params)),
+                                      is_boundary=engine.is_gradient_accumulation_boundary)
+    engine.enable_backward_allreduce = False  # DeepSpeed's all-reduce after backward: done above instead
+    return reducer

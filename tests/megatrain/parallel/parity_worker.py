@@ -30,6 +30,7 @@ from megatrain.optim import Lamb, build_optimizer, build_scheduler
 from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
 from megatrain.parallel.dims import ParallelDims, build_process_groups
 from megatrain.parallel.init import init_distributed, shutdown_distributed
+from megatrain.parallel.overlap import attach_dp_overlap
 from megatrain.parallel.parallelize import parallelize
 from megatrain.parallel.tensor_parallel import full_tensor
 
@@ -92,6 +93,11 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     )
     if isinstance(optimizer, Lamb) and p.zero_stage in (1, 2):  # as the trainer does
         attach_lamb_segments(engine.optimizer, optimizer, groups.dp_group, norm_group=groups.stage_group)
+    # ZeRO-0's all-reduce overlapped with backward (None elsewhere); the trainer diff proposed with
+    # benchmarks/parallel.py makes the same call
+    reducer = attach_dp_overlap(engine, cfg, groups)
+    if variant.get("expect_dp_overlap") is not None:
+        assert (reducer is not None) == variant["expect_dp_overlap"], "attach_dp_overlap applied where it should not"
     params = [q for q in engine.module.parameters() if q.requires_grad]
     if dims.pp > 1:  # the other stages' layers were built too, and must have been released
         local = {id(q) for q in engine.module.parameters()}
@@ -130,6 +136,8 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     def whole(q: torch.nn.Parameter) -> torch.Tensor:  # ZeRO-3 keeps only a partition in q
         return full_tensor(q, groups.tp_group, safe_get_full_fp32_param(q) if hasattr(q, "ds_id") else None)
 
+    if reducer is not None:
+        reducer.remove()
     weights = {names[id(q)]: whole(q).clone() for q in params}
     if groups.dp_rank == 0 and groups.tp_rank == 0:
         result = {"loss": losses, "grad_norm": norms, "grads": grads, "weights": weights, "stage": groups.pp_rank}

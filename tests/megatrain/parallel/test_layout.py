@@ -10,7 +10,7 @@ from megatrain.config import load_config
 from megatrain.model import GPT
 from megatrain.parallel.deepspeed import deepspeed_config, pipeline_topology
 from megatrain.parallel.dims import ParallelDims, ProcessGroups
-from megatrain.parallel.overlap import chunk_bounds
+from megatrain.parallel.overlap import chunk_bounds, dp_bucket_numel, make_buckets
 from megatrain.parallel.pipeline import LossHead, _ExistingTiedLayer, pipeline_layers
 from megatrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel
 
@@ -60,6 +60,23 @@ def test_deepspeed_config_overlap_and_pipeline_sections():
         deepspeed_config(load_config(None, TINY + ["parallel.tp=2", "parallel.zero_stage=0"]), 1, False, 10_000)
     with pytest.raises(ValueError, match="ZeRO 0 or 1"):
         deepspeed_config(load_config(None, TINY + ["parallel.pp=2", "parallel.zero_stage=2"]), 1, False, 10_000)
+    pp_zero0 = load_config(None, TINY + ["parallel.pp=2", "parallel.zero_stage=0"])
+    assert "pipeline" in deepspeed_config(pp_zero0, 1, False, 10_000)  # fp32: LAMB sees the model's tensors
+    with pytest.raises(ValueError, match="one trust ratio"):  # bf16: BF16_Optimizer would flatten them
+        deepspeed_config(pp_zero0, 1, True, 10_000)
+
+
+def test_dp_reducer_buckets_follow_backward_order_and_respect_the_size():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 4, 8, 2, 9)]
+    params.append(torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)))
+    buckets = make_buckets(params, bucket_numel=8)
+    assert [[p.numel() for p in b.params] for b in buckets] == [[3], [9], [2], [8], [4, 4]]
+    assert buckets[0].params[0] is params[-1]  # the last parameter's gradient comes first in backward
+    bucket = buckets[-1]
+    bucket.allocate()
+    assert [v.shape for v in bucket.views] == [(4,), (4,)] and bucket.buffer.numel() == 8
+    assert bucket.views[1].data_ptr() == bucket.buffer.data_ptr() + 4 * 4
+    assert dp_bucket_numel(1_300_000_000) == 40_625_000 and dp_bucket_numel(1000) == 5_000_000
 
 
 def test_chunk_bounds_cover_the_range_in_order():

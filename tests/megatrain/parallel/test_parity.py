@@ -29,6 +29,9 @@ TP2, PP2, SERIAL, NO_SP = {"parallel.tp": 2}, {"parallel.pp": 2}, {"model.block"
 WORLD2 = {
     "dp2": {},
     "dp2-overlap-off": OFF,
+    "dp2-zero0-overlap": {"parallel.zero_stage": 0},  # our bucketed all-reduce during backward
+    "dp2-zero0-overlap-off": {"parallel.zero_stage": 0, **OFF},  # DeepSpeed's all-reduce after backward
+    "dp2-zero0-overlap-1-micro-batch": {"parallel.zero_stage": 0, "train.micro_batch_size": 4},
     "dp2-zero3-adamw-prefetch": {"parallel.zero_stage": 3, "optim.name": "adamw"},
     "dp2-zero3-adamw-overlap-off": {"parallel.zero_stage": 3, "optim.name": "adamw", **OFF},
     "tp2-parallel-sp": TP2,
@@ -50,6 +53,7 @@ WORLD4 = {
     "tp2xdp2-parallel-sp": TP2,
     "tp2xdp2-serial-sp-overlap-off": {**TP2, **SERIAL, **OFF},
     "tp2xdp2-parallel-sp-zero2": {**TP2, "parallel.zero_stage": 2},
+    "tp2xdp2-zero0-adamw-overlap": {**TP2, "parallel.zero_stage": 0, "optim.name": "adamw"},
     "pp2xdp2": PP2,
     "pp2xdp2-overlap-off": {**PP2, **OFF},
     "tp2xpp2-sp": {**TP2, **PP2},
@@ -59,8 +63,13 @@ WORLD4 = {
 TOLERANCE = 1e-5
 
 
+EXPECT_DP_OVERLAP = {"dp2-zero0-overlap": True, "dp2-zero0-overlap-1-micro-batch": True,
+                     "dp2-zero0-overlap-off": False, "tp2xdp2-zero0-adamw-overlap": True, "dp2": False}
+
+
 def variants(table: dict[str, dict]) -> list[dict]:
-    return [{"name": name, "set": overrides} for name, overrides in table.items()]
+    return [{"name": name, "set": overrides, "expect_dp_overlap": EXPECT_DP_OVERLAP.get(name)}
+            for name, overrides in table.items()]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,54 @@
+"""prefect.yaml and the Kubernetes work pool's job template (no cluster runs here: the rendered
+manifest is what a worker would submit)."""
+
+import json
+from pathlib import Path
+
+import yaml
+
+from megatrain.campaign import load_campaign
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def deployments() -> dict[str, dict]:
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    return {d["name"]: d for d in spec["deployments"]}
+
+
+def test_every_deployment_points_at_a_flow_and_a_valid_campaign():
+    import importlib
+
+    for deployment in deployments().values():
+        path, name = deployment["entrypoint"].split(":")
+        module = path.removesuffix(".py").replace("/", ".")
+        assert callable(getattr(importlib.import_module(module), name))
+        load_campaign(ROOT / deployment["parameters"]["campaign_path"])
+
+
+def test_local_and_cluster_pools_schedule_and_rollback_trigger():
+    d = deployments()
+    assert d["local"]["work_pool"]["name"] == "megatrain-local"
+    cluster = d["cluster"]
+    assert cluster["work_pool"]["name"] == "megatrain-k8s" and cluster["work_pool"]["job_variables"]["gpu_count"] == 8
+    assert cluster["schedules"][0]["interval"] >= 3600 and cluster["concurrency_limit"]["limit"] == 1
+    (trigger,) = d["self-check-on-anomaly"]["triggers"]
+    assert trigger["expect"] == ["megatrain.anomaly.*"]
+
+
+def test_kubernetes_job_template_requests_gpus_shared_memory_and_nodes():
+    from prefect.utilities.templating import apply_values
+
+    template = json.loads((ROOT / "infra/k8s/base-job-template.json").read_text())
+    defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
+    values = {**defaults, **deployments()["cluster"]["work_pool"]["job_variables"], "name": "gpt-175b-main",
+              "command": ["python", "-m", "flows.pretrain"], "image": "registry/megatrain:1"}
+    job = apply_values(template["job_configuration"], values)["job_manifest"]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["image"] == "registry/megatrain:1"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert pod["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu" and pod["restartPolicy"] == "Never"
