@@ -72,6 +72,12 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.groups = self._build_layout()
+        # Beating from the start: sharding, compiling and restoring show as phase "init".
+        self.heartbeat = HeartbeatWriter(
+            make_sink(cfg.reliability, cfg.train.run_dir, cfg.run_id), env.rank,
+            interval_s=cfg.reliability.heartbeat_interval_s, stacks_dir=Path(cfg.train.run_dir) / "stacks",
+            dp_rank=self.groups.dp_rank, tp_rank=self.groups.tp_rank, pp_rank=self.groups.pp_rank,
+        )
         self.grad_accumulation = cfg.train.grad_accumulation_steps(self.groups.dims.dp)
         seed_everything(cfg.train.seed)  # same initial weights on every rank
 
@@ -94,11 +100,6 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model.model_copy(update={"seq_len": cfg.seq_len}), self.n_params)
         self.peak_flops = peak * env.world_size if peak else None
         self.metrics = MetricsLogger(cfg.train.run_dir, cfg.train.steps, cfg.train.log_interval, enabled=env.rank == 0)
-        self.heartbeat = HeartbeatWriter(
-            make_sink(cfg.reliability, cfg.train.run_dir, cfg.run_id), env.rank,
-            interval_s=cfg.reliability.heartbeat_interval_s, stacks_dir=Path(cfg.train.run_dir) / "stacks",
-            dp_rank=self.groups.dp_rank, tp_rank=self.groups.tp_rank, pp_rank=self.groups.pp_rank,
-        )
         self.heartbeat.beat(step=self.step, phase="data")
         self.anomaly = AnomalyDetector(cfg.reliability.anomaly)
         self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir)
