@@ -93,8 +93,10 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
     logger = run_logger()
     stage = campaign.stages[index]
     cfg = stage_config(campaign, index)
-    # The ranks only stage checkpoints; this task uploads and commits each one as a task run.
-    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"upload_mode": "external"})})
+    if campaign.launcher == "local":
+        # The ranks only stage checkpoints; this task uploads and commits each one as a task run.
+        # (On Kubernetes the staging disks are the nodes' own: each rank uploads its files.)
+        cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"upload_mode": "external"})})
     config_path = str(write_run_config(cfg, campaign.stage_dir(index) / "config.yaml"))
     policy = cfg.reliability
     progress = create_progress_artifact(0.0, description=f"{campaign.id}: stage {stage.name}")
@@ -105,7 +107,7 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
     while True:
         attempt = len(history) + 1
         _upload_new(cfg, uploaded)  # staged before an earlier crash: commit it before the ranks restore
-        launch = launch_ranks.submit(config_path, campaign.nproc_per_node, attempt, campaign.stage_timeout_s)
+        launch = _launch(campaign, index, config_path, attempt)
         while not launch.state.is_final():
             _upload_new(cfg, uploaded)
             update_progress_artifact(progress, 100.0 * _last_step(cfg.train.run_dir) / stage.steps)
@@ -140,6 +142,17 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
         "rollbacks": rollbacks, "history": history, "run_dir": cfg.train.run_dir,
         "durable_url": cfg.checkpoint.durable_url, "checkpoints": sorted(uploaded),
     }
+
+
+def _launch(campaign: CampaignConfig, index: int, config_path: str, attempt: int):
+    """One attempt's ranks: torchrun here, or an indexed Job of nnodes pods on Kubernetes."""
+    if campaign.launcher == "kubernetes":
+        from tasks.kubernetes import launch_kubernetes_job, stage_manifests
+
+        manifests = stage_manifests(campaign, index, attempt, Path(config_path).read_text(),
+                                    image=os.environ.get("MEGATRAIN_IMAGE", "megatrain:latest"))
+        return launch_kubernetes_job.submit(manifests, campaign.stage_timeout_s)
+    return launch_ranks.submit(config_path, campaign.nproc_per_node, attempt, campaign.stage_timeout_s)
 
 
 def _upload_new(cfg, uploaded: set[int]) -> None:

@@ -52,3 +52,22 @@ def test_kubernetes_job_template_requests_gpus_shared_memory_and_nodes():
     assert pod["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu" and pod["restartPolicy"] == "Never"
+
+
+def test_a_multi_node_stage_renders_as_an_indexed_job_with_rendezvous():
+    from tasks.kubernetes import stage_manifests
+
+    campaign = load_campaign(ROOT / "configs/campaign-cluster.yaml")
+    config_map, service, job = stage_manifests(campaign, 0, attempt=3, config_yaml="name: x\n", image="registry/megatrain:1")
+    name = job["metadata"]["name"]
+    assert config_map["data"]["config.yaml"] == "name: x\n" and service["spec"]["clusterIP"] == "None"
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 1536
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"] == name
+    (container,) = pod["containers"]
+    command = container["command"][-1]
+    assert "--nnodes 1536 --nproc-per-node 8 --node-rank $JOB_COMPLETION_INDEX" in command
+    assert f"--master-addr {name}-0.{name}" in command and "--config /etc/megatrain/config.yaml" in command
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert len(name) <= 52 and name == name.lower()

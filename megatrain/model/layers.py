@@ -44,9 +44,12 @@ class Attention(nn.Module):
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """The part between the two projections: qkv [B, T, 3 * H * hd] -> [B, T, H * hd].
         ``qkv`` may be a strided view (the fused input projection of the parallel block)."""
-        B, T, _ = qkv.shape
-        n_head = qkv.shape[-1] // (3 * self.head_dim)
-        q, k, v = qkv.unflatten(-1, (3, n_head, self.head_dim)).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, hd]
+        B, T, width = qkv.shape
+        n_head = width // (3 * self.head_dim)
+        # split, not unbind: the backward is then one concatenation of dq, dk, dv (which
+        # inductor writes straight into the fused projection's gradient buffer) instead of a
+        # scatter into zeros per q/k/v
+        q, k, v = (t.unflatten(-1, (n_head, self.head_dim)).transpose(1, 2) for t in qkv.split(width // 3, dim=-1))
         y = causal_attention(q, k, v, self.window, self.impl)  # [B, H, T, hd]
         return y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
 

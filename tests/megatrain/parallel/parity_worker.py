@@ -114,6 +114,20 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
         return zero_step(*args, **kwargs)
 
     engine.optimizer.step = capture_then_step
+    fp32_norms: list[float] = []
+    if p.zero_stage == 0:  # fp32 ZeRO-0: DeepSpeed clips the model's gradients itself and keeps no norm
+        clip = engine.clip_fp32_gradients
+
+        def capture_then_clip():
+            full = [full_tensor(q, groups.tp_group, q.grad) for q in params if q.grad is not None]
+            fp32_norms.append(float(torch.stack([g.norm() for g in full]).norm()))
+            if not grads:
+                for param in params:
+                    if names[id(param)] in SAMPLED:
+                        grads[names[id(param)]] = full_tensor(param, groups.tp_group, param.grad).clone()
+            return clip()
+
+        engine.clip_fp32_gradients = capture_then_clip
     losses, norms = [], []
     for step in range(cfg.train.steps):
         micro = my_micro_batches(cfg, step, groups.dp_rank, dims.dp)
@@ -131,7 +145,7 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
                 dist.all_reduce(loss, group=groups.dp_group)
                 loss /= dims.dp
         losses.append(float(loss))
-        norms.append(float(engine.get_global_grad_norm()))
+        norms.append(fp32_norms[-1] if p.zero_stage == 0 else float(engine.get_global_grad_norm()))
 
     def whole(q: torch.nn.Parameter) -> torch.Tensor:  # ZeRO-3 keeps only a partition in q
         return full_tensor(q, groups.tp_group, safe_get_full_fp32_param(q) if hasattr(q, "ds_id") else None)
