@@ -148,8 +148,20 @@ class Result:
     first_step_s: float | None = None
     loss: float | None = None
     leftover_gib: float | None = None
+    tokens_per_s_at_recipe_batch: float | None = None  # extrapolated, see extrapolate()
     note: str = ""
     error: str | None = None
+
+
+def extrapolate(res: Result, seq_len: int, global_batch: int) -> float | None:
+    """tokens/s this configuration would reach at another global batch: the measured step minus
+    its optimizer phase, scaled per micro-batch, plus the optimizer phase once per step."""
+    if not res.step_s or "optimizer" not in res.phases_ms:
+        return None
+    opt_s = res.phases_ms["optimizer"] / 1e3
+    per_micro_batch = (res.step_s - opt_s) / (res.global_batch // res.micro_batch)
+    step = per_micro_batch * global_batch / res.micro_batch + opt_s
+    return global_batch * seq_len / step
 
 
 def _median_phases(per_step: list[dict[str, float]], accumulation: int) -> dict[str, float]:
@@ -172,6 +184,8 @@ class Bench:
         }
         self.deadline = T0 + args.budget_s
         self.cache: dict[tuple, Result] = {}
+        self.recipe_batch: int | None = None  # the recipe's global batch (for the extrapolation)
+        self.seq_len = 0
 
     # -- bookkeeping
     def remaining(self) -> float:
@@ -186,6 +200,8 @@ class Bench:
         tmp.replace(out)
 
     def add(self, result: Result) -> Result:
+        if self.recipe_batch:
+            result.tokens_per_s_at_recipe_batch = extrapolate(result, self.seq_len, self.recipe_batch)
         self.results.append(result)
         self.save()
         return result
@@ -309,7 +325,8 @@ class Data:
 
 
 # ----------------------------------------------------------------------------- baseline run
-def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int, steps: int) -> Result:
+def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int, steps: int,
+                 profile_it: bool = False) -> Result:
     from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
     from megatrain.observe.timers import StepTimers
 
@@ -395,6 +412,21 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
         res.phases_ms = _median_phases(phases, global_batch // mb)
         res.loss = loss
         res.peak_gib = peak_gib(device)
+        if profile_it:  # one optimizer step of two micro-batches, as the default's profile
+            from torch.profiler import ProfilerActivity, profile
+
+            accumulation = 2
+            sync(device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                step(it).item()
+                wall_ms = (time.perf_counter() - t) * 1e3
+            report = summarize_profile(prof, wall_ms, cfg, 2, mb)
+            bench.report["profile_baseline"] = report
+            if bench.args.trace:
+                export_trace(prof, Path(bench.args.out).with_name("mfu_trace_baseline.json"))
+            log(f"  baseline profile: wall {wall_ms:.0f} ms, GPU kernels {report['gpu_kernel_ms']:.0f} ms; " +
+                ", ".join(f"{k} {v:.0f}" for k, v in report["by_kind_ms"].items()))
     except torch.cuda.OutOfMemoryError as exc:
         res.error = f"OOM: {str(exc)[:200]}"
     except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
@@ -523,12 +555,13 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
 
 # ----------------------------------------------------------------------------- profile
 KINDS = (
-    ("attention", re.compile(r"fmha|flash|sdpa|attention|attn", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|s16816|h16816|sm90_|wgmma", re.I)),
+    ("attention (cuDNN)", re.compile(r"cudnn|fmha|flash|sdpa", re.I)),
+    ("gemm (cuBLAS)", re.compile(r"nvjet|gemm|cutlass|xmma|cublas", re.I)),
     ("nccl", re.compile(r"nccl", re.I)),
     ("memcpy/memset", re.compile(r"memcpy|memset", re.I)),
-    ("triton (inductor/megatrain)", re.compile(r"triton|_kernel\b|^_", re.I)),
-    ("aten elementwise/reduce", re.compile(r"elementwise|vectorized|reduce|at::native|unrolled|index|embedding|foreach|multi_tensor|cat", re.I)),
+    ("inductor (triton)", re.compile(r"^triton_")),
+    ("megatrain triton", re.compile(r"^_[a-z_]+_kernel")),
+    ("aten elementwise/reduce", re.compile(r"at::native|^void at::|^void \(anonymous|elementwise|reduce", re.I)),
 )
 
 
@@ -537,6 +570,44 @@ def kind_of(name: str) -> str:
         if pattern.search(name):
             return kind
     return "other"
+
+
+def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch: int) -> dict[str, Any]:
+    """GPU time by kernel and by kind over one profiled optimizer step; the GEMM rate counts the
+    6N matmul FLOPs of the step (the blocks' four projections and the LM head)."""
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue
+        if "#" in event.name or event.name.startswith(("ProfilerStep", "Optimizer.")):
+            continue  # GPU-side ranges of record_function annotations, not kernels
+        totals[event.name] += event.time_range.elapsed_us() / 1e3
+        counts[event.name] += 1
+    gpu_ms = sum(totals.values())
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, ms in totals.items():
+        by_kind[kind_of(name)] += ms
+    m = cfg.model
+    tokens = micro_batches * micro_batch * cfg.seq_len
+    gemm_flops = 6 * tokens * (m.n_layer * (4 * m.d_model**2 + 2 * m.d_model * m.ffn_dim) + m.vocab_size * m.d_model)
+    gemm_ms = by_kind.get("gemm (cuBLAS)", 0.0)
+    return {
+        "config": {"micro_batch": micro_batch, "micro_batches": micro_batches},
+        "wall_ms": wall_ms, "gpu_kernel_ms": gpu_ms, "gpu_idle_ms": wall_ms - gpu_ms,
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "gemm_tflops": gemm_flops / gemm_ms / 1e9 if gemm_ms else None,
+        "top_kernels": [{"name": n[:140], "ms": ms, "calls": counts[n], "kind": kind_of(n),
+                         "share": ms / gpu_ms if gpu_ms else None}
+                        for n, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:30]],
+    }
+
+
+def export_trace(prof, path: Path) -> None:
+    prof.export_chrome_trace(str(path))
+    with path.open("rb") as src, gzip.open(str(path) + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
 
 
 def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int) -> None:
@@ -558,37 +629,12 @@ def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int) -> None:
             metric = trainer.train_step()
             sync(device)
             wall_ms = (time.perf_counter() - t) * 1e3
-        totals: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                totals[event.name] += event.time_range.elapsed_us() / 1e3
-                counts[event.name] += 1
-        gpu_ms = sum(totals.values())
-        by_kind: dict[str, float] = defaultdict(float)
-        for name, ms in totals.items():
-            by_kind[kind_of(name)] += ms
-        top = sorted(totals.items(), key=lambda kv: -kv[1])[:25]
-        m = cfg.model
-        tokens = micro_batches * cfg.train.micro_batch_size * cfg.seq_len
-        gemm_flops = 6 * tokens * (m.n_layer * (4 * m.d_model**2 + 2 * m.d_model * m.ffn_dim) + m.vocab_size * m.d_model)
-        prof_report = {
-            "config": {"micro_batch": cfg.train.micro_batch_size, "micro_batches": micro_batches},
-            "wall_ms": wall_ms, "step_ms_trainer": metric.step_time_s * 1e3, "gpu_kernel_ms": gpu_ms,
-            "gpu_idle_ms": wall_ms - gpu_ms,
-            "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "gemm_tflops": gemm_flops / (by_kind.get("gemm", 0.0) or float("nan")) / 1e9,
-            "top_kernels": [{"name": n[:140], "ms": ms, "calls": counts[n], "kind": kind_of(n),
-                             "share": ms / gpu_ms if gpu_ms else None} for n, ms in top],
-        }
+        prof_report = summarize_profile(prof, wall_ms, cfg, micro_batches, cfg.train.micro_batch_size)
+        prof_report["step_ms_trainer"] = metric.step_time_s * 1e3
         bench.report["profile"] = prof_report
         if bench.args.trace and device.type == "cuda":
-            path = Path(bench.args.out).with_name("mfu_trace.json")
-            prof.export_chrome_trace(str(path))
-            with path.open("rb") as src, gzip.open(str(path) + ".gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            path.unlink()
-        log(f"profile: wall {wall_ms:.0f} ms, GPU kernels {gpu_ms:.0f} ms; " +
+            export_trace(prof, Path(bench.args.out).with_name("mfu_trace_megatrain.json"))
+        log(f"profile: wall {wall_ms:.0f} ms, GPU kernels {prof_report['gpu_kernel_ms']:.0f} ms; " +
             ", ".join(f"{k} {v:.0f}" for k, v in prof_report["by_kind_ms"].items()))
     except Exception as exc:  # noqa: BLE001
         bench.report["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
@@ -609,8 +655,10 @@ def fmt(x, spec: str, none: str = "-") -> str:
 def print_table(bench: Bench) -> str:
     base = [r for r in bench.results if r.kind == "baseline" and r.tokens_per_s]
     best_base = max(base, key=lambda r: r.tokens_per_s) if base else None
+    rb = bench.recipe_batch
+    base_rb = best_base.tokens_per_s_at_recipe_batch if best_base else None
     head = (f"{'configuration':<46} {'mb':>3} {'gb':>4} {'tok/s':>8} {'MFU':>6} {'vs base':>7} {'step s':>7} "
-            f"{'data':>6} {'fwd':>6} {'bwd':>6} {'opt/st':>7} {'peak GiB':>8}")
+            f"{'data':>6} {'fwd':>6} {'bwd':>6} {'opt/st':>7} {'peak GiB':>8} {'@gb' + str(rb):>9} {'vs':>6}")
     lines = [head, "-" * len(head)]
     for r in bench.results:
         if r.error:
@@ -622,21 +670,26 @@ def print_table(bench: Bench) -> str:
             f"{r.label[:46]:<46} {r.micro_batch:>3} {r.global_batch:>4} {fmt(r.tokens_per_s, ',.0f'):>8} "
             f"{fmt(r.mfu and 100 * r.mfu, '.1f'):>5}% {fmt(speed, '.3f'):>7} {fmt(r.step_s, '.2f'):>7} "
             f"{fmt(p.get('data'), '.1f'):>6} {fmt(p.get('forward'), '.1f'):>6} {fmt(p.get('backward'), '.1f'):>6} "
-            f"{fmt(p.get('optimizer'), '.1f'):>7} {fmt(r.peak_gib, '.1f'):>8}")
+            f"{fmt(p.get('optimizer'), '.1f'):>7} {fmt(r.peak_gib, '.1f'):>8} "
+            f"{fmt(r.tokens_per_s_at_recipe_batch, ',.0f'):>9} "
+            f"{fmt(r.tokens_per_s_at_recipe_batch / base_rb if (base_rb and r.tokens_per_s_at_recipe_batch) else None, '.3f'):>6}")
     lines.append("phases: data/fwd/bwd are ms per micro-batch, opt/st ms per optimizer step (CUDA events); "
-                 "tok/s and MFU from the median step's wall time")
+                 "tok/s and MFU from the median step's wall time; @gb: tok/s extrapolated to the recipe's global "
+                 "batch (per-micro-batch time x its micro-batches + one optimizer phase)")
     if best_base:
         lines.append(f"baseline for 'vs base': {best_base.label} ({best_base.tokens_per_s:,.0f} tok/s)")
-    prof = bench.report.get("profile")
-    if prof and "top_kernels" in prof:
+    for key, what in (("profile", "the default"), ("profile_baseline", "the baseline")):
+        prof = bench.report.get(key)
+        if not prof or "top_kernels" not in prof:
+            continue
         lines.append("")
-        lines.append(f"profile of the default ({prof['config']['micro_batches']} micro-batches of {prof['config']['micro_batch']}): "
-                     f"wall {prof['wall_ms']:.0f} ms, GPU kernels {prof['gpu_kernel_ms']:.0f} ms, GEMM rate "
-                     f"{prof['gemm_tflops']:.0f} TFLOP/s")
+        lines.append(f"profile of {what} (one optimizer step of {prof['config']['micro_batches']} micro-batches of "
+                     f"{prof['config']['micro_batch']}): wall {prof['wall_ms']:.0f} ms, GPU kernels "
+                     f"{prof['gpu_kernel_ms']:.0f} ms, GEMM rate {fmt(prof['gemm_tflops'], '.0f')} TFLOP/s")
         lines.append("  by kind: " + ", ".join(f"{k} {v:.0f} ms ({100 * v / prof['gpu_kernel_ms']:.0f}%)"
                                               for k, v in prof["by_kind_ms"].items()))
-        for k in prof["top_kernels"][:15]:
-            lines.append(f"  {k['ms']:8.1f} ms {100 * (k['share'] or 0):5.1f}% x{k['calls']:<4} [{k['kind'][:9]}] {k['name'][:90]}")
+        for k in prof["top_kernels"][:15 if key == "profile" else 8]:
+            lines.append(f"  {k['ms']:8.1f} ms {100 * (k['share'] or 0):5.1f}% x{k['calls']:<4} [{k['kind'][:12]:<12}] {k['name'][:84]}")
     text = "\n".join(lines)
     print(text, flush=True)
     return text
@@ -658,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
     parser.add_argument("--window", type=int, default=1024, help="the ablation's sliding window")
     parser.add_argument("--source-bytes", type=int, default=None, help="corpus bytes to shard")
-    parser.add_argument("--only", default="ceilings,baseline,default,profile,ablation,extras",
+    parser.add_argument("--only", default="ceilings,baseline,default,ab,profile,ablation,extras",
                         help="which parts to run, comma list")
     parser.add_argument("--trace", action="store_true", help="also write the profile's chrome trace (gzip)")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
@@ -691,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"device: {bench.report['device']}; torch {torch.__version__}; budget {args.budget_s:.0f}s")
 
     recipe = load_config(args.config, args.override)
+    bench.recipe_batch, bench.seq_len = recipe.train.global_batch_size, recipe.seq_len
     data_overrides = [f"data.shard_url={args.work}/shards", f"data.max_source_bytes={args.source_bytes}",
                       "data.num_workers=0", *args.override]
     common = [
@@ -726,7 +780,8 @@ def main(argv: list[str] | None = None) -> int:
         for mb in baseline_mbs:
             if fits(f"baseline mb {mb}", est_seconds(args.large_batch, args.steps, 75)):
                 log(f"baseline, micro-batch {mb}")
-                r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps))
+                profile_it = "profile" in only and device.type == "cuda" and mb == recipe_mb
+                r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps, profile_it))
                 log(f"  -> {fmt(r.tokens_per_s, ',.0f')} tok/s, MFU {fmt(r.mfu and 100 * r.mfu, '.1f')}%, peak {fmt(r.peak_gib, '.1f')} GiB {r.error or ''}")
 
     def megatrain_row(spec: Spec, mb: int | None, steps: int, warmup: int = 1) -> Result | None:
@@ -746,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         return r
 
     # 3. megatrain's default (the recipe as it is), at each micro-batch
-    default_mbs = [int(x) for x in (args.default_mbs or f"{recipe_mb},16").split(",")]
+    default_mbs = [int(x) for x in (args.default_mbs or f"{recipe_mb},8,16").split(",")]
     default_mbs = list(dict.fromkeys(default_mbs))
     defaults: list[Result] = []
     if "default" in only:
@@ -755,6 +810,12 @@ def main(argv: list[str] | None = None) -> int:
             r = megatrain_row(Spec(f"default-mb{mb}", label, [], "large"), mb, args.steps)
             if r is not None and r.tokens_per_s:
                 defaults.append(r)
+
+    # A/B of the parallel block's fused projections (module switch, not a config field)
+    if "default" in only and "ab" in only:
+        ab = Spec(f"default-mb{recipe_mb}-4proj", f"default, mb {recipe_mb}, 4 projections (FUSE_PROJECTIONS=never)",
+                  [], "large", fuse="never")
+        megatrain_row(ab, recipe_mb, args.steps)
 
     # 4. profile of the best default
     if "profile" in only:
@@ -812,6 +873,12 @@ def main(argv: list[str] | None = None) -> int:
             "baseline": b.key, "baseline_tokens_per_s": b.tokens_per_s, "baseline_mfu": b.mfu,
             "default": d.key, "default_tokens_per_s": d.tokens_per_s, "default_mfu": d.mfu,
             "speedup": d.tokens_per_s / b.tokens_per_s,
+            "at_recipe_batch": {"global_batch": bench.recipe_batch, "baseline_tokens_per_s": b.tokens_per_s_at_recipe_batch,
+                                "default_tokens_per_s": d.tokens_per_s_at_recipe_batch,
+                                "default_mfu": (d.tokens_per_s_at_recipe_batch * d.flops_per_token / 989.4e12
+                                                if d.tokens_per_s_at_recipe_batch and d.flops_per_token and device.type == "cuda" else None),
+                                "speedup": (d.tokens_per_s_at_recipe_batch / b.tokens_per_s_at_recipe_batch
+                                            if d.tokens_per_s_at_recipe_batch and b.tokens_per_s_at_recipe_batch else None)},
             "targets": {"speedup >= 1.12": d.tokens_per_s / b.tokens_per_s >= 1.12, "mfu >= 0.66": (d.mfu or 0) >= 0.66},
         }
     bench.report["table"] = print_table(bench)

@@ -17,9 +17,14 @@ What a rank measures: ``Trainer.train`` runs unchanged, except that (1) ``train_
 wrapped so that after each step the rank synchronises the GPU and reads a host clock (the
 trainer's own ``step_time_s`` stops before the step's GPU work has finished: see the final note
 of the report), (2) the checkpointer's save is switched off (the recipe saves at the last step),
-and (3) the GPT is built directly on the GPU (``with torch.device(...)``) instead of on the CPU
+(3) the GPT is built directly on the GPU (``with torch.device(...)``) instead of on the CPU
 and moved: 1.3B parameters take ~25 s to initialise on 2 CPU cores. Every configuration is built
-the same way, so seeds still give every run the same initial weights.
+the same way, so seeds still give every run the same initial weights. (4) Right after the
+Trainer is built, ``megatrain.parallel.overlap.attach_dp_overlap(trainer.engine, cfg, groups)``
+is called: the one-line trainer change proposed with these results (ZeRO-0 data parallelism
+all-reduces gradient buckets during the backward pass instead of after it; it does nothing for
+dp=1, ZeRO >= 1, pipelines or ``parallel.overlap.dp_overlap_comm=false``, so ``dp2-nooverlap``
+is the trainer as committed).
 
 Per configuration it reports: tokens/s (global and per GPU) from the synchronised wall clock
 over the steps after ``WARMUP`` (compile and the first DeepSpeed step are excluded), MFU by the
@@ -88,44 +93,46 @@ class Variant:
         return self.quick_steps if quick else self.steps
 
 
-def _v(name, nproc, overrides, what, steps=30, quick_steps=14, env=None) -> Variant:
+def _v(name, nproc, overrides, what, steps=30, quick_steps=12, env=None) -> Variant:
     return Variant(name, nproc, tuple(overrides), steps, quick_steps, what, dict(env or {}))
 
 
 MB8 = ["train.micro_batch_size=8"]
 GB8, GB16, GB32, GB64 = (f"train.global_batch_size={n}" for n in (8, 16, 32, 64))
 NO_DP_OVERLAP = "parallel.overlap.dp_overlap_comm=false"
-TP2 = ["parallel.tp=2"]
-PP2 = ["parallel.pp=2"]
+Z1 = "parallel.zero_stage=1"  # TP with LAMB and a bf16 pipeline with LAMB need ZeRO-1 (deepspeed_config)
+TP2 = ["parallel.tp=2", Z1]
+PP2 = ["parallel.pp=2", Z1]
 PARITY = dict(steps=20, quick_steps=20)  # loss comparisons always run 20 steps of global batch 32
+SHORT = dict(steps=20, quick_steps=12)
 
 CONFIGS: dict[str, Variant] = {v.name: v for v in [
-    _v("dp1", 1, [*MB8, GB8], "1 GPU, micro-batch 8, no accumulation: the weak-scaling baseline"),
+    _v("dp1", 1, [*MB8, GB8], "1 GPU, the recipe (ZeRO-0), micro-batch 8, no accumulation: weak-scaling baseline"),
     _v("dp1-gb32", 1, [*MB8, GB32], "1 GPU, 4 x 8 accumulated: the loss reference for TP2/PP2", **PARITY),
-    _v("dp2", 2, [*MB8, GB16], "DP2 ZeRO-1, micro-batch 8 per GPU, no accumulation, overlap_comm on"),
-    _v("dp2-nooverlap", 2, [*MB8, GB16, NO_DP_OVERLAP], "as dp2, overlap_comm off"),
-    _v("dp2-gb32", 2, [*MB8, GB32], "DP2, 2 x 8 accumulated per GPU: loss parity with dp1-gb32", **PARITY),
+    _v("dp2", 2, [*MB8, GB16], "DP2, the recipe (ZeRO-0) + bucketed all-reduce during backward (attach_dp_overlap)"),
+    _v("dp2-nooverlap", 2, [*MB8, GB16, NO_DP_OVERLAP], "DP2 ZeRO-0, DeepSpeed's all-reduce after backward "
+       "(the trainer as committed)"),
+    _v("dp2-z1", 2, [*MB8, GB16, Z1], "DP2 ZeRO-1, overlap_comm on (reduce in backward; LAMB on flat partitions)"),
+    _v("dp2-z1-nooverlap", 2, [*MB8, GB16, Z1, NO_DP_OVERLAP], "DP2 ZeRO-1, overlap_comm off"),
+    _v("dp2-gb32", 2, [*MB8, GB32], "DP2 ZeRO-0 + overlap, 2 x 8 accumulated per GPU: loss parity", **PARITY),
     _v("tp2-sp-c2", 2, [*TP2, *MB8, GB32, "parallel.overlap.tp_chunks=2"],
        "TP2 + sequence parallel, all-gather/reduce-scatter in 2 chunks (the default)", env=TP_ENV, **PARITY),
     _v("tp2-sp-c1", 2, [*TP2, *MB8, GB32, "parallel.overlap.tp_chunks=1"], "TP2 + SP, unchunked collectives",
-       env=TP_ENV, **PARITY),
-    _v("tp2-sp-c4", 2, [*TP2, *MB8, GB32, "parallel.overlap.tp_chunks=4"], "TP2 + SP, 4 chunks", env=TP_ENV, **PARITY),
+       env=TP_ENV, **SHORT),
+    _v("tp2-sp-c4", 2, [*TP2, *MB8, GB32, "parallel.overlap.tp_chunks=4"], "TP2 + SP, 4 chunks", env=TP_ENV, **SHORT),
     _v("tp2-nosp", 2, [*TP2, *MB8, GB32, "parallel.sequence_parallel=false"], "TP2, no sequence parallelism "
-       "(all-reduces)", env=TP_ENV, **PARITY),
+       "(all-reduces)", env=TP_ENV, **SHORT),
     _v("pp2-m4", 2, [*PP2, *MB8, GB32], "PP2 1F1B, 4 micro-batches of 8 (bubble 1/5)", **PARITY),
-    _v("pp2-m8", 2, [*PP2, *MB8, GB64], "PP2 1F1B, 8 micro-batches of 8 (bubble 1/9)", steps=20, quick_steps=12),
+    _v("pp2-m8", 2, [*PP2, *MB8, GB64], "PP2 1F1B, 8 micro-batches of 8 (bubble 1/9)", **SHORT),
 ]}
 
 # Launches in order; the launches of one inner list run at the same time (1-GPU runs, one GPU each).
-# Several names in one launch run one after another in the same torchrun world.
+# Several names in one launch run one after another in the same torchrun world (one start-up).
 SCHEDULE: list[list[tuple[str, ...]]] = [
     [("dp1",), ("dp1-gb32",)],
-    [("dp2", "dp2-nooverlap")],
-    [("tp2-sp-c2",)],
-    [("pp2-m4",)],
-    [("tp2-sp-c1", "tp2-sp-c4", "tp2-nosp")],
-    [("pp2-m8",)],
-    [("dp2-gb32",)],
+    [("dp2", "dp2-nooverlap", "dp2-z1", "dp2-z1-nooverlap", "pp2-m4")],
+    [("tp2-sp-c2", "tp2-sp-c1", "tp2-nosp", "tp2-sp-c4")],
+    [("pp2-m8", "dp2-gb32")],
 ]
 
 LOSS_PAIRS = [  # (run, reference): same global batch, same data, same seed
@@ -133,7 +140,8 @@ LOSS_PAIRS = [  # (run, reference): same global batch, same data, same seed
     ("pp2-m4", "dp1-gb32"), ("dp2-gb32", "dp1-gb32"),
 ]
 GAINS = [  # (what, faster-by-design, baseline)
-    ("DP overlap_comm (ZeRO-1 reduce during backward)", "dp2", "dp2-nooverlap"),
+    ("DP ZeRO-0 all-reduce in buckets during backward (attach_dp_overlap)", "dp2", "dp2-nooverlap"),
+    ("DP ZeRO-1 overlap_comm (DeepSpeed reduce during backward)", "dp2-z1", "dp2-z1-nooverlap"),
     ("TP chunks 2 vs 1 (all-gather pipelined with qkv GEMM)", "tp2-sp-c2", "tp2-sp-c1"),
     ("TP chunks 4 vs 1", "tp2-sp-c4", "tp2-sp-c1"),
     ("sequence parallel (chunks 1) vs all-reduce TP", "tp2-sp-c1", "tp2-nosp"),
@@ -170,6 +178,7 @@ def _run_variant(variant: dict, env, args, log) -> None:
     import megatrain.trainer as trainer_module
     from megatrain.config import load_config
     from megatrain.model import GPT
+    from megatrain.parallel.overlap import attach_dp_overlap
 
     name = variant["name"]
     run_dir = Path(args.work_dir) / name
@@ -191,6 +200,7 @@ def _run_variant(variant: dict, env, args, log) -> None:
     started = time.perf_counter()
     trainer = trainer_module.Trainer(cfg, env)
     trainer.checkpointer.maybe_save = lambda _trainer: False  # see the module docstring, (2)
+    reducer = attach_dp_overlap(trainer.engine, cfg, trainer.groups)  # see the module docstring, (4)
     build_s = time.perf_counter() - started
     records: list[dict] = []
     _timed_trainer(trainer, records, sync)
@@ -204,7 +214,7 @@ def _run_variant(variant: dict, env, args, log) -> None:
         "grad_accumulation": trainer.grad_accumulation, "tokens_per_step": trainer.tokens_per_step,
         "flops_per_token": trainer.flops_per_token, "n_params": trainer.n_params,
         "peak_flops_per_gpu": (trainer.peak_flops / env.world_size) if trainer.peak_flops else None,
-        "build_s": build_s, "train_wall_s": result.wall_s, "status": result.status, "steps": records,
+        "dp_overlap_attached": reducer is not None, "build_s": build_s, "train_wall_s": result.wall_s, "status": result.status, "steps": records,
         "device": torch.cuda.get_device_name(env.device) if cuda else platform.processor() or "cpu",
         "env": {k: os.environ.get(k) for k in (*SAFE_ENV, *TP_ENV)},
     }
@@ -214,7 +224,10 @@ def _run_variant(variant: dict, env, args, log) -> None:
     (run_dir / f"rank{env.rank}.json").write_text(json.dumps(out, indent=1))
     log.info("%s: %d steps, final loss %.4f, build %.1f s, train %.1f s", name, result.steps, result.final_loss,
              build_s, result.wall_s)
-    # Free this configuration before the next one in the same process.
+    # Free this configuration before the next one in the same process. Dynamo's compiled code stays:
+    # parameters are graph inputs, so the next model of the same structure reuses it.
+    if reducer is not None:
+        reducer.remove()
     engine = trainer.engine
     if hasattr(engine, "destroy"):
         engine.destroy()
@@ -223,7 +236,6 @@ def _run_variant(variant: dict, env, args, log) -> None:
     if cuda:
         torch.cuda.empty_cache()
         log.info("after cleanup: %.2f GiB still allocated", torch.cuda.memory_allocated(env.device) / 2**30)
-    torch._dynamo.reset()  # the next configuration compiles its own graphs (the disk cache stays)
 
 
 def worker(args) -> int:
@@ -253,7 +265,7 @@ def _free_port() -> int:
 
 
 def launch_command(names: tuple[str, ...], nproc: int, args) -> list[str]:
-    variants = [{"name": n, "overrides": [*CONFIGS[n].overrides, *args.common,
+    variants = [{"name": n, "overrides": [*args.common, *CONFIGS[n].overrides,  # the configuration's own win
                                           f"train.steps={CONFIGS[n].steps_for(args.quick)}"]} for n in names]
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -388,9 +400,10 @@ def derived(results: dict[str, dict]) -> dict:
     out: dict = {"gains": []}
     if "dp1" in results and "dp2" in results:
         out["dp2_weak_scaling_efficiency"] = results["dp2"]["tokens_per_s_per_gpu"] / results["dp1"]["tokens_per_s_per_gpu"]
-    if "dp1" in results and "dp2-nooverlap" in results:
-        out["dp2_nooverlap_weak_scaling_efficiency"] = (
-            results["dp2-nooverlap"]["tokens_per_s_per_gpu"] / results["dp1"]["tokens_per_s_per_gpu"])
+    for other in ("dp2-nooverlap", "dp2-z1", "dp2-z1-nooverlap"):
+        if "dp1" in results and other in results:
+            out[f"{other}_weak_scaling_efficiency"] = (
+                results[other]["tokens_per_s_per_gpu"] / results["dp1"]["tokens_per_s_per_gpu"])
     if "dp1-gb32" in results and "dp2-gb32" in results:
         out["dp2_gb32_weak_scaling_efficiency"] = (
             results["dp2-gb32"]["tokens_per_s_per_gpu"] / results["dp1-gb32"]["tokens_per_s_per_gpu"])
@@ -412,9 +425,9 @@ def print_table(results: dict[str, dict], extra: dict) -> None:
         print(f"{r['name']:15s} {r['world_size']:5d} {r['grad_accumulation']:3d} {1e3 * r['step_s']:8.1f} "
               f"({1e3 * r['step_s_stdev']:4.1f}) {r['tokens_per_s']:10.0f} {r['tokens_per_s_per_gpu']:10.0f} {mfu} "
               f"{mem:>14s}   {phases}")
-    for key in ("dp2_weak_scaling_efficiency", "dp2_nooverlap_weak_scaling_efficiency", "dp2_gb32_weak_scaling_efficiency"):
-        if key in extra:
-            print(f"{key}: {100 * extra[key]:.1f}%")
+    for key, value in extra.items():
+        if key.endswith("weak_scaling_efficiency"):
+            print(f"{key}: {100 * value:.1f}%")
     for g in extra["gains"]:
         print(f"gain {g['what']}: {100 * g['gain']:+.1f}% ({g['step_ms_off']:.1f} -> {g['step_ms_on']:.1f} ms/step)")
     for c in extra["losses"]:

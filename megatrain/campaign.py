@@ -100,10 +100,13 @@ def stage_config(campaign: CampaignConfig, index: int) -> Config:
     if index > 0:
         derived.append(f"checkpoint.init_from={campaign.stage_durable_url(index - 1)}")
     try:
-        return load_config(_resolve(campaign.recipe), [*campaign.overrides, *stage.overrides, *derived])
+        cfg = load_config(_resolve(campaign.recipe), [*campaign.overrides, *stage.overrides, *derived])
     except ConfigError as exc:  # name the stage; the fields are those of the resolved run config
         fields = "\n".join(str(exc).splitlines()[1:]) or str(exc)
         raise ValueError(f"stage {stage.name!r} ({campaign.recipe} + campaign and stage overrides):\n{fields}") from None
+    if "://" not in cfg.data.shard_url:  # a relative path is the repository's, whatever the cwd
+        cfg.data.shard_url = str(_resolve(cfg.data.shard_url))
+    return cfg
 
 
 def load_campaign(path: str | Path, overrides: list[str] | None = None) -> CampaignConfig:

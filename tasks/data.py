@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from megatrain.campaign import CampaignConfig, stage_config
 from tasks._log import run_logger
 
 
-@task(name="shard-data", retries=2, retry_delay_seconds=10, timeout_seconds=3600,
-      persist_result=True, cache_policy=INPUTS + TASK_SOURCE)
+@task(name="shard-data", retries=2, retry_delay_seconds=10, timeout_seconds=3600)
 def shard_stage_data(data_config: dict, seq_len: int, vocab_size: int) -> dict:
-    """Tokenize and pack one stage's data. The engine's sharder is itself idempotent (it finds an
-    index with the same fingerprint and returns it); the cache skips even that look-up."""
+    """Tokenize and pack one stage's data. Skipped by the engine itself when an index with the
+    same fingerprint (inputs, tokenizer, packing) exists at the shard URL: a Prefect cache would
+    also skip it when the shards were deleted since, so there is none here."""
     from megatrain.config import DataConfig
     from megatrain.data.shard import shard_corpus
 
