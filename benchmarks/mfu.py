@@ -451,6 +451,7 @@ class Spec:
     batch: str  # "small" | "large"
     fuse: str = "compile"  # megatrain.model.block.FUSE_PROJECTIONS
     note: str = ""
+    compile_options: dict | None = None  # megatrain.parallel.parallelize.COMPILE_OPTIONS
 
 
 def close_trainer(trainer) -> None:
@@ -495,14 +496,20 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
                            "compile": "blocks" if m.compile else "no",
                            "fused_projections": spec.fuse if m.block == "parallel" and m.compile else "n/a",
                            "optim": cfg.optim.name, "zero_stage": cfg.parallel.zero_stage})
-    key = (json.dumps(cfg.model_dump(mode="json", exclude={"train": {"run_dir"}, "checkpoint": True}), sort_keys=True), spec.fuse)
+    key = (json.dumps(cfg.model_dump(mode="json", exclude={"train": {"run_dir"}, "checkpoint": True}), sort_keys=True), spec.fuse,
+           json.dumps(spec.compile_options, sort_keys=True))
+    if spec.compile_options:
+        res.settings["compile_options"] = spec.compile_options
     if key in bench.cache:
         prev = bench.cache[key]
         res.__dict__.update({k: v for k, v in prev.__dict__.items() if k not in ("key", "label", "note")})
         res.note = (spec.note + "; " if spec.note else "") + f"same configuration as {prev.key}: its measurement"
         return res
     data.ready(cfg)
+    import megatrain.parallel.parallelize as parallelize_module
+
     block_module.FUSE_PROJECTIONS = spec.fuse
+    parallelize_module.COMPILE_OPTIONS = spec.compile_options
     reset_memory(device)
     trainer = None
     try:
@@ -542,6 +549,7 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
             close_trainer(trainer)
         del trainer
         block_module.FUSE_PROJECTIONS = "compile"
+        parallelize_module.COMPILE_OPTIONS = None
         reset_memory(device)
         res.leftover_gib = allocated_gib(device)
         if res.leftover_gib and res.leftover_gib > 1.0:  # something (compiled code?) holds the last model
@@ -704,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/mfu/mfu.json")
     parser.add_argument("--work", default=None, help="shards and run dirs (default: a folder beside --out)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip what would not finish by then")
-    parser.add_argument("--baseline-mbs", default=None, help="comma list (default quick 8,16; full 8,12,16)")
+    parser.add_argument("--baseline-mbs", default=None, help="comma list (default quick 16,8; full 16,8,12)")
+    parser.add_argument("--late-baseline-mbs", default=None, help="baseline micro-batches run at the end, as the budget allows (quick: 12)")
     parser.add_argument("--default-mbs", default=None, help="comma list (default: the recipe's, and 16)")
     parser.add_argument("--small-batch", type=int, default=None, help="global batch of the ablation rows before LAMB")
     parser.add_argument("--large-batch", type=int, default=None, help="global batch of baseline, LAMB and default rows")
@@ -775,14 +784,19 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. the baseline
     recipe_mb = recipe.train.micro_batch_size
-    baseline_mbs = [int(x) for x in (args.baseline_mbs or ("8,16" if args.quick else "8,12,16")).split(",")]
+    baseline_mbs = [int(x) for x in (args.baseline_mbs or ("16,8" if args.quick else "16,8,12")).split(",")]
+    late_baseline_mbs = [int(x) for x in (args.late_baseline_mbs or ("12" if args.quick else "")).split(",") if x]
+
+    def baseline(mb: int) -> None:
+        if fits(f"baseline mb {mb}", est_seconds(args.large_batch, args.steps, 60)):
+            log(f"baseline, micro-batch {mb}")
+            profile_it = "profile" in only and device.type == "cuda" and mb == recipe_mb
+            r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps, profile_it))
+            log(f"  -> {fmt(r.tokens_per_s, ',.0f')} tok/s, MFU {fmt(r.mfu and 100 * r.mfu, '.1f')}%, peak {fmt(r.peak_gib, '.1f')} GiB {r.error or ''}")
+
     if "baseline" in only:
         for mb in baseline_mbs:
-            if fits(f"baseline mb {mb}", est_seconds(args.large_batch, args.steps, 75)):
-                log(f"baseline, micro-batch {mb}")
-                profile_it = "profile" in only and device.type == "cuda" and mb == recipe_mb
-                r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps, profile_it))
-                log(f"  -> {fmt(r.tokens_per_s, ',.0f')} tok/s, MFU {fmt(r.mfu and 100 * r.mfu, '.1f')}%, peak {fmt(r.peak_gib, '.1f')} GiB {r.error or ''}")
+            baseline(mb)
 
     def megatrain_row(spec: Spec, mb: int | None, steps: int, warmup: int = 1) -> Result | None:
         gb = args.small_batch if spec.batch == "small" else args.large_batch
@@ -816,6 +830,9 @@ def main(argv: list[str] | None = None) -> int:
         ab = Spec(f"default-mb{recipe_mb}-4proj", f"default, mb {recipe_mb}, 4 projections (FUSE_PROJECTIONS=never)",
                   [], "large", fuse="never")
         megatrain_row(ab, recipe_mb, args.steps)
+        tuned = Spec(f"default-mb{recipe_mb}-cdtune", f"default, mb {recipe_mb}, inductor coordinate-descent tuning",
+                     [], "large", compile_options={"coordinate_descent_tuning": True})
+        megatrain_row(tuned, recipe_mb, args.steps)
 
     # 4. profile of the best default
     if "profile" in only:
@@ -863,6 +880,11 @@ def main(argv: list[str] | None = None) -> int:
             if w < recipe.seq_len:
                 megatrain_row(Spec(f"extra-window{w}", f"default + sliding window {w} (flex, compiled)",
                                    ["model.attention=sliding", f"model.window={w}"], "large"), recipe_mb, args.steps)
+
+    # the baseline's remaining micro-batches, last: what the budget leaves
+    if "baseline" in only:
+        for mb in late_baseline_mbs:
+            baseline(mb)
 
     # summary
     base = [r for r in bench.results if r.kind == "baseline" and r.tokens_per_s]

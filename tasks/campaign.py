@@ -16,6 +16,6 @@ def validate_campaign(campaign_path: str, overrides: list[str] | None = None) ->
     for index, stage in enumerate(campaign.stages):
         cfg = stage_config(campaign, index)
         logger.info("stage %s: %d steps, seq %d, global batch %d, %s block, lr %.1e (config %s)",
-                    stage.name, stage.steps, cfg.model.seq_len, cfg.train.global_batch_size,
+                    stage.name, stage.steps, cfg.seq_len, cfg.train.global_batch_size,
                     cfg.model.block, cfg.optim.lr, cfg.fingerprint())
     return campaign

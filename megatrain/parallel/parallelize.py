@@ -35,9 +35,18 @@ def apply_activation_checkpointing(model: GPT) -> None:
         model.blocks[i] = CheckpointedBlock(block)
 
 
+# Inductor options for the compiled blocks (``torch.compile(options=...)``), e.g.
+# {"coordinate_descent_tuning": True}; None keeps inductor's defaults. A module setting, not a
+# config field: benchmarks/mfu.py measures it.
+COMPILE_OPTIONS: dict | None = None
+
+
 def _compile_blocks(model: GPT) -> None:
     for block in model.blocks:
-        block.compile()
+        if COMPILE_OPTIONS:
+            block.compile(options=dict(COMPILE_OPTIONS))
+        else:
+            block.compile()
 
 
 def parallelize(model: GPT, cfg: Config, groups: ProcessGroups) -> nn.Module:
