@@ -24,11 +24,21 @@ import torch.distributed as dist
 
 @dataclass
 class TensorSegments:
-    """Where model tensors lie inside one flat partition: element i belongs to tensor ids[i]."""
+    """Where model tensors lie inside one flat partition: ``spans`` are (start, length, tensor id)
+    ranges of the partition; elements outside every span are padding (always zero)."""
 
-    ids: torch.Tensor  # [numel of the partition] int64, values in [0, num_tensors)
+    spans: list[tuple[int, int, int]]
     num_tensors: int
-    group: dist.ProcessGroup | None  # the data-parallel group the partitions are spread over
+    group: dist.ProcessGroup | None  # where the partitions' squared norms are summed
+
+    def __post_init__(self) -> None:
+        self._ids: dict[torch.device, torch.Tensor] = {}
+
+    def ids(self, device: torch.device) -> torch.Tensor:
+        """The tensor id of each span, cached per device."""
+        if device not in self._ids:
+            self._ids[device] = torch.tensor([tensor_id for _, _, tensor_id in self.spans], device=device)
+        return self._ids[device]
 
 
 class Lamb(torch.optim.Optimizer):
@@ -101,19 +111,23 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_add_(params, updates, alpha=-group["lr"])
 
     def _trust_ratio(self, param: torch.Tensor, update: torch.Tensor, max_ratio: float) -> torch.Tensor:
-        """||w|| / ||u|| clipped to max_ratio, per model tensor; a 0-dim tensor, or an elementwise
-        tensor of ratios when ``param`` is a flat ZeRO partition holding several model tensors."""
+        """||w|| / ||u|| clipped to max_ratio, per model tensor, as a 0-dim tensor. For a flat ZeRO
+        partition holding several model tensors the per-tensor ratios are applied to ``update``'s
+        spans in place here (one foreach norm and one all-reduce), and the result is 1."""
         segments = self._segments.get(id(param))
         if segments is None:
-            w_norm, u_norm = param.norm(), update.norm()
-            return _clipped_ratio(w_norm, u_norm, max_ratio)
+            return _clipped_ratio(param.norm(), update.norm(), max_ratio)
+        w_views = [param.narrow(0, start, length) for start, length, _ in segments.spans]
+        u_views = [update.narrow(0, start, length) for start, length, _ in segments.spans]
+        ids = segments.ids(param.device)
         sums = torch.zeros(2, segments.num_tensors, dtype=torch.float32, device=param.device)
-        sums[0].index_add_(0, segments.ids, param.float().square())
-        sums[1].index_add_(0, segments.ids, update.float().square())
+        sums[0].index_add_(0, ids, torch.stack(torch._foreach_norm(w_views)).float().square())
+        sums[1].index_add_(0, ids, torch.stack(torch._foreach_norm(u_views)).float().square())
         if segments.group is not None and dist.get_world_size(segments.group) > 1:
             dist.all_reduce(sums, group=segments.group)
-        ratios = _clipped_ratio(sums[0].sqrt(), sums[1].sqrt(), max_ratio)  # [num_tensors]
-        return ratios[segments.ids].to(param.dtype)
+        ratios = _clipped_ratio(sums[0].sqrt(), sums[1].sqrt(), max_ratio)[ids].to(update.dtype)  # per span
+        torch._foreach_mul_(u_views, list(ratios.unbind()))
+        return torch.ones((), dtype=update.dtype, device=update.device)
 
 
 def _clipped_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, max_ratio: float) -> torch.Tensor:

@@ -112,8 +112,8 @@ def attach_lamb_segments(
     """Tell LAMB which model tensor each element of its flat ZeRO partition belongs to.
 
     ZeRO stage 1/2 flattens each parameter group (with alignment padding) and gives this rank one
-    contiguous partition of it as a single parameter. Padding elements map to an extra segment id
-    whose norms are never used (weights and updates there are zero).
+    contiguous partition of it as a single parameter. Padding elements belong to no span (weights
+    and updates there are zero).
 
     ``norm_group`` is where the per-tensor squared norms are summed: the DP group by default; with
     tensor parallelism, the pipeline stage's TP x DP group (``ProcessGroups.stage_group``), so a
@@ -127,10 +127,11 @@ def attach_lamb_segments(
         offsets = zero_optimizer.round_robin_bit16_offsets[i]
         partitions = zero_optimizer.parallel_partitioned_bit16_groups[i]
         start = sum(p.numel() for p in partitions[:partition_id])
-        positions = torch.arange(start, start + flat_param.numel(), device=flat_param.device)
-        ids = torch.full_like(positions, len(tensors))  # padding
+        end = start + flat_param.numel()
+        spans = []  # each model tensor's overlap with [start, end), in partition coordinates
         for tensor_id, (tensor, offset) in enumerate(zip(tensors, offsets)):
-            inside = (positions >= offset) & (positions < offset + tensor.numel())
-            ids[inside] = tensor_id
-        lamb.set_tensor_segments(flat_param, TensorSegments(ids=ids, num_tensors=len(tensors) + 1, group=norm_group))
+            lo, hi = max(start, offset), min(end, offset + tensor.numel())
+            if lo < hi:
+                spans.append((lo - start, hi - lo, tensor_id))
+        lamb.set_tensor_segments(flat_param, TensorSegments(spans=spans, num_tensors=len(tensors), group=norm_group))
 

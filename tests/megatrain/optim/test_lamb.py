@@ -53,9 +53,12 @@ def test_lamb_on_a_flat_partition_with_segments_keeps_per_tensor_trust():
     params, grads = _random_problem(seed=1)
     expected = lamb_reference(params, grads, lr=0.02, betas=(0.9, 0.95), eps=1e-8, wd=0.1, max_trust=10.0)
     flat = torch.nn.Parameter(torch.cat([p.flatten() for p in params]))
-    ids = torch.cat([torch.full((p.numel(),), i) for i, p in enumerate(params)])
+    starts = torch.tensor([0] + [p.numel() for p in params]).cumsum(0).tolist()
+    spans = [(starts[i], p.numel(), i) for i, p in enumerate(params)]
+    # tensor 0 split in two spans, as a partition boundary can cut a tensor: norms still per tensor
+    spans = [(0, 50, 0), (50, params[0].numel() - 50, 0), *spans[1:]]
     opt = Lamb([flat], lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    opt.set_tensor_segments(flat, TensorSegments(ids=ids, num_tensors=len(params), group=None))
+    opt.set_tensor_segments(flat, TensorSegments(spans=spans, num_tensors=len(params), group=None))
     for step_grads in grads:
         flat.grad = torch.cat([g.flatten() for g in step_grads])
         opt.step()
