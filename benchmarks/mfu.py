@@ -23,7 +23,8 @@ every measurement, so a run cut short still leaves its numbers):
 5. the ablation in MegaScale's Table 3 order, each row one Trainer: a serial (baseline-equivalent)
    block with reference kernels and AdamW -> parallel block -> sliding window -> fused kernels
    -> compile (four projections) -> fused projections (PaLM) -> LAMB at a 4x larger batch.
-   The window is carried into later rows only if it made that row faster;
+   The window and the fused projections are carried into later rows only if they made their
+   row faster; an A/B row runs the default with the fused projections too;
 6. extras: the default with ZeRO-1, and with a sliding window under compile.
 
 Timing: every configuration runs warm-up steps first (compilation happens there), then timed
@@ -449,7 +450,7 @@ class Spec:
     label: str
     overrides: list[str]
     batch: str  # "small" | "large"
-    fuse: str = "compile"  # megatrain.model.block.FUSE_PROJECTIONS
+    fuse: str | None = None  # megatrain.model.block.FUSE_PROJECTIONS; None: the module's default
     note: str = ""
     compile_options: dict | None = None  # megatrain.parallel.parallelize.COMPILE_OPTIONS
 
@@ -486,6 +487,8 @@ def make_trainer(cfg, env):
 def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, warmup: int) -> Result:
     import megatrain.model.block as block_module
 
+    default_fuse = block_module.FUSE_PROJECTIONS
+    fuse = spec.fuse or default_fuse
     device = env.device
     mb, gb = cfg.train.micro_batch_size, cfg.train.global_batch_size
     m = cfg.model
@@ -494,9 +497,9 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
                  settings={"block": m.block, "attention": f"sliding {m.window}" if m.attention == "sliding" else "full",
                            "kernels": f"ln {kernels.layernorm}, gelu {kernels.gelu}, ce {kernels.cross_entropy}, attn {kernels.attention}",
                            "compile": "blocks" if m.compile else "no",
-                           "fused_projections": spec.fuse if m.block == "parallel" and m.compile else "n/a",
+                           "fused_projections": fuse if m.block == "parallel" and m.compile else "n/a",
                            "optim": cfg.optim.name, "zero_stage": cfg.parallel.zero_stage})
-    key = (json.dumps(cfg.model_dump(mode="json", exclude={"train": {"run_dir"}, "checkpoint": True}), sort_keys=True), spec.fuse,
+    key = (json.dumps(cfg.model_dump(mode="json", exclude={"train": {"run_dir"}, "checkpoint": True}), sort_keys=True), fuse,
            json.dumps(spec.compile_options, sort_keys=True))
     if spec.compile_options:
         res.settings["compile_options"] = spec.compile_options
@@ -508,7 +511,7 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
     data.ready(cfg)
     import megatrain.parallel.parallelize as parallelize_module
 
-    block_module.FUSE_PROJECTIONS = spec.fuse
+    block_module.FUSE_PROJECTIONS = fuse
     parallelize_module.COMPILE_OPTIONS = spec.compile_options
     reset_memory(device)
     trainer = None
@@ -548,7 +551,7 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
         if trainer is not None:
             close_trainer(trainer)
         del trainer
-        block_module.FUSE_PROJECTIONS = "compile"
+        block_module.FUSE_PROJECTIONS = default_fuse
         parallelize_module.COMPILE_OPTIONS = None
         reset_memory(device)
         res.leftover_gib = allocated_gib(device)
@@ -721,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=1024, help="the ablation's sliding window")
     parser.add_argument("--source-bytes", type=int, default=None, help="corpus bytes to shard")
     parser.add_argument("--only", default="ceilings,baseline,default,ab,profile,ablation,extras",
-                        help="which parts to run, comma list")
+                        help="which parts to run, comma list (also: cdtune, an inductor-tuning A/B row)")
     parser.add_argument("--trace", action="store_true", help="also write the profile's chrome trace (gzip)")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
     args = parser.parse_args(argv)
@@ -827,9 +830,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # A/B of the parallel block's fused projections (module switch, not a config field)
     if "default" in only and "ab" in only:
-        ab = Spec(f"default-mb{recipe_mb}-4proj", f"default, mb {recipe_mb}, 4 projections (FUSE_PROJECTIONS=never)",
-                  [], "large", fuse="never")
+        ab = Spec(f"default-mb{recipe_mb}-fusedproj", f"default, mb {recipe_mb}, + fused projections (PaLM)",
+                  [], "large", fuse="compile")
         megatrain_row(ab, recipe_mb, args.steps)
+    if "default" in only and "cdtune" in only:
         tuned = Spec(f"default-mb{recipe_mb}-cdtune", f"default, mb {recipe_mb}, inductor coordinate-descent tuning",
                      [], "large", compile_options={"coordinate_descent_tuning": True})
         megatrain_row(tuned, recipe_mb, args.steps)
@@ -867,9 +871,13 @@ def main(argv: list[str] | None = None) -> int:
         megatrain_row(fused, recipe_mb, args.steps + 1)
         comp = Spec("abl-5-compile", "ablation 5: + torch.compile (blocks), 4 projections", [*z, "model.block=parallel", *att, *auto_kernels, "model.compile=true", *adamw], "small", fuse="never", note=note)
         megatrain_row(comp, recipe_mb, args.steps + 1)
-        proj = Spec("abl-6-fusedproj", "ablation 6: + fused projections (PaLM)", [*z, "model.block=parallel", *att, *auto_kernels, "model.compile=true", *adamw], "small", note=note)
-        megatrain_row(proj, recipe_mb, args.steps + 1)
-        lamb = Spec("abl-7-lamb", "ablation 7: + LAMB, 4x global batch", [*z, "model.block=parallel", *att, *auto_kernels, "model.compile=true", "optim.name=lamb"], "large", note=note)
+        proj = Spec("abl-6-fusedproj", "ablation 6: + fused projections (PaLM)", [*z, "model.block=parallel", *att, *auto_kernels, "model.compile=true", *adamw], "small", fuse="compile", note=note)
+        r6 = megatrain_row(proj, recipe_mb, args.steps + 1)
+        r5 = next((r for r in bench.results if r.key == "abl-5-compile"), None)
+        keep_fused = bool(r5 and r6 and r5.tokens_per_s and r6.tokens_per_s and r6.tokens_per_s > r5.tokens_per_s)
+        note += f"; fused projections {'kept' if keep_fused else 'dropped (not faster)'}"
+        lamb = Spec("abl-7-lamb", "ablation 7: + LAMB, 4x global batch", [*z, "model.block=parallel", *att, *auto_kernels, "model.compile=true", "optim.name=lamb"], "large",
+                    fuse="compile" if keep_fused else "never", note=note)
         megatrain_row(lamb, recipe_mb, args.steps)
 
     # 6. extras: what the recipe's other choices cost under compile

@@ -6,13 +6,20 @@ per layer because attention and MLP read the same normalised input and their out
 
 The parallel block can run its four projections as two matmuls (PaLM's fused formulation):
 [qkv | fc] = h [W_qkv | W_fc]^T, and attn_proj(y) + mlp_proj(g) = [y | g] [W_attn_proj | W_mlp_proj]^T.
-Same parameters, same math; bigger GEMMs (N = 3d + ff, then K = d + ff) run closer to the
-tensor cores' peak, and the attention projection's small [d, d] GEMM disappears. It is used
-where ``FUSE_PROJECTIONS`` says (by default: inside ``torch.compile``, where inductor writes
-the producers of the concatenated activations straight into one buffer and turns the split
-gradients into views; in eager the concatenations and the split's backward would each cost a
-copy of a [tokens, 3d + ff] tensor) and only while the block is plain (no tensor parallelism:
-its column/row-parallel linears and enter/exit regions keep the unfused path).
+Same parameters, same math; bigger GEMMs (N = 3d + ff, then K = d + ff), and the attention
+projection's small [d, d] GEMM disappears. It runs where ``FUSE_PROJECTIONS`` says, and only
+while the block is plain (no tensor parallelism: its column/row-parallel linears and enter/exit
+regions keep the unfused path). ``"compile"`` fuses inside ``torch.compile`` only, where
+inductor writes the producers of the concatenated activations straight into one buffer (in
+eager, the concatenations and the split's backward would each cost a copy of a
+[tokens, 3d + ff] tensor).
+
+Off by default: measured on one H200 (benchmarks/mfu.py, 1.3B, micro-batch 16, compiled
+blocks, torch 2.11) the fused block was 1.3-2.6% SLOWER per step than the four projections.
+cuBLAS runs the separate GEMMs at 690-700 TFLOP/s at these shapes already, so the bigger GEMMs
+gain little, while the gradient of the fused input projection needs one [tokens, 3d + ff]
+pointwise kernel (dq, dk, dv transposed in, GeLU backward) that inductor runs at about half the
+copy bandwidth (1.0-1.2 ms per layer), plus a bias-gradient reduction over it.
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ import torch.nn.functional as F
 from megatrain.config import ModelConfig
 from megatrain.model.layers import MLP, Attention, LayerNorm
 
-# When the parallel block fuses its projections: "compile" (inside torch.compile only),
-# "always" (eager too; for tests) or "never" (for ablations). Read at call time.
-FUSE_PROJECTIONS: Literal["compile", "always", "never"] = "compile"
+# When the parallel block fuses its projections: "never" (the default: measured slower, see the
+# module docstring), "compile" (inside torch.compile only) or "always" (eager too; for tests).
+# Read at call time.
+FUSE_PROJECTIONS: Literal["compile", "always", "never"] = "never"
 
 
 class ParallelBlock(nn.Module):

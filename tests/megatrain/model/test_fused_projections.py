@@ -71,7 +71,12 @@ def test_block_with_replaced_regions_or_linears_is_not_fused(fuse):
     assert not block._fuse_projections()
 
 
-def test_by_default_only_compiled_blocks_fuse(fuse):
+def test_fusion_is_off_by_default():
+    assert block_module.FUSE_PROJECTIONS == "never"  # measured slower on an H200 (benchmarks/mfu.py)
+    assert not ParallelBlock(ModelConfig(**SMALL))._fuse_projections()
+
+
+def test_compile_mode_fuses_only_compiled_blocks(fuse):
     fuse("compile")
     block = ParallelBlock(ModelConfig(**SMALL))
     assert not block._fuse_projections()
