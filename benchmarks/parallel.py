@@ -1,7 +1,8 @@
 """Two-GPU scaling of the real trainer: data, tensor and pipeline parallelism, each overlap on/off.
 
     python3 benchmarks/parallel.py --out results.json [--quick] [--only dp1,dp2,...] [--label COMMIT]
-    python3 benchmarks/parallel.py --cpu --out cpu.json          # the same on 2 CPU processes (gloo)
+        [--tp-overlap-check] [--schedule 'tp2-sp-c2+tp2-sp-c1;dp1|dp1-gb32;dp2+dp2-nooverlap']
+    python3 benchmarks/parallel.py --cpu --quick --out cpu.json  # the same on 2 CPU processes (gloo)
 
 Every configuration is the real ``megatrain.trainer.Trainer`` on ``configs/gpt-1.3b.yaml`` (with
 the overrides listed in ``CONFIGS``) on real data, launched with torchrun::
@@ -9,34 +10,39 @@ the overrides listed in ``CONFIGS``) on real data, launched with torchrun::
     python3 -m torch.distributed.run --nproc-per-node N benchmarks/parallel.py --worker \
         --config configs/gpt-1.3b.yaml --work-dir W --variants '[{"name": ..., "overrides": [...]}]'
 
-Before the first launch the shards are built once (the command is ``SHARD_COMMAND``); the
-trainer then finds them by fingerprint. The exact torchrun command of each launch is printed and
+Before the first launch the shards are built once (``shard_command``; with ``--tp-overlap-check``
+tests/megatrain/parallel/bench_tp_overlap.py runs on the GPUs meanwhile); the trainer then finds
+them by fingerprint. The exact torchrun command of each launch is printed and
 stored in the JSON.
 
 What a rank measures: ``Trainer.train`` runs unchanged, except that (1) ``train_step`` is
 wrapped so that after each step the rank synchronises the GPU and reads a host clock (the
-trainer's own ``step_time_s`` stops before the step's GPU work has finished: see the final note
-of the report), (2) the checkpointer's save is switched off (the recipe saves at the last step),
+trainer's own ``step_time_s`` is read before its ``loss.item()``; on two H200s it gave 0-1.5%
+more tokens/s than this clock), (2) the checkpointer's save is switched off (the recipe saves at the last step),
 (3) the GPT is built directly on the GPU (``with torch.device(...)``) instead of on the CPU
 and moved: 1.3B parameters take ~25 s to initialise on 2 CPU cores. Every configuration is built
 the same way, so seeds still give every run the same initial weights. (4) Right after the
 Trainer is built, ``megatrain.parallel.overlap.attach_dp_overlap(trainer.engine, cfg, groups)``
-is called: the one-line trainer change proposed with these results (ZeRO-0 data parallelism
-all-reduces gradient buckets during the backward pass instead of after it; it does nothing for
-dp=1, ZeRO >= 1, pipelines or ``parallel.overlap.dp_overlap_comm=false``, so ``dp2-nooverlap``
-is the trainer as committed).
+is called, which the committed trainer does not do: ZeRO-0 data parallelism then all-reduces
+gradient buckets during the backward pass instead of after it. It does nothing for dp=1,
+ZeRO >= 1, pipelines or ``parallel.overlap.dp_overlap_comm=false``, so ``dp2-nooverlap`` is the
+trainer as committed (and, measured, the faster one on NVLink: see overlap.py).
 
 Per configuration it reports: tokens/s (global and per GPU) from the synchronised wall clock
 over the steps after ``WARMUP`` (compile and the first DeepSpeed step are excluded), MFU by the
 trainer's formula (6N + 12 L d s per token, over 989.4 TFLOP/s times the world size), the
 trainer's per-phase GPU times (CUDA events), peak memory per rank, and the loss of each step.
 
-Derived: DP2 weak-scaling efficiency (per-GPU tokens/s of dp2 over dp1, both micro-batch 8 and
-no accumulation: a gradient reduction every step, the hardest case); the gain of each overlap
-(DP overlap_comm, TP chunks 1/2/4, sequence parallelism, pipeline micro-batches); and the
-largest |loss difference| over 20 steps of each TP2/PP2 run against the one-GPU run of the same
-global batch (32 samples: 4 accumulated micro-batches of 8), which must stay within
+Derived: DP2 weak-scaling efficiency (per-GPU tokens/s of dp2 over dp1, both at the recipe's
+micro-batch with no accumulation: a gradient reduction and an optimizer step every micro-batch,
+the hardest case); the gain of each overlap (DP all-reduce/overlap_comm, TP chunks 1/2/4,
+sequence parallelism, pipeline micro-batches); and the largest |loss difference| of each
+TP2/PP2 run against the one-GPU run of the same global batch (32 samples: 4 accumulated
+micro-batches of 8) over the same steps (20 for the defaults), which must stay within
 ``LOSS_TOLERANCE`` (bf16; see ``compare_losses``).
+
+Measured results and the exact device commands: benchmarks/RESULTS.md ("Two H200s").
+Test the script on CPU first: ``--cpu --quick`` (tiny recipe, gloo, 2 processes, ~6 minutes).
 
 The JSON is rewritten after every launch, so a run cut short keeps what it measured.
 """
@@ -69,7 +75,7 @@ CPU_CONFIG = "configs/tiny-cpu.yaml"
 # Enough text for ~2M tokens: the longest run reads 20 x 32 samples of 2049 tokens.
 GPU_DATA = ["data.max_source_bytes=8000000", "data.num_workers=16"]
 CPU_DATA: list[str] = []  # the tiny recipe's own corpus
-WARMUP = 5  # steps left out of the throughput (compile, first DeepSpeed step, allocator growth)
+WARMUP = 4  # steps left out of the throughput (compile, first DeepSpeed step, allocator growth)
 LOSS_TOLERANCE = 2e-2  # max |loss - loss of the one-GPU run|, bf16 (see compare_losses)
 # NCCL multicast (NVLS) stays off on the lent machines: a program that uses it can take a shared
 # host's GPUs out of service (KINDS.md).
@@ -88,33 +94,42 @@ class Variant:
     quick_steps: int
     what: str
     env: dict = field(default_factory=dict)
+    dp_max_ctas: int | None = None  # attach_dp_overlap's max_ctas
 
     def steps_for(self, quick: bool) -> int:
         return self.quick_steps if quick else self.steps
 
 
-def _v(name, nproc, overrides, what, steps=30, quick_steps=12, env=None) -> Variant:
-    return Variant(name, nproc, tuple(overrides), steps, quick_steps, what, dict(env or {}))
+def _v(name, nproc, overrides, what, steps=30, quick_steps=12, env=None, dp_max_ctas=None) -> Variant:
+    return Variant(name, nproc, tuple(overrides), steps, quick_steps, what, dict(env or {}), dp_max_ctas)
 
 
 MB8 = ["train.micro_batch_size=8"]
-GB8, GB16, GB32, GB64 = (f"train.global_batch_size={n}" for n in (8, 16, 32, 64))
+# DP weak scaling runs the recipe's own micro-batch ({mb}: read from the config at launch), no accumulation
+GB_MB, GB_2MB = "train.global_batch_size={mb}", "train.global_batch_size={mb2}"
+GB32, GB64 = "train.global_batch_size=32", "train.global_batch_size=64"
 NO_DP_OVERLAP = "parallel.overlap.dp_overlap_comm=false"
 Z1 = "parallel.zero_stage=1"  # TP with LAMB and a bf16 pipeline with LAMB need ZeRO-1 (deepspeed_config)
 TP2 = ["parallel.tp=2", Z1]
 PP2 = ["parallel.pp=2", Z1]
 PARITY = dict(steps=20, quick_steps=20)  # loss comparisons always run 20 steps of global batch 32
-SHORT = dict(steps=20, quick_steps=12)
+SHORT = dict(steps=12, quick_steps=8)  # throughput-only configurations
 
 CONFIGS: dict[str, Variant] = {v.name: v for v in [
-    _v("dp1", 1, [*MB8, GB8], "1 GPU, the recipe (ZeRO-0), micro-batch 8, no accumulation: weak-scaling baseline"),
+    _v("dp1", 1, [GB_MB], "1 GPU, the recipe (ZeRO-0, its micro-batch, no accumulation): weak-scaling baseline"),
     _v("dp1-gb32", 1, [*MB8, GB32], "1 GPU, 4 x 8 accumulated: the loss reference for TP2/PP2", **PARITY),
-    _v("dp2", 2, [*MB8, GB16], "DP2, the recipe (ZeRO-0) + bucketed all-reduce during backward (attach_dp_overlap)"),
-    _v("dp2-nooverlap", 2, [*MB8, GB16, NO_DP_OVERLAP], "DP2 ZeRO-0, DeepSpeed's all-reduce after backward "
+    _v("dp2", 2, [GB_2MB], "DP2, the recipe (ZeRO-0) + bucketed all-reduce during backward (attach_dp_overlap)"),
+    _v("dp2-nooverlap", 2, [GB_2MB, NO_DP_OVERLAP], "DP2 ZeRO-0, DeepSpeed's all-reduce after backward "
        "(the trainer as committed)"),
-    _v("dp2-z1", 2, [*MB8, GB16, Z1], "DP2 ZeRO-1, overlap_comm on (reduce in backward; LAMB on flat partitions)"),
-    _v("dp2-z1-nooverlap", 2, [*MB8, GB16, Z1, NO_DP_OVERLAP], "DP2 ZeRO-1, overlap_comm off"),
+    _v("dp2-again", 2, [GB_2MB], "dp2 once more in the same launch (run-to-run spread)"),
+    _v("dp2-nooverlap-again", 2, [GB_2MB, NO_DP_OVERLAP], "dp2-nooverlap once more"),
+    _v("dp2-ctas8", 2, [GB_2MB], "dp2 with the overlapped all-reduces on a DP communicator of at most 8 CTAs",
+       dp_max_ctas=8),
+    _v("dp1-again", 1, [GB_MB], "dp1 once more (beside dp1, on the other GPU)"),
     _v("dp2-gb32", 2, [*MB8, GB32], "DP2 ZeRO-0 + overlap, 2 x 8 accumulated per GPU: loss parity", **PARITY),
+    _v("dp2-z1", 2, [GB_2MB, Z1], "DP2 ZeRO-1, overlap_comm on (reduce in backward; LAMB on flat partitions)",
+       **SHORT),
+    _v("dp2-z1-nooverlap", 2, [GB_2MB, Z1, NO_DP_OVERLAP], "DP2 ZeRO-1, overlap_comm off", **SHORT),
     _v("tp2-sp-c2", 2, [*TP2, *MB8, GB32, "parallel.overlap.tp_chunks=2"],
        "TP2 + sequence parallel, all-gather/reduce-scatter in 2 chunks (the default)", env=TP_ENV, **PARITY),
     _v("tp2-sp-c1", 2, [*TP2, *MB8, GB32, "parallel.overlap.tp_chunks=1"], "TP2 + SP, unchunked collectives",
@@ -122,17 +137,22 @@ CONFIGS: dict[str, Variant] = {v.name: v for v in [
     _v("tp2-sp-c4", 2, [*TP2, *MB8, GB32, "parallel.overlap.tp_chunks=4"], "TP2 + SP, 4 chunks", env=TP_ENV, **SHORT),
     _v("tp2-nosp", 2, [*TP2, *MB8, GB32, "parallel.sequence_parallel=false"], "TP2, no sequence parallelism "
        "(all-reduces)", env=TP_ENV, **SHORT),
-    _v("pp2-m4", 2, [*PP2, *MB8, GB32], "PP2 1F1B, 4 micro-batches of 8 (bubble 1/5)", **PARITY),
-    _v("pp2-m8", 2, [*PP2, *MB8, GB64], "PP2 1F1B, 8 micro-batches of 8 (bubble 1/9)", **SHORT),
+    _v("tp2-nosp-eager", 2, [*TP2, *MB8, GB32, "parallel.sequence_parallel=false", "model.compile=false"],
+       "TP2 without torch.compile (a control: the compiled TP blocks' gradients)", env=TP_ENV, steps=3, quick_steps=3),
+    # the pipelines share a launch with the TP runs, so they run with CUDA_DEVICE_MAX_CONNECTIONS=1 too
+    _v("pp2-m4", 2, [*PP2, *MB8, GB32], "PP2 1F1B, 4 micro-batches of 8 (bubble 1/5)", env=TP_ENV, **PARITY),
+    _v("pp2-m8", 2, [*PP2, *MB8, GB64], "PP2 1F1B, 8 micro-batches of 8 (bubble 1/9)", env=TP_ENV, **SHORT),
 ]}
 
 # Launches in order; the launches of one inner list run at the same time (1-GPU runs, one GPU each).
 # Several names in one launch run one after another in the same torchrun world (one start-up).
 SCHEDULE: list[list[tuple[str, ...]]] = [
     [("dp1",), ("dp1-gb32",)],
-    [("dp2", "dp2-nooverlap", "dp2-z1", "dp2-z1-nooverlap", "pp2-m4")],
-    [("tp2-sp-c2", "tp2-sp-c1", "tp2-nosp", "tp2-sp-c4")],
-    [("pp2-m8", "dp2-gb32")],
+    [("dp2", "dp2-nooverlap")],
+    [("tp2-sp-c2", "pp2-m4", "tp2-sp-c1", "tp2-nosp", "tp2-nosp-eager", "tp2-sp-c4", "pp2-m8")],
+    [("dp2-gb32", "dp2-again", "dp2-z1", "dp2-z1-nooverlap")],
+    [("dp1-again",)],
+    [("dp2-ctas8", "dp2-nooverlap-again")],
 ]
 
 LOSS_PAIRS = [  # (run, reference): same global batch, same data, same seed
@@ -141,6 +161,7 @@ LOSS_PAIRS = [  # (run, reference): same global batch, same data, same seed
 ]
 GAINS = [  # (what, faster-by-design, baseline)
     ("DP ZeRO-0 all-reduce in buckets during backward (attach_dp_overlap)", "dp2", "dp2-nooverlap"),
+    ("DP ZeRO-0 overlap, repeated", "dp2-again", "dp2-nooverlap"),
     ("DP ZeRO-1 overlap_comm (DeepSpeed reduce during backward)", "dp2-z1", "dp2-z1-nooverlap"),
     ("TP chunks 2 vs 1 (all-gather pipelined with qkv GEMM)", "tp2-sp-c2", "tp2-sp-c1"),
     ("TP chunks 4 vs 1", "tp2-sp-c4", "tp2-sp-c1"),
@@ -200,7 +221,8 @@ def _run_variant(variant: dict, env, args, log) -> None:
     started = time.perf_counter()
     trainer = trainer_module.Trainer(cfg, env)
     trainer.checkpointer.maybe_save = lambda _trainer: False  # see the module docstring, (2)
-    reducer = attach_dp_overlap(trainer.engine, cfg, trainer.groups)  # see the module docstring, (4)
+    reducer = attach_dp_overlap(trainer.engine, cfg, trainer.groups,  # see the module docstring, (4)
+                                max_ctas=variant.get("dp_max_ctas"))
     build_s = time.perf_counter() - started
     records: list[dict] = []
     _timed_trainer(trainer, records, sync)
@@ -228,9 +250,13 @@ def _run_variant(variant: dict, env, args, log) -> None:
     # parameters are graph inputs, so the next model of the same structure reuses it.
     if reducer is not None:
         reducer.remove()
+    reducer = None  # it holds the engine (is_boundary): keep nothing alive into the next configuration
     engine = trainer.engine
-    if hasattr(engine, "destroy"):
-        engine.destroy()
+    try:
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+    except Exception as exc:  # freeing is best effort
+        log.warning("engine.destroy() failed: %s", exc)
     del trainer, engine
     gc.collect()
     if cuda:
@@ -249,12 +275,23 @@ def worker(args) -> int:
     log = logging.getLogger("megatrain")
     first = load_config(args.config, variants[0]["overrides"])
     env = init_distributed(first.train.device, first.parallel.backend, first.reliability.collective_timeout_s)
+    failed = 0
     try:
         for variant in variants:
-            _run_variant(variant, env, args, log)
+            try:
+                _run_variant(variant, env, args, log)
+            except Exception as exc:  # recorded; the next configuration still runs if the group survived
+                import traceback
+
+                failed += 1
+                log.error("%s failed on rank %d: %s", variant["name"], env.rank, exc)
+                run_dir = Path(args.work_dir) / variant["name"]
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / f"error-rank{env.rank}.txt").write_text(traceback.format_exc())
+                traceback.print_exc()
     finally:
         shutdown_distributed()
-    return 0
+    return 1 if failed else 0
 
 
 # ============================================================================ the driver
@@ -264,9 +301,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def recipe_micro_batch(args) -> int:
+    from megatrain.config import load_config
+
+    return load_config(args.config, args.common).train.micro_batch_size
+
+
 def launch_command(names: tuple[str, ...], nproc: int, args) -> list[str]:
-    variants = [{"name": n, "overrides": [*args.common, *CONFIGS[n].overrides,  # the configuration's own win
-                                          f"train.steps={CONFIGS[n].steps_for(args.quick)}"]} for n in names]
+    mb = recipe_micro_batch(args)
+    variants = [{"name": n, "overrides": [*args.common,  # then the configuration's own, which win
+                                          *(o.format(mb=mb, mb2=2 * mb) for o in CONFIGS[n].overrides),
+                                          f"train.steps={CONFIGS[n].steps_for(args.quick)}"],
+                 **({"dp_max_ctas": CONFIGS[n].dp_max_ctas} if CONFIGS[n].dp_max_ctas else {})} for n in names]
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
@@ -335,11 +381,14 @@ def summarize(name: str, work_dir: Path) -> dict | None:
     """One configuration's numbers from its ranks' files."""
     ranks = [json.loads(p.read_text()) for p in sorted((work_dir / name).glob("rank*.json"))]
     if not ranks:
+        errors = [p.read_text()[-1500:] for p in sorted((work_dir / name).glob("error-rank*.txt"))]
+        if errors:
+            print(f"--- {name} failed:\n{errors[0]}", flush=True)
         return None
     r0 = ranks[0]
     world, tokens_per_step = r0["world_size"], r0["tokens_per_step"]
     steps = r0["steps"]
-    timed = steps[WARMUP:] if len(steps) > WARMUP + 2 else steps[1:]
+    timed = steps[WARMUP:] if len(steps) >= WARMUP + 3 else steps[1:]
     # a step ends when the slowest rank has synchronised: take the max over ranks per step
     walls = [max(r["steps"][i]["wall_s"] for r in ranks) for i in range(len(steps))][len(steps) - len(timed):]
     step_s = statistics.mean(walls)
@@ -400,12 +449,12 @@ def derived(results: dict[str, dict]) -> dict:
     out: dict = {"gains": []}
     if "dp1" in results and "dp2" in results:
         out["dp2_weak_scaling_efficiency"] = results["dp2"]["tokens_per_s_per_gpu"] / results["dp1"]["tokens_per_s_per_gpu"]
-    for other in ("dp2-nooverlap", "dp2-z1", "dp2-z1-nooverlap"):
+    for other in ("dp2-nooverlap", "dp2-again", "dp2-z1", "dp2-z1-nooverlap"):
         if "dp1" in results and other in results:
             out[f"{other}_weak_scaling_efficiency"] = (
                 results[other]["tokens_per_s_per_gpu"] / results["dp1"]["tokens_per_s_per_gpu"])
-    if "dp1-gb32" in results and "dp2-gb32" in results:
-        out["dp2_gb32_weak_scaling_efficiency"] = (
+    if "dp1-gb32" in results and "dp2-gb32" in results:  # same global batch: half the accumulation per GPU
+        out["dp2_gb32_strong_scaling_efficiency"] = (
             results["dp2-gb32"]["tokens_per_s_per_gpu"] / results["dp1-gb32"]["tokens_per_s_per_gpu"])
     for what, on, off in GAINS:
         if on in results and off in results:
@@ -426,7 +475,7 @@ def print_table(results: dict[str, dict], extra: dict) -> None:
               f"({1e3 * r['step_s_stdev']:4.1f}) {r['tokens_per_s']:10.0f} {r['tokens_per_s_per_gpu']:10.0f} {mfu} "
               f"{mem:>14s}   {phases}")
     for key, value in extra.items():
-        if key.endswith("weak_scaling_efficiency"):
+        if key.endswith("scaling_efficiency"):
             print(f"{key}: {100 * value:.1f}%")
     for g in extra["gains"]:
         print(f"gain {g['what']}: {100 * g['gain']:+.1f}% ({g['step_ms_off']:.1f} -> {g['step_ms_on']:.1f} ms/step)")
@@ -462,8 +511,7 @@ def machine_info(args) -> dict:
 
 def _child_env(extra: dict) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **SAFE_ENV, **extra)
-    # torchrun sets 1 thread per rank only when it starts several: give every launch the same
-    env.setdefault("OMP_NUM_THREADS", "4")
+
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -540,11 +588,12 @@ def driver(args) -> int:
     if done.returncode:
         return 1
 
+    schedule = parse_schedule(args.schedule) if args.schedule else SCHEDULE
     wanted = set(args.only.split(",")) if args.only else set(CONFIGS)
-    unknown = wanted - set(CONFIGS)
+    unknown = (wanted | {n for step in schedule for names in step for n in names}) - set(CONFIGS)
     if unknown:
         raise SystemExit(f"unknown configurations: {sorted(unknown)}; known: {list(CONFIGS)}")
-    for step in SCHEDULE:
+    for step in schedule:
         launches = [tuple(n for n in names if n in wanted) for names in step]
         launches = [names for names in launches if names]
         if not launches:
@@ -567,6 +616,12 @@ def driver(args) -> int:
     return 0 if all(r["status"] == "ok" for r in report["launches"]) else 1
 
 
+def parse_schedule(text: str) -> list[list[tuple[str, ...]]]:
+    """'a+b;c|d' -> [[(a, b)], [(c,), (d,)]]: ';' between steps, '|' between launches that run at
+    the same time (one GPU each), '+' between configurations of one launch."""
+    return [[tuple(launch.split("+")) for launch in step.split("|")] for step in text.split(";") if step]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help="run as one torchrun rank (the driver starts these)")
@@ -576,6 +631,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--quick", action="store_true", help="fewer steps for throughput-only configurations")
     p.add_argument("--only", default=None, help="comma-separated configuration names")
+    p.add_argument("--schedule", default=None, help="launch order instead of SCHEDULE: 'a+b;c|d' (parse_schedule)")
     p.add_argument("--cpu", action="store_true", help="2 CPU processes, gloo, the tiny recipe (tests the script)")
     p.add_argument("--label", default=os.environ.get("MEGATRAIN_COMMIT", ""), help="what was measured (commit)")
     p.add_argument("--deadline", type=float, default=3600.0, help="seconds for the whole driver")
@@ -590,7 +646,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.config = CPU_CONFIG if args.cpu else GPU_CONFIG
     args.data = CPU_DATA if args.cpu else GPU_DATA
     cpu = ["train.device=cpu", "parallel.backend=gloo"] if args.cpu else []
-    args.common = [*args.data, *cpu, *args.extra]
+    # one learning-rate schedule whatever train.steps is, so runs of 12 and 20 steps compare step by step
+    # a hung collective ends the launch in minutes, not the default 10
+    args.common = [*args.data, *cpu, "optim.decay_steps=20", "reliability.collective_timeout_s=180", *args.extra]
+    os.environ.setdefault("OMP_NUM_THREADS", "1" if args.cpu else "4")  # every launch the same: torchrun sets 1 only for several ranks
     return args
 
 

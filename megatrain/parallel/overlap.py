@@ -43,7 +43,15 @@ pass (``engine.allreduce_gradients``), with nothing to overlap. ``attach_dp_over
 that with torch DDP's scheme (``DataParallelGradReducer``): gradients are packed into buckets in
 the order backward produces them, and each full bucket's all-reduce starts on NCCL's stream while
 the backward pass goes on; the end of the backward waits for the last ones. It needs the trainer
-to call it once after ``deepspeed.initialize``.
+to call it once after ``deepspeed.initialize``, which it does not (yet): measured on two NVLinked
+H200s (1.3B, micro-batch 16, benchmarks/RESULTS.md) it was 0.7-5% slower than DeepSpeed's
+all-reduce after backward, which exposes only ~8 ms of a 550 ms step there; the overlapped NCCL
+kernels slow the backward's GEMMs by more (also with an 8-CTA communicator, ``max_ctas``). It is
+for interconnects where the all-reduce is long enough to be worth hiding (between nodes).
+
+Measured there too, for tensor parallelism over NVLink: chunking (``tp_chunks`` 2 and 4) was
+8% and 16% slower per step than ``tp_chunks=1``; one all-gather or reduce-scatter of a layer
+takes well under a millisecond, less than the extra copies and smaller GEMMs cost.
 
 Pipeline (DeepSpeed): its 1F1B executor uses blocking send/recv (``p2p.send`` asserts
 ``async_op == False``), so MegaScale's decoupled send/recv needs a patched schedule; the
@@ -341,16 +349,35 @@ def dp_bucket_numel(n_params: int) -> int:
     return int(min(1e8, max(5e6, n_params // 32)))
 
 
-def attach_dp_overlap(engine, cfg, groups) -> DataParallelGradReducer | None:
+def dp_reduce_group(groups, max_ctas: int | None) -> dist.ProcessGroup | None:
+    """The group the overlapped all-reduces use: the DP group itself, or (NCCL, ``max_ctas`` set)
+    a second communicator over the same ranks whose collectives use at most ``max_ctas`` thread
+    blocks, so that they take fewer SMs from the backward pass they run beside (Megatron-LM's
+    ``nccl_comm_cfgs``). Collective: every rank calls it with the same arguments."""
+    if max_ctas is None or not dist.is_initialized() or dist.get_backend(groups.dp_group) != "nccl":
+        return groups.dp_group
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    options.config.max_ctas = max_ctas
+    options.config.min_ctas = 1
+    mine = groups.dp_group
+    for ranks in groups.dims.dp_groups():  # every rank creates every group, in the same order
+        group = dist.new_group(ranks, backend="nccl", pg_options=options)
+        if groups.rank in ranks:
+            mine = group
+    return mine
+
+
+def attach_dp_overlap(engine, cfg, groups, max_ctas: int | None = None) -> DataParallelGradReducer | None:
     """Overlap ZeRO-0's gradient all-reduce with the backward pass (see the module docstring).
     Call once after ``deepspeed.initialize``; returns None where it does not apply: ZeRO-1/2/3
     (DeepSpeed's ``overlap_comm`` does it there), dp == 1, a pipeline engine (it reduces after its
-    schedule), or ``parallel.overlap.dp_overlap_comm`` off."""
+    schedule), or ``parallel.overlap.dp_overlap_comm`` off. ``max_ctas``: see ``dp_reduce_group``."""
     p = cfg.parallel
     if p.zero_stage != 0 or groups.dims.dp == 1 or groups.dims.pp > 1 or not p.overlap.dp_overlap_comm:
         return None
     params = [q for q in engine.module.parameters() if q.requires_grad]
-    reducer = DataParallelGradReducer(params, groups.dp_group, dp_bucket_numel(sum(q.numel() for q in params)),
+    reducer = DataParallelGradReducer(params, dp_reduce_group(groups, max_ctas),
+                                      dp_bucket_numel(sum(q.numel() for q in params)),
                                       is_boundary=engine.is_gradient_accumulation_boundary)
     engine.enable_backward_allreduce = False  # DeepSpeed's all-reduce after backward: done above instead
     return reducer

@@ -45,6 +45,20 @@ from megatrain.model.gpt import GPT, Head
 from megatrain.parallel.dims import ProcessGroups
 from megatrain.parallel.overlap import all_gather_flat, all_gather_matmul, matmul_reduce_scatter, reduce_scatter_flat
 
+# Tensor-parallel modules run outside torch.compile: dynamo leaves them to eager PyTorch and compiles
+# the code between them (attention core, GeLU, LayerNorm). The regions' autograd Functions write
+# their collectives' results in place (``dist.all_reduce(out)``, ``all_gather_into_tensor(buffer)``),
+# and torch 2.11 (the GPU image) routes the gradient of an autograd.Function whose forward mutates
+# its output in place to the wrong output slot when it is traced by dynamo: zero gradients, no error
+# (pytorch/pytorch#180642, fixed in 2.12). Traced inside the compiled blocks, every TP2 run of the
+# 1.3B model on two H200s had a first gradient norm of 3.2 against 41.9 for the same batch on one
+# GPU, a backward pass shorter than the forward, and a loss that did not fall (benchmarks/
+# RESULTS.md). The column/row-parallel linears stay eager too: they hand tensors to the regions
+# through module attributes (``accept_precomputed``, ``reduced_output``) and identity checks, which
+# dynamo would turn into guards.
+_eager = torch.compiler.disable
+
+
 # ---------------------------------------------------------------- collectives along the sequence
 
 
@@ -211,6 +225,7 @@ class ColumnParallelLinear(nn.Module):
         call with this very tensor returns it instead of multiplying again."""
         self._precomputed = (x, x_times_weight)
 
+    @_eager
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         precomputed, self._precomputed = self._precomputed, None
         if precomputed is not None and precomputed[0] is x:
@@ -240,6 +255,7 @@ class RowParallelLinear(nn.Module):
         whose output goes straight into its exit region (the serial block's projections)."""
         self._fused = (group, chunks)
 
+    @_eager
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is None:
             return F.linear(x, self.weight)
@@ -292,6 +308,7 @@ class EnterRegion(nn.Module):
         self.group, self.sequence_parallel, self.chunks = group, sequence_parallel, chunks
         self._consumers = list(consumers)  # a plain list: they stay registered where they live
 
+    @_eager
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             return copy_to_tensor_parallel(h, self.group)
@@ -312,6 +329,7 @@ class ExitRegion(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self._producers = list(producers)
 
+    @_eager
     def forward(self, partial: torch.Tensor) -> torch.Tensor:
         fused = [p for p in self._producers if p.reduced_output is partial]
         for producer in self._producers:

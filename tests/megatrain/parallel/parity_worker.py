@@ -93,8 +93,8 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     )
     if isinstance(optimizer, Lamb) and p.zero_stage in (1, 2):  # as the trainer does
         attach_lamb_segments(engine.optimizer, optimizer, groups.dp_group, norm_group=groups.stage_group)
-    # ZeRO-0's all-reduce overlapped with backward (None elsewhere); the trainer diff proposed with
-    # benchmarks/parallel.py makes the same call
+    # ZeRO-0's all-reduce overlapped with backward (None elsewhere): the call a trainer makes to use
+    # it (the committed trainer does not: slower on NVLink, see megatrain/parallel/overlap.py)
     reducer = attach_dp_overlap(engine, cfg, groups)
     if variant.get("expect_dp_overlap") is not None:
         assert (reducer is not None) == variant["expect_dp_overlap"], "attach_dp_overlap applied where it should not"

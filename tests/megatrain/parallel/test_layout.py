@@ -120,6 +120,15 @@ def test_apply_tensor_parallel_shapes_and_marks():
     assert "blocks.0.ln.weight" in replicated and "embed.wpe.weight" in replicated
 
 
+def test_tensor_parallel_modules_stay_outside_torch_compile():
+    """torch 2.11 drops the gradients of the regions' autograd Functions when dynamo traces them
+    (see tensor_parallel.py): the modules that apply them must stay eager inside compiled blocks."""
+    from megatrain.parallel.tensor_parallel import EnterRegion, ExitRegion
+
+    for module in (EnterRegion, ExitRegion, ColumnParallelLinear, RowParallelLinear):
+        assert getattr(module.forward, "_torchdynamo_disable", False), module.__name__
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_pipeline_layer_list(tied):
     model = GPT(load_config(None, TINY + [f"model.tie_embeddings={str(tied).lower()}"]).model)
