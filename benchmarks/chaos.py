@@ -6,6 +6,7 @@ their compute, and call the fault injector's hooks - but train no model, so ever
 takes seconds on a CPU. (The end-to-end recovery test with real training lives with the flows.)
 
     python benchmarks/chaos.py [--ranks 4] [--timeout 2] [--interval 0.5] [--out runs/chaos]
+    python benchmarks/chaos.py --campaign [--repeat 3] [-k hang]   # the real fault matrix, see below
 
 Scenarios and what counts as detected:
   kill_rank   the watcher reports the rank dead         (bound: timeout + 2 intervals)
@@ -13,6 +14,11 @@ Scenarios and what counts as detected:
   nan_loss    the anomaly verdict file appears          (bound: one step)
   slow_rank   find_stragglers names the rank            (bound: warm-up + window steps)
 Prints a table and writes chaos.json, the who-hung grid and the straggler heat map to --out.
+
+``--campaign`` runs the end-to-end fault matrix instead (tests/flows/test_fault_matrix.py: the
+real ``pretrain`` flow, real ranks, one case per fault, bit-exact checks against a fault-free
+run) ``--repeat`` times and prints each fault's detection and recovery times (median and max over
+the repeats); it writes campaign.json. Several minutes per repeat on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -124,12 +130,50 @@ def run_scenario(kind: str, args: argparse.Namespace, out: Path) -> dict:
     return row
 
 
+def run_campaign_matrix(args: argparse.Namespace, out: Path) -> int:
+    """The flow-level fault matrix, ``args.repeat`` times; a table of its times per fault."""
+    root = Path(__file__).resolve().parents[1]
+    runs, failed = [], 0
+    for i in range(args.repeat):
+        table = out / f"campaign-{i + 1}.json"
+        command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                   "tests/flows/test_fault_matrix.py", *(["-k", args.k] if args.k else [])]
+        start = time.monotonic()
+        done = subprocess.run(command, cwd=root, env={**os.environ, "MEGATRAIN_FAULT_TABLE": str(table)})
+        failed += done.returncode != 0
+        rows = json.loads(table.read_text()) if table.exists() else []
+        runs.append({"repeat": i + 1, "returncode": done.returncode, "wall_s": time.monotonic() - start, "rows": rows})
+    by_fault: dict[str, list[dict]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            by_fault.setdefault(row["fault"], []).append(row)
+
+    def stats(values: list[float | None]) -> str:
+        known = sorted(v for v in values if v is not None)
+        return "-" if not known else f"{known[len(known) // 2]:.2f} / {known[-1]:.2f}"
+
+    print(f"{'fault':<18} {'n':>2} {'detect s (med/max)':>19} {'recover s (med/max)':>20} {'attempts':>8}  bit-exact  detected by")
+    for fault, rows in by_fault.items():
+        exact = {str(r["bit_exact"]) for r in rows}
+        print(f"{fault:<18} {len(rows):>2} {stats([r['detection_s'] for r in rows]):>19} "
+              f"{stats([r['recovery_s'] for r in rows]):>20} {max(r['attempts'] for r in rows):>8}  "
+              f"{'/'.join(sorted(exact)):<9}  {rows[0]['detected by']}")
+    walls = ", ".join(f"{r['wall_s']:.0f} s" for r in runs)
+    print(f"{len(runs)} run(s), {failed} failed; wall {walls}")
+    (out / "campaign.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+    print(f"wrote {out}/campaign.json")
+    return 0 if failed == 0 else 1
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--out", default="runs/chaos")
+    parser.add_argument("--campaign", action="store_true", help="run the end-to-end fault matrix through the flow")
+    parser.add_argument("--repeat", type=int, default=1, help="--campaign: how many times")
+    parser.add_argument("-k", default="", help="--campaign: pytest -k expression (a subset of the faults)")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # internal: run one stand-in rank
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=400, help=argparse.SUPPRESS)
@@ -138,6 +182,9 @@ def main(argv: list[str]) -> int:
         return rank_main(args.rank, Path(args.run_dir), args.interval, args.steps)
 
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    if args.campaign:
+        out.mkdir(parents=True, exist_ok=True)
+        return run_campaign_matrix(args, out)
     rows = [run_scenario(kind, args, out) for kind in ("kill_rank", "hang_rank", "nan_loss", "slow_rank")]
     print(f"{'scenario':<10} {'rank':>4} {'detected':>8} {'latency_s':>9} {'bound_s':>7}  detail")
     for r in rows:

@@ -11,8 +11,10 @@ Engine code: the Prefect launch task calls ``run_ranks`` with its logger as the 
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -95,10 +97,27 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             continue
 
 
-def _pump(stream, on_line: Callable[[str], None]) -> None:
+def _pump(stream, on_line: Callable[[str], None], tail: collections.deque | None = None) -> None:
     for line in iter(stream.readline, ""):
-        on_line(line.rstrip("\n"))
+        line = line.rstrip("\n")
+        on_line(line)
+        if tail is not None:
+            tail.append(line)
     stream.close()
+
+
+# "pkg.mod.SomeError: what", as a traceback ends; torchrun prefixes a worker's lines "[rank3]: ".
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:\w+\.)*\w*(?:Error|Exception|Interrupt)): (.+)$")
+
+
+def last_error(lines) -> str:
+    """The last exception a rank printed (``SomeError: what``), skipping torchrun's own summary
+    (ChildFailedError), so that a crash names its cause (e.g. the bad shard)."""
+    for line in reversed(list(lines)):
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match and not match.group(1).endswith("ChildFailedError"):
+            return f"{match.group(1)}: {match.group(2)}"
+    return ""
 
 
 def run_ranks(
@@ -127,7 +146,8 @@ def run_ranks(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         start_new_session=True, preexec_fn=die_with_parent, env=env, cwd=cwd,
     )
-    pump = threading.Thread(target=_pump, args=(proc.stdout, on_line), daemon=True)
+    tail: collections.deque = collections.deque(maxlen=200)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, on_line, tail), daemon=True)
     pump.start()
     try:
         while proc.poll() is None:
@@ -141,7 +161,10 @@ def run_ranks(
                 return LaunchResult("crashed", proc.returncode, time.monotonic() - start, "stopped on request")
             if watcher is not None and proc.poll() is None:
                 result = watcher.check()
+                for note in result.notes:  # the store went down or came back, a rank turned slow
+                    on_line(f"[watcher] {note}")
                 if not result.ok:
+                    on_line(f"[watcher] {result.headline()}")  # the verdict's time, before stacks and stop
                     stacks = watcher.collect_stacks(result, result.faulty)
                     if on_fault is not None:
                         on_fault(result)
@@ -158,4 +181,6 @@ def run_ranks(
     verdict = verdict_reader() if verdict_reader is not None else None
     if proc.returncode == EXIT_ANOMALY or verdict is not None:
         return LaunchResult("anomaly", proc.returncode, wall, (verdict or {}).get("message", "anomaly"), verdict)
-    return LaunchResult("crashed", proc.returncode, wall, f"ranks exited with code {proc.returncode}")
+    cause = last_error(tail)
+    return LaunchResult("crashed", proc.returncode, wall,
+                        f"ranks exited with code {proc.returncode}" + (f": {cause}" if cause else ""))

@@ -13,15 +13,60 @@ def staged_steps(staging_dir: str) -> list[int]:
     return ready_steps(staging_dir)
 
 
+def check_storage_up(run_dir: str | None, durable_url: str) -> None:
+    """Raise an OSError naming ``durable_url`` while an injected storage outage is active (the
+    ``storage_outage`` fault writes its deadline under ``<run_dir>/faults``), so the task run
+    fails and Prefect retries it, as it would for a real outage."""
+    if run_dir is None:
+        return
+    from megatrain.reliability.faults import StorageOutage
+    from megatrain.storage import StorageError
+
+    outage = StorageOutage(run_dir)
+    if outage.active():
+        raise StorageError(durable_url, "durable storage unavailable (injected storage_outage)")
+
+
+def _replace_if_corrupt(durable_url: str, step: int) -> list[str]:
+    """A step staged again by a later attempt but already committed: keep the committed copy if it
+    verifies; if it does not, un-commit it (manifest first) so the upload replaces it. Returns the
+    problems found."""
+    import json
+
+    from megatrain import storage
+    from megatrain.checkpoint.files import MANIFEST, step_dir_name
+    from megatrain.checkpoint.restore import verify_checkpoint
+
+    step_url = storage.join_url(durable_url, step_dir_name(step))
+    manifest_url = storage.join_url(step_url, MANIFEST)
+    if not storage.exists(manifest_url):
+        return []
+    problems = verify_checkpoint(step_url, json.loads(storage.read_bytes(manifest_url)))
+    if problems:
+        storage.rm(manifest_url)
+    return problems
+
+
 @task(name="upload-checkpoint", retries=5, retry_delay_seconds=[2, 4, 8, 16, 32], timeout_seconds=3600)
-def upload_checkpoint(staging_dir: str, durable_url: str, step: int, keep_last: int, keep_every: int | None = None) -> dict:
+def upload_checkpoint(staging_dir: str, durable_url: str, step: int, keep_last: int, keep_every: int | None = None,
+                      run_dir: str | None = None) -> dict:
     """Copy the staged files to durable storage, verify size and sha256, write the manifest last
     (atomic rename): the checkpoint is committed or invisible, never half there. Then apply the
-    retention policy (never deleting the newest committed checkpoint)."""
+    retention policy (never deleting the newest committed checkpoint).
+
+    A committed copy of the same step that no longer verifies (corrupted at rest) is replaced by
+    this staged one. ``run_dir``: where an injected storage outage is announced (see
+    ``check_storage_up``)."""
     from megatrain.checkpoint.retention import apply_retention
     from megatrain.checkpoint.upload import upload_staged_step
 
+    logger = run_logger()
+    check_storage_up(run_dir, durable_url)
+    problems = _replace_if_corrupt(durable_url, step)
+    if problems:
+        logger.warning("committed step %d does not verify (%s); replacing it with the staged copy",
+                       step, "; ".join(problems))
     result = upload_staged_step(staging_dir, durable_url, step)
     deleted = apply_retention(durable_url, keep_last, keep_every)
-    run_logger().info("committed step %d to %s%s", step, durable_url, f"; retention deleted {deleted}" if deleted else "")
+    logger.info("committed step %d to %s%s", step, durable_url, f"; retention deleted {deleted}" if deleted else "")
     return result

@@ -156,12 +156,13 @@ def _launch(campaign: CampaignConfig, index: int, config_path: str, attempt: int
 
 
 def _upload_new(cfg, uploaded: set[int]) -> None:
-    """Submit one upload task run per newly staged step, and wait for them (in step order)."""
+    """Submit one upload task run per staged step, and wait for them (in step order). An upload
+    removes its staged dir, so a step found staged again was redone by a later attempt: the task
+    keeps the committed copy when it verifies and replaces it when it does not."""
     for step in staged_steps(cfg.checkpoint.staging_dir):
-        if step not in uploaded:
-            upload_checkpoint(cfg.checkpoint.staging_dir, cfg.checkpoint.durable_url, step,
-                              cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
-            uploaded.add(step)
+        upload_checkpoint(cfg.checkpoint.staging_dir, cfg.checkpoint.durable_url, step,
+                          cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, cfg.train.run_dir)
+        uploaded.add(step)
 
 
 def _last_step(run_dir: str) -> int:

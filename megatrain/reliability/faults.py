@@ -12,6 +12,11 @@ builds one ``FaultInjector`` per rank and calls two hooks:
 A fault with ``once=True`` claims a marker file in ``<run_dir>/faults/`` *before* it fires
 (a SIGKILLed process cannot write afterwards), so the restarted attempt runs clean. A
 slow_rank fault keeps slowing every later step of the attempt that claimed it.
+
+Targets are known in advance: ``corrupt_checkpoint`` names a committed step directory (e.g.
+``<durable_url>/step-00000006``) and, injected, first waits until that step is committed (the
+upload runs beside training, so "the newest checkpoint" is a step the test names, not a race);
+``storage_outage`` writes a deadline that the flow's upload task consults (``StorageOutage``).
 """
 
 from __future__ import annotations
@@ -134,6 +139,7 @@ class FaultInjector:
         elif fault.kind == "storage_outage":
             StorageOutage(self.run_dir).start(fault.duration_s)
         elif fault.kind == "corrupt_checkpoint":
+            wait_committed(fault.target or "")
             corrupt_checkpoint(fault.target or "")
         elif fault.kind == "corrupt_shard":
             corrupt_shard(fault.target or "")
@@ -228,6 +234,20 @@ def _largest_file(url: str) -> str:
     if not sizes:
         raise ValueError(f"{url}: no files to corrupt")
     return max(sizes, key=lambda name: (sizes[name], name))
+
+
+def wait_committed(url: str, timeout_s: float = 300.0, poll_s: float = 0.1) -> None:
+    """Wait until a checkpoint step directory has its manifest (or a plain file exists)."""
+    from megatrain.checkpoint.files import MANIFEST
+
+    fs, path = storage.resolve(url)
+    looks_like_step = Path(path).name.startswith("step-")
+    wanted = storage.join_url(url, MANIFEST) if looks_like_step or fs.isdir(path) else url
+    deadline = time.monotonic() + timeout_s
+    while not storage.exists(wanted):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"corrupt_checkpoint: {wanted} did not appear within {timeout_s:.0f} s")
+        time.sleep(poll_s)
 
 
 def corrupt_checkpoint(url: str) -> str:

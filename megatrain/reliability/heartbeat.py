@@ -13,12 +13,23 @@ Redis on a cluster, a directory of JSON files on one machine. Two failure shapes
 To see *where* a hung rank is stuck, the writer registers ``faulthandler`` on SIGUSR1 (see
 ``stacks.py``): the watcher signals the pid and reads ``<run_dir>/stacks/rank<k>.txt``.
 
+A third shape is reported but stops nothing: a **slow** rank (a straggler). Each record carries
+the seconds the rank spent in each phase of its last finished step; ``forward`` is the rank's own
+compute (its peers' extra time shows up as waiting inside backward's reductions), so a rank whose
+forward time stays well above its peers' for several steps is slow. This needs only two ranks,
+where the trainer's per-step all-gather monitor (observe/straggler.py) needs three.
+
+The heartbeat store can fail too (Redis restarted): writers keep training and retry every beat;
+the watcher treats an unreadable store as "unknown" - no verdict either way - and, once it reads
+again, gives every rank a full timeout to be heard from anew before calling it dead.
+
 Timestamps are wall-clock (``time.time()``) from each rank's host; across hosts this assumes
 NTP-synchronised clocks, with skew far below the timeout (seconds vs tens of seconds).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import faulthandler
@@ -27,6 +38,7 @@ import logging
 import math
 import os
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -40,6 +52,7 @@ from megatrain.reliability.stacks import STACK_SIGNAL, collect_stacks, install_s
 
 log = logging.getLogger(__name__)
 
+RECENT_STEPS = 8  # steps of forward time each record carries
 PHASES = ("init", "data", "forward", "backward", "optimizer", "pipeline", "checkpoint", "collective", "done")
 
 
@@ -64,6 +77,8 @@ class HeartbeatRecord:
     pp_rank: int | None = None
     straggler: bool = False
     first_step_done: bool = False
+    step_phase_s: dict[str, float] | None = None  # seconds per phase of the last finished step
+    recent_forward_s: list[list[float]] | None = None  # [step, forward seconds] of the last steps
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,9 +135,16 @@ class RedisSink:
     def __init__(self, url: str, run_id: str, ttl_s: float = 300.0) -> None:
         import redis  # imported here: the directory sink must work without a Redis client
 
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
         self.run_id = run_id
         self.ttl_s = max(1, math.ceil(ttl_s))
-        self._redis = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        # One immediate retry (a connection the server dropped is reopened), no backoff: a beat
+        # that fails is simply sent again one interval later, and a watcher must not block for
+        # seconds in client retries while the store is down.
+        self._redis = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0,
+                                           retry=Retry(NoBackoff(), 1))
 
     def key(self, rank: int) -> str:
         return f"megatrain:{self.run_id}:heartbeat:{rank}"
@@ -194,6 +216,11 @@ class HeartbeatWriter:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._failures = 0
+        self._failing_since: float | None = None
+        self._phase_start = now
+        self._phase_s: dict[str, float] = {}  # the current step's seconds per phase so far
+        # A watcher polling slower than steps finish still sees every step's own compute time.
+        self._recent_forward: collections.deque[list[float]] = collections.deque(maxlen=RECENT_STEPS)
         self._stack_handle: IO[str] | None = None
         if stacks_dir is not None:
             self._stack_handle = install_stack_dump(stack_file(stacks_dir, rank))
@@ -219,12 +246,21 @@ class HeartbeatWriter:
             raise ValueError(f"phase {phase!r}: expected one of {PHASES}")
         with self._lock:
             record = self._record
+            now = time.time()
+            phase_changed = phase is not None and phase != record.phase
+            if phase_changed or (step is not None and step != record.step):
+                self._phase_s[record.phase] = self._phase_s.get(record.phase, 0.0) + now - self._phase_start
+                self._phase_start = now
             if step is not None and step != record.step:
                 # A step set while still in "init" is the one restored from a checkpoint, not progress.
-                record.first_step_done = record.first_step_done or record.phase != "init"
+                if record.phase != "init":
+                    record.first_step_done = True
+                    record.step_phase_s = {k: round(v, 6) for k, v in self._phase_s.items()}
+                    self._recent_forward.append([step, record.step_phase_s.get("forward", 0.0)])
+                    record.recent_forward_s = list(self._recent_forward)
+                self._phase_s = {}
                 record.step = step
-                record.step_since = time.time()
-            phase_changed = phase is not None and phase != record.phase
+                record.step_since = now
             if phase is not None:
                 record.phase = phase
             if loss is not None:
@@ -251,11 +287,17 @@ class HeartbeatWriter:
             record = dataclasses.replace(self._record, timestamp=time.time())
         try:
             self.sink.publish(record)
-            self._failures = 0
         except Exception as exc:  # a heartbeat-store outage must never stop training
             self._failures += 1
+            if self._failures == 1:
+                self._failing_since = time.time()
             if self._failures == 1 or self._failures % 100 == 0:
                 log.warning("heartbeat publish failed (%d in a row): %s", self._failures, exc)
+            return
+        if self._failures:
+            log.warning("heartbeat publish recovered after %d failures in %.1f s", self._failures,
+                        time.time() - (self._failing_since or time.time()))
+            self._failures, self._failing_since = 0, None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -297,10 +339,21 @@ class WatchResult:
     dead: list[int] = field(default_factory=list)  # silent longer than the timeout
     hung: list[int] = field(default_factory=list)  # beating, but the step is frozen
     missing: list[int] = field(default_factory=list)  # never heard from within the init grace
+    slow: list[int] = field(default_factory=list)  # stragglers: reported, not a fault
+    unknown: str | None = None  # the store could not be read: no verdict this time (why)
+    notes: list[str] = field(default_factory=list)  # what changed since the last check, for the log
 
     @property
     def ok(self) -> bool:
+        """No fault found. An unreadable store (``unknown``) is no fault: nothing is known."""
         return not (self.dead or self.hung or self.missing)
+
+    def headline(self) -> str:
+        if self.unknown is not None:
+            return f"heartbeats unknown: {self.unknown}"
+        if self.ok:
+            return "heartbeats ok" + (f" (slow: {self.slow})" if self.slow else "")
+        return f"fault detected: dead={self.dead} hung={self.hung} missing={self.missing}"
 
     @property
     def faulty(self) -> list[int]:
@@ -314,10 +367,7 @@ class WatchResult:
 
     def message(self, stacks: Mapping[int, str] | None = None) -> str:
         """A report for logs and the failed task run: each rank's phase and step, then stacks."""
-        head = "heartbeats ok" if self.ok else (
-            f"fault detected: dead={self.dead} hung={self.hung} missing={self.missing}"
-        )
-        lines = [head, f"{'rank':>5} {'status':<8} {'host':<16} {'pid':>8} {'phase':<11} {'step':>8} "
+        lines = [self.headline(), f"{'rank':>5} {'status':<8} {'host':<16} {'pid':>8} {'phase':<11} {'step':>8} "
                        f"{'silent_s':>9} {'stalled_s':>9}"]
         for rank in sorted({*self.records, *self.missing}):
             record = self.records.get(rank)
@@ -345,6 +395,13 @@ class HeartbeatWatcher:
     Records published before ``since`` (default: when the watcher was made) are ignored: they
     belong to a previous attempt, whose dead ranks must not fail the restart before it begins.
     A watcher resumed over a running job passes ``since=0``.
+
+    A store that cannot be read gives a result with ``unknown`` set and no verdict. When it reads
+    again, a rank not heard from since is dead only after a full ``timeout_s`` from that moment
+    (a restarted Redis comes back empty; the writers refill it within one interval).
+
+    ``slow_factor``: a rank whose forward time of a step exceeds ``1 + slow_factor`` times its
+    peers' median in ``slow_steps`` of the last ``slow_steps + 1`` steps seen is reported slow.
     """
 
     def __init__(
@@ -356,6 +413,8 @@ class HeartbeatWatcher:
         init_timeout_s: float | None = None,
         stacks_dir: str | Path | None = None,
         since: float | None = None,
+        slow_factor: float | None = 0.5,
+        slow_steps: int = 3,
     ) -> None:
         self.sink = sink
         self.world_size = world_size
@@ -364,8 +423,15 @@ class HeartbeatWatcher:
         self.stacks_dir = Path(stacks_dir) if stacks_dir is not None else None
         self.started_at = time.time()
         self.since = self.started_at if since is None else since
+        self.slow_factor = slow_factor
+        self.slow_steps = slow_steps
         # Last record seen per rank: a dead rank's Redis hash may expire, and it must stay dead.
         self._last: dict[int, HeartbeatRecord] = {}
+        self._unreadable_since: float | None = None  # the store has failed every read since then
+        self._read_failures = 0
+        self._readable_again_at = 0.0  # the end of the last outage of the store
+        self._forward_s: dict[int, dict[int, float]] = {}  # rank -> {step: forward seconds}
+        self._slow: dict[int, str] = {}  # rank -> why it was reported slow
 
     @classmethod
     def from_config(
@@ -374,20 +440,45 @@ class HeartbeatWatcher:
         return cls(
             make_sink(cfg, run_dir, run_id), world_size, cfg.heartbeat_timeout_s,
             init_timeout_s=cfg.init_timeout_s, stacks_dir=Path(run_dir) / "stacks",
+            slow_factor=cfg.straggler_slowdown, slow_steps=cfg.straggler_steps,
         )
 
     def check(self) -> WatchResult:
         now = time.time()
-        fresh = {r: rec for r, rec in self.sink.read_all(self.world_size).items() if rec.timestamp >= self.since}
+        notes: list[str] = []
+        try:
+            read = self.sink.read_all(self.world_size)
+        except Exception as exc:  # the store is down: we know nothing, so we judge nothing
+            self._read_failures += 1
+            reason = f"{type(exc).__name__}: {exc}"
+            if self._unreadable_since is None:
+                self._unreadable_since = now
+                notes.append(f"heartbeat store unreadable ({reason}); no verdicts until it is back")
+                log.warning("heartbeat store unreadable (%s); no verdicts until it is back", reason)
+            elif self._read_failures % 100 == 0:
+                log.warning("heartbeat store still unreadable after %.0f s: %s", now - self._unreadable_since, reason)
+            return WatchResult(checked_at=now, records=dict(self._last), unknown=reason, notes=notes)
+        if self._unreadable_since is not None:
+            notes.append(f"heartbeat store readable again after {now - self._unreadable_since:.1f} s "
+                         f"({self._read_failures} failed reads)")
+            log.warning("%s", notes[-1])
+            self._unreadable_since, self._read_failures, self._readable_again_at = None, 0, now
+        fresh = {r: rec for r, rec in read.items() if rec.timestamp >= self.since}
         self._last.update(fresh)
-        result = WatchResult(checked_at=now, records=dict(self._last))
+        result = WatchResult(checked_at=now, records=dict(self._last), notes=notes)
         for rank in range(self.world_size):
             record = self._last.get(rank)
             if record is None:
-                if now - self.started_at > self.init_timeout_s:
+                if now - max(self.started_at, self._readable_again_at) > self.init_timeout_s:
                     result.missing.append(rank)
                 continue
             if record.phase == "done":
+                continue
+            if record.timestamp < self._readable_again_at:
+                # Last heard before the store's outage ended: silence is counted from its end,
+                # and a frozen step cannot be told from a record that was not refreshed yet.
+                if now - self._readable_again_at > self.timeout_s:
+                    result.dead.append(rank)
                 continue
             if now - record.timestamp > self.timeout_s:
                 result.dead.append(rank)
@@ -396,7 +487,38 @@ class HeartbeatWatcher:
             limit = self.init_timeout_s if warming_up else self.timeout_s
             if now - record.step_since > limit:
                 result.hung.append(rank)
+        self._find_slow(fresh, result)
         return result
+
+    def _find_slow(self, fresh: dict[int, HeartbeatRecord], result: WatchResult) -> None:
+        """Compare each rank's forward time with its peers' on the steps all of them reported."""
+        if self.slow_factor is None or self.world_size < 2:
+            return
+        for rank, record in fresh.items():
+            steps = self._forward_s.setdefault(rank, {})
+            steps.update({int(step): float(seconds) for step, seconds in record.recent_forward_s or []})
+            for old in sorted(steps)[:-64]:
+                del steps[old]
+        self._forward_s = {rank: steps for rank, steps in self._forward_s.items() if steps}
+        if len(self._forward_s) < self.world_size:
+            return
+        common = sorted(set.intersection(*(set(s) for s in self._forward_s.values())))[-(self.slow_steps + 1):]
+        if len(common) < self.slow_steps:
+            return
+        for rank in range(self.world_size):
+            ratios = []
+            for step in common:
+                peers = [self._forward_s[r][step] for r in range(self.world_size) if r != rank]
+                ratios.append(self._forward_s[rank][step] / max(statistics.median(peers), 1e-9))
+            slow = [r for r in ratios if r > 1 + self.slow_factor]
+            if len(slow) >= self.slow_steps and rank not in self._slow:
+                self._slow[rank] = (
+                    f"rank {rank} is slow: forward {statistics.median(slow):.2f}x its peers' median in "
+                    f"{len(slow)} of steps {common[0]}-{common[-1]} (threshold {1 + self.slow_factor:.2f}x)"
+                )
+                result.notes.append(self._slow[rank])
+                log.warning("%s", self._slow[rank])
+        result.slow = sorted(self._slow)
 
     def collect_stacks(self, result: WatchResult, ranks: list[int] | None = None) -> dict[int, str]:
         """Stacks of the given ranks (default: all hung ones) that run on this host."""
