@@ -165,8 +165,24 @@ def test_kill_redis(tmp_path: Path) -> None:
     if binary is None:
         pytest.skip("redis-server not installed (apt-get install -y redis-server)")
     pidfile = tmp_path / "redis.pid"
-    proc = subprocess.Popen([binary, "--port", "0", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL)
+    import socket
+    import time
+
+    import redis
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:  # a server that is really up, so the SIGKILL below is what ends it
+        try:
+            redis.Redis(port=port, socket_timeout=1).ping()
+            break
+        except redis.exceptions.ConnectionError:
+            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
     pidfile.write_text(f"{proc.pid}\n")
     injector = FaultInjector([FaultConfig(kind="kill_redis", step=0, target=str(pidfile))], 0, tmp_path)
     injector.on_step_start(0)
