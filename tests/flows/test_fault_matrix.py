@@ -388,10 +388,9 @@ def test_corrupt_shard(workdir, tmp_path, logs, prefect_api):
 def restarting_redis(tmp_path):
     """A redis-server that comes back ``delay_s`` after it dies, on the same port (as Kubernetes
     restarts a crashed pod), with a pid file for the kill_redis fault."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed (apt-get install -y redis-server)")
-    import redis
+    from megatrain.reliability.redis_server import start_redis_server
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -400,19 +399,7 @@ def restarting_redis(tmp_path):
     state = {"proc": None, "stop": False, "restarts": []}
 
     def start() -> None:
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.02)
-        client.close()
+        proc = start_redis_server(port)
         state["proc"] = proc
         pidfile.write_text(f"{proc.pid}\n")
 

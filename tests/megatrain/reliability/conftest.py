@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -24,27 +23,11 @@ def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server not installed (apt-get install -y redis-server)")
-    import redis
+    from megatrain.reliability.redis_server import start_redis_server
 
     port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_redis_server(port)
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"redis-server did not start on port {port}") from None
-            time.sleep(0.05)
-    client.close()
     yield url, proc
     proc.terminate()
     proc.wait(timeout=10)

@@ -161,28 +161,17 @@ def test_hang_rank_hangs(tmp_path: Path) -> None:
 
 
 def test_kill_redis(tmp_path: Path) -> None:
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed (apt-get install -y redis-server)")
     pidfile = tmp_path / "redis.pid"
     import socket
-    import time
 
-    import redis
+    from megatrain.reliability.redis_server import start_redis_server
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:  # a server that is really up, so the SIGKILL below is what ends it
-        try:
-            redis.Redis(port=port, socket_timeout=1).ping()
-            break
-        except redis.exceptions.ConnectionError:
-            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
+    proc = start_redis_server(port)  # really up, so the SIGKILL below is what ends it
     pidfile.write_text(f"{proc.pid}\n")
     injector = FaultInjector([FaultConfig(kind="kill_redis", step=0, target=str(pidfile))], 0, tmp_path)
     injector.on_step_start(0)
