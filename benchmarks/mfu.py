@@ -444,6 +444,24 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
 
 
 # ----------------------------------------------------------------------------- megatrain run
+# A/B rows of the default (``--variants``): config overrides and inductor settings for the
+# compiled blocks. max_autotune benchmarks Triton GEMM templates (epilogues such as bias + GeLU
+# fused in) against cuBLAS for every GEMM shape of the block, forward and backward, and keeps the
+# faster. "fused" kernels run megatrain's Triton kernels inside the compiled blocks instead of
+# letting inductor generate its own from the reference ops.
+VARIANTS: dict[str, tuple[list[str], dict | None]] = {
+    "cdtune": ([], {"coordinate_descent_tuning": True}),
+    "autotune": ([], {"max_autotune": True, "triton.enable_persistent_tma_matmul": True}),
+    "autotune-notma": ([], {"max_autotune": True}),
+    "gelu-fused": (["model.kernels.gelu=fused"], None),
+    "ln-fused": (["model.kernels.layernorm=fused"], None),
+    "ln-gelu-fused": (["model.kernels.gelu=fused", "model.kernels.layernorm=fused"], None),
+    "gelu-reference": (["model.kernels.gelu=reference"], None),
+    "ln-reference": (["model.kernels.layernorm=reference"], None),
+    "nobias": (["model.bias=false"], None),
+}
+
+
 @dataclass
 class Spec:
     key: str
@@ -568,6 +586,7 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
 KINDS = (
     ("attention (cuDNN)", re.compile(r"cudnn|fmha|flash|sdpa", re.I)),
     ("gemm (cuBLAS)", re.compile(r"nvjet|gemm|cutlass|xmma|cublas", re.I)),
+    ("gemm (inductor template)", re.compile(r"^triton_tem")),  # max-autotune's Triton GEMMs, epilogues fused
     ("nccl", re.compile(r"nccl", re.I)),
     ("memcpy/memset", re.compile(r"memcpy|memset", re.I)),
     ("inductor (triton)", re.compile(r"^triton_")),
@@ -602,7 +621,7 @@ def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch
     m = cfg.model
     tokens = micro_batches * micro_batch * cfg.seq_len
     gemm_flops = 6 * tokens * (m.n_layer * (4 * m.d_model**2 + 2 * m.d_model * m.ffn_dim) + m.vocab_size * m.d_model)
-    gemm_ms = by_kind.get("gemm (cuBLAS)", 0.0)
+    gemm_ms = by_kind.get("gemm (cuBLAS)", 0.0) + by_kind.get("gemm (inductor template)", 0.0)
     return {
         "config": {"micro_batch": micro_batch, "micro_batches": micro_batches},
         "wall_ms": wall_ms, "gpu_kernel_ms": gpu_ms, "gpu_idle_ms": wall_ms - gpu_ms,
@@ -621,13 +640,16 @@ def export_trace(prof, path: Path) -> None:
     path.unlink()
 
 
-def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int) -> None:
+def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int, compile_options: dict | None = None) -> None:
     """Two micro-batches (one optimizer step) of the default under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
+
+    import megatrain.parallel.parallelize as parallelize_module
 
     device = env.device
     data.ready(cfg)
     reset_memory(device)
+    parallelize_module.COMPILE_OPTIONS = compile_options
     trainer = None
     try:
         trainer = make_trainer(cfg, env)
@@ -642,6 +664,7 @@ def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int) -> None:
             wall_ms = (time.perf_counter() - t) * 1e3
         prof_report = summarize_profile(prof, wall_ms, cfg, micro_batches, cfg.train.micro_batch_size)
         prof_report["step_ms_trainer"] = metric.step_time_s * 1e3
+        prof_report["compile_options"] = compile_options
         bench.report["profile"] = prof_report
         if bench.args.trace and device.type == "cuda":
             export_trace(prof, Path(bench.args.out).with_name("mfu_trace_megatrain.json"))
@@ -654,6 +677,7 @@ def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int) -> None:
         if trainer is not None:
             close_trainer(trainer)
         del trainer
+        parallelize_module.COMPILE_OPTIONS = None
         reset_memory(device)
     bench.save()
 
@@ -724,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=1024, help="the ablation's sliding window")
     parser.add_argument("--source-bytes", type=int, default=None, help="corpus bytes to shard")
     parser.add_argument("--only", default="ceilings,baseline,default,ab,profile,ablation,extras",
-                        help="which parts to run, comma list (also: cdtune, an inductor-tuning A/B row)")
+                        help="which parts to run, comma list (also: zero1, the extras' ZeRO-1 row alone)")
+    parser.add_argument("--variants", default="", help=f"comma list of A/B rows of the default: {', '.join(VARIANTS)}")
     parser.add_argument("--trace", action="store_true", help="also write the profile's chrome trace (gzip)")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
     args = parser.parse_args(argv)
@@ -810,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench.add(Result(key=spec.key, label=spec.label, kind="megatrain", micro_batch=mb or 0,
                                     global_batch=gb, error=f"config: {str(exc)[:300]}"))
         compile_s = 60 if cfg.model.compile else (30 if cfg.model.attention == "sliding" else 0)
+        if spec.compile_options and spec.compile_options.get("max_autotune"):
+            compile_s = 240
         if not fits(spec.key, est_seconds(gb, steps + warmup - 1, compile_s)):
             return None
         log(f"{spec.key}: {spec.label} (mb {cfg.train.micro_batch_size}, global batch {gb})")
@@ -833,18 +860,26 @@ def main(argv: list[str] | None = None) -> int:
         ab = Spec(f"default-mb{recipe_mb}-fusedproj", f"default, mb {recipe_mb}, + fused projections (PaLM)",
                   [], "large", fuse="compile")
         megatrain_row(ab, recipe_mb, args.steps)
-    if "default" in only and "cdtune" in only:
-        tuned = Spec(f"default-mb{recipe_mb}-cdtune", f"default, mb {recipe_mb}, inductor coordinate-descent tuning",
-                     [], "large", compile_options={"coordinate_descent_tuning": True})
-        megatrain_row(tuned, recipe_mb, args.steps)
+    variants: list[tuple[Result, list[str], dict | None]] = []
+    for name in [v for v in args.variants.split(",") if v]:
+        overrides, options = VARIANTS[name]
+        label = f"default, mb {recipe_mb}, {name}: {' '.join(overrides)}{' inductor ' + str(options) if options else ''}"
+        r = megatrain_row(Spec(f"default-mb{recipe_mb}-{name}", label, overrides, "large", compile_options=options), recipe_mb, args.steps)
+        if r is not None and r.tokens_per_s and name != "nobias":  # nobias changes the model: not a profile candidate
+            variants.append((r, overrides, options))
 
-    # 4. profile of the best default
+    # 4. profile of the best default (with the fastest inductor variant, if one beat it)
     if "profile" in only:
-        best_mb = max(defaults, key=lambda r: r.tokens_per_s).micro_batch if defaults else recipe_mb
-        if fits("profile", 60):
-            log(f"profile: default, mb {best_mb}, 2 micro-batches")
-            cfg = build_config(args, run_dirs("profile"), common, best_mb, 2 * best_mb)
-            run_profile(bench, cfg, env, data, micro_batches=2)
+        best = max(defaults, key=lambda r: r.tokens_per_s) if defaults else None
+        best_mb = best.micro_batch if best else recipe_mb
+        overrides, options = [], None
+        fastest = max(variants, key=lambda v: v[0].tokens_per_s, default=None)
+        if fastest and (best is None or fastest[0].tokens_per_s > best.tokens_per_s):
+            best_mb, overrides, options = recipe_mb, fastest[1], fastest[2]
+        if fits("profile", 60 + (120 if options and options.get("max_autotune") else 0)):
+            log(f"profile: default, mb {best_mb}, 2 micro-batches, {overrides} inductor options {options}")
+            cfg = build_config(args, [*overrides, *run_dirs("profile")], common, best_mb, 2 * best_mb)
+            run_profile(bench, cfg, env, data, micro_batches=2, compile_options=options)
 
     # 5. the ablation (MegaScale Table 3 order), at the recipe's micro-batch
     if "ablation" in only:
@@ -881,9 +916,10 @@ def main(argv: list[str] | None = None) -> int:
         megatrain_row(lamb, recipe_mb, args.steps)
 
     # 6. extras: what the recipe's other choices cost under compile
-    if "extras" in only:
+    if "extras" in only or "zero1" in only:
         megatrain_row(Spec("extra-zero1", "default + ZeRO-1 (LAMB on flat partitions)", ["parallel.zero_stage=1"], "large"),
                       recipe_mb, args.steps)
+    if "extras" in only:
         for w in ([args.window] if args.quick else [args.window, args.window // 2]):
             if w < recipe.seq_len:
                 megatrain_row(Spec(f"extra-window{w}", f"default + sliding window {w} (flex, compiled)",
