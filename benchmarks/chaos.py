@@ -39,7 +39,8 @@ from megatrain.observe.hang_view import Layout, grid_from_watch, plot_hang_grid,
 from megatrain.observe.straggler import find_stragglers, plot_heatmap
 from megatrain.reliability.anomaly import AnomalyDetector, read_verdict, write_verdict
 from megatrain.reliability.faults import FAULTS_ENV, FaultInjector, faults_from_env
-from megatrain.reliability.heartbeat import DirectorySink, HeartbeatWatcher, HeartbeatWriter
+from megatrain.reliability.heartbeat import DirectorySink, HeartbeatWriter
+from megatrain.reliability.watcher import HeartbeatWatcher
 
 STEP_S = 0.05  # a stand-in step's compute time
 STRAGGLER_ARGS = {"warmup_steps": 3, "window": 20}

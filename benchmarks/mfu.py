@@ -483,7 +483,7 @@ def close_trainer(trainer) -> None:
 
 
 def build_config(args, spec_overrides: list[str], common: list[str], mb: int | None, global_batch: int | None):
-    from megatrain.config import load_config
+    from megatrain.config_load import load_config
 
     extra = []
     if mb is not None:
@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.config.cache_size_limit = 64
     torch.set_float32_matmul_precision("high")
 
-    from megatrain.config import load_config
+    from megatrain.config_load import load_config
     from megatrain.parallel.init import init_distributed
 
     env = init_distributed(device=args.device)

@@ -197,7 +197,7 @@ def _run_variant(variant: dict, env, args, log) -> None:
     import torch
 
     import megatrain.trainer as trainer_module
-    from megatrain.config import load_config
+    from megatrain.config_load import load_config
     from megatrain.model import GPT
     from megatrain.parallel.overlap import attach_dp_overlap
 
@@ -265,7 +265,7 @@ def _run_variant(variant: dict, env, args, log) -> None:
 
 
 def worker(args) -> int:
-    from megatrain.config import load_config
+    from megatrain.config_load import load_config
     from megatrain.parallel.init import init_distributed, shutdown_distributed
     from megatrain.train import setup_logging
 
@@ -302,7 +302,7 @@ def _free_port() -> int:
 
 
 def recipe_micro_batch(args) -> int:
-    from megatrain.config import load_config
+    from megatrain.config_load import load_config
 
     return load_config(args.config, args.common).train.micro_batch_size
 

@@ -5,8 +5,8 @@ batch size, LR schedule, data mix...). A stage starts from the previous stage's 
 (weights and optimizer state, fresh step count and schedule) and keeps its own run directory and
 durable checkpoint URL, so a rerun can tell finished stages from the interrupted one.
 
-Like ``megatrain.config`` this imports neither torch nor prefect: the flow validates a campaign
-before anything heavy starts.
+Like ``megatrain.config`` and ``megatrain.config_load`` this imports neither torch nor prefect:
+the flow validates a campaign before anything heavy starts.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from megatrain.config import Config, ConfigError, _Section, format_validation_error, load_config, merge, read_yaml
+from megatrain.config import Config, _Section
 from megatrain.config import ReliabilityConfig  # noqa: F401  (re-exported for flows)
+from megatrain.config_load import ConfigError, format_validation_error, load_config, merge, parse_overrides, read_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,8 +112,6 @@ def stage_config(campaign: CampaignConfig, index: int) -> Config:
 
 def load_campaign(path: str | Path, overrides: list[str] | None = None) -> CampaignConfig:
     """Read and validate a campaign file; every stage is validated as a full run config."""
-    from megatrain.config import parse_overrides
-
     raw = merge(read_yaml(path), parse_overrides(overrides))
     try:
         return CampaignConfig.model_validate(raw)

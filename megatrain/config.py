@@ -1,20 +1,19 @@
 """Every knob of a megatrain run, as typed pydantic models with documented defaults.
 
-A recipe is a YAML file in ``configs/``; ``load_config(path, overrides)`` reads it, applies dotted
-overrides (``optim.lr=3e-4``) and validates it, so a bad config fails with the file, the field and
-the reason before any model is built. This module imports neither torch nor prefect: the Prefect
-worker validates campaigns without loading the engine.
+A recipe is a YAML file in ``configs/`` that sets the fields which differ from these defaults;
+``megatrain.config_load.load_config(path, overrides)`` reads it and validates it against ``Config``.
+Validators here check what one field cannot say alone (divisibility, ranges across sections), so
+a bad config fails before any model is built. This module imports neither torch nor prefect: the
+Prefect worker validates campaigns without loading the engine.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -353,84 +352,3 @@ class Config(_Section):
         """A short hash of everything that changes the math (not logging or paths)."""
         keep = self.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "checkpoint": True, "reliability": True})
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the file, the field and the reason."""
-
-
-def format_validation_error(source: str, error: ValidationError) -> str:
-    lines = [f"{source}: invalid config"]
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        lines.append(f"  {field}: {item['msg']}")
-    return "\n".join(lines)
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = tree
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
-    """``["optim.lr=3e-4", "model.block=serial"]`` -> nested dict; values parsed as YAML scalars."""
-    tree: dict[str, Any] = {}
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. optim.lr=3e-4")
-        key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), _parse_scalar(raw))
-    return tree
-
-
-def _parse_scalar(raw: str) -> Any:
-    """YAML's reading of a value, except that '3e-4' is a float (YAML 1.1 wants '3.0e-4')."""
-    value = yaml.safe_load(raw)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
-def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    return raw
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a recipe (or the defaults when ``path`` is None), apply overrides, validate."""
-    raw = read_yaml(path) if path is not None else {}
-    raw = merge(raw, parse_overrides(overrides))
-    source = str(path) if path is not None else "<defaults>"
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(source, exc)) from None

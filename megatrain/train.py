@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from megatrain.config import ConfigError, load_config
+from megatrain.config_load import ConfigError, load_config
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -7,7 +7,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 
-from megatrain.config import load_config
+from megatrain.config_load import load_config
 from megatrain.reliability.rollback import RollbackRecord, append_rollback, read_rollbacks
 from tasks._log import run_logger
 

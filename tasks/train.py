@@ -21,7 +21,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from megatrain.campaign import CampaignConfig, stage_config
-from megatrain.config import load_config
+from megatrain.config_load import load_config
 from tasks.checkpoint import staged_steps, upload_checkpoint
 from tasks.rollback import RollbackLimitExceeded, rollback
 from tasks._log import run_logger
@@ -49,7 +49,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     """
     from megatrain.launch import run_ranks, torchrun_command
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
-    from megatrain.reliability.heartbeat import HeartbeatWatcher
+    from megatrain.reliability.watcher import HeartbeatWatcher
 
     logger = run_logger()
     cfg = load_config(config_path)

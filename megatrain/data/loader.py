@@ -11,7 +11,8 @@ The model of the data stream, which everything here follows:
 * The stream position ``samples_consumed`` (global samples, skipped ones included) is the whole
   state: the batch at position ``p`` is a pure function of ``p``. Data-parallel rank ``r`` takes
   the contiguous slice ``[p + r*mb, p + (r+1)*mb)``; tensor-parallel peers pass the same
-  ``dp_rank`` and get the same batch. Resume = restore ``p``; skip(n) = ``p += n``.
+  ``dp_rank`` and get the same batch. Resume = restore ``p``; skip(n) = ``p += n`` (position.py
+  keeps that bookkeeping for both loaders: this one and node_loader's).
 
 A bad shard (missing, truncated, corrupt, checksum mismatch) raises BadShardError naming it, or
 with ``on_bad_shard="skip"`` is logged, counted in ``bad_shards`` and its samples are replaced by
@@ -35,11 +36,10 @@ import numpy as np
 import torch
 
 from megatrain import storage
-from megatrain.data.index import SAMPLE_FIELD, BadShardError, DataError, ShardIndex
+from megatrain.data.index import SAMPLE_FIELD, BadShardError, ShardIndex
+from megatrain.data.position import PositionedLoader, epoch_length
 
 log = logging.getLogger(__name__)
-
-STATE_FORMAT = 1
 
 
 class SampleOrder:
@@ -162,10 +162,7 @@ class BatchStream:
         self.index, self.order, self.cache = index, order, cache
         self.mb, self.dp_size, self.dp_ranks = micro_batch_size, dp_size, list(dp_ranks)
         self.global_batch = micro_batch_size * dp_size
-        self.epoch_len = (index.num_samples // self.global_batch) * self.global_batch
-        if self.epoch_len == 0:
-            raise DataError(f"{index.url}: {index.num_samples} samples, fewer than one global batch "
-                            f"(micro_batch_size {micro_batch_size} x dp_size {dp_size})")
+        self.epoch_len = epoch_length(index, micro_batch_size, dp_size)
         for r in self.dp_ranks:
             if not 0 <= r < dp_size:
                 raise ValueError(f"dp_rank {r} is outside [0, dp_size={dp_size})")
@@ -251,50 +248,26 @@ class _Prefetcher:
         self.thread.join()
 
 
-# What fixes the sample order: a state saved under other values would mean other samples.
-ORDER_KEYS = ("format", "version", "seed", "dp_size", "micro_batch_size", "shuffle_shards")
-
-
-def loader_state(version: str, seed: int, dp_size: int, micro_batch_size: int, shuffle_shards: int,
-                 samples_consumed: int, samples_skipped: int, epoch: int, bad_shards: int) -> dict[str, Any]:
-    """A loader's state: plain ints and strings (JSON-able), the same on every rank."""
-    return {"format": STATE_FORMAT, "version": version, "seed": seed, "dp_size": dp_size,
-            "micro_batch_size": micro_batch_size, "shuffle_shards": shuffle_shards,
-            "samples_consumed": samples_consumed, "samples_skipped": samples_skipped, "epoch": epoch,
-            "bad_shards": bad_shards}
-
-
-def check_state(saved: dict[str, Any], mine: dict[str, Any]) -> None:
-    """Refuse a state of another shard version, seed or batch layout rather than reinterpret it."""
-    for key in ORDER_KEYS:
-        if saved.get(key) != mine[key]:
-            raise ValueError(f"loader state has {key}={saved.get(key)!r}, this loader has {key}={mine[key]!r}")
-
-
 def to_tensors(window: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """[mb, seq_len + 1] tokens -> (inputs, targets), int64 [mb, seq_len] each."""
     tokens = torch.from_numpy(window.astype(np.int64))
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-class ShardLoader:
+class ShardLoader(PositionedLoader):
     """An endless iterator of ``(inputs, targets)`` micro-batches for one data-parallel rank."""
 
     def __init__(self, index: ShardIndex, *, micro_batch_size: int, dp_ranks: Sequence[int], dp_size: int,
                  seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
                  shuffle_shards: int = 64) -> None:
-        self.index, self.seed, self.shuffle_shards = index, seed, shuffle_shards
         self.prefetch_batches = prefetch_batches
         self.cache = ShardCache(index, verify_checksums, on_bad_shard)
         order = SampleOrder([s.num_samples for s in index.shards], seed, shuffle_shards)
         self.stream = BatchStream(index, order, self.cache, micro_batch_size, dp_size, dp_ranks)
-        self._pos = 0  # global samples consumed by our caller (prefetched batches not counted)
-        self._skipped = 0
+        # Last, so that the cache's and the stream's checks of the arguments still run first.
+        super().__init__(index, micro_batch_size=micro_batch_size, dp_size=dp_size, seed=seed,
+                         shuffle_shards=shuffle_shards)
         self._prefetcher: _Prefetcher | None = None
-
-    # -- iteration
-    def __iter__(self) -> ShardLoader:
-        return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         return to_tensors(self.next_raw()[0])
@@ -302,16 +275,16 @@ class ShardLoader:
     def next_raw(self) -> np.ndarray:
         """The next batch of every served rank, as stored: [ranks, mb, seq_len + 1]."""
         if self.prefetch_batches == 0:
-            batch = self.stream.batch(self._pos)
+            batch = self.stream.batch(self.samples_consumed)
         else:
             if self._prefetcher is None:
-                self._prefetcher = _Prefetcher(self.stream, self._pos, self.prefetch_batches)
+                self._prefetcher = _Prefetcher(self.stream, self.samples_consumed, self.prefetch_batches)
             try:
                 batch = self._prefetcher.get()
             except BaseException:
-                self.seek(self._pos)  # the thread has stopped; the next call retries from here
+                self.seek(self.samples_consumed)  # the thread has stopped; the next call retries from here
                 raise
-        self._pos += self.stream.global_batch
+        self._advance()
         return batch
 
     def seek(self, pos: int) -> None:
@@ -320,42 +293,14 @@ class ShardLoader:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
-        self._pos = pos
-
-    # -- position and state
-    @property
-    def samples_consumed(self) -> int:
-        """Global samples behind us (all ranks together), skipped ones included."""
-        return self._pos
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the next batch starts in."""
-        return self._pos // self.stream.epoch_len
+        super().seek(pos)
 
     @property
     def bad_shards(self) -> int:
         return len(self.cache.bad)
 
-    def skip(self, n_samples: int) -> None:
-        """Jump over ``n_samples`` global samples (anomaly rollback skips the offending window)."""
-        if n_samples < 0:
-            raise ValueError(f"skip: n_samples must be >= 0, got {n_samples}")
-        self._skipped += n_samples
-        self.seek(self._pos + n_samples)
-
-    def state_dict(self) -> dict[str, Any]:
-        return loader_state(self.index.version, self.seed, self.stream.dp_size, self.stream.mb, self.shuffle_shards,
-                            self._pos, self._skipped, self.epoch, self.bad_shards)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where the saver stopped."""
-        check_state(state, self.state_dict())
-        self._skipped = int(state["samples_skipped"])
-        self.seek(int(state["samples_consumed"]))
-
     def close(self) -> None:
-        self.seek(self._pos)
+        self.seek(self.samples_consumed)
 
 
 def build_loader(index: ShardIndex, *, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,

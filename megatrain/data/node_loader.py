@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from megatrain.data.index import DataError, ShardIndex
-from megatrain.data.loader import ShardLoader, check_state, loader_state, to_tensors
+from megatrain.data.loader import ShardLoader, to_tensors
+from megatrain.data.position import PositionedLoader
 
 log = logging.getLogger(__name__)
 
@@ -62,62 +63,28 @@ def _names(channel: str) -> tuple[str, str, bytes]:
     return os.path.join(tempfile.gettempdir(), stem + ".sock"), os.path.join(shm, stem + ".ring"), digest.encode()
 
 
-class NodeLoader:
-    """What both roles share: the loader interface and the state of the consumer position."""
+class NodeLoader(PositionedLoader):
+    """What both roles share: the loader interface; the position and its state come from
+    PositionedLoader, like ShardLoader's, so either loader can restore the other's state."""
 
     def __init__(self, index: ShardIndex, params: dict[str, Any], local_rank: int) -> None:
-        self.index, self.params, self.local_rank = index, params, local_rank
-        self.global_batch = params["micro_batch_size"] * params["dp_size"]
-        self.epoch_len = (index.num_samples // self.global_batch) * self.global_batch
-        if self.epoch_len == 0:
-            raise DataError(f"{index.url}: {index.num_samples} samples, fewer than one global batch")
-        self._pos = 0
-        self._skipped = 0
-        self._bad_shards = 0
+        super().__init__(index, micro_batch_size=params["micro_batch_size"], dp_size=params["dp_size"],
+                         seed=params["seed"], shuffle_shards=params["shuffle_shards"])
+        self.params, self.local_rank = params, local_rank
+        self._bad_shards = 0  # as reported with the last batch by the server's ShardLoader
         self.view: np.ndarray | None = None  # np.memmap [slots, local ranks, mb, seq_len + 1]
-
-    def __iter__(self) -> NodeLoader:
-        return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         window = self._next_window()
-        self._pos += self.global_batch
+        self._advance()
         return to_tensors(window)
 
     def _next_window(self) -> np.ndarray:
         raise NotImplementedError
 
-    def _seek(self, pos: int) -> None:
-        self._pos = pos
-
-    @property
-    def samples_consumed(self) -> int:
-        return self._pos
-
-    @property
-    def epoch(self) -> int:
-        return self._pos // self.epoch_len
-
     @property
     def bad_shards(self) -> int:
         return self._bad_shards
-
-    def skip(self, n_samples: int) -> None:
-        if n_samples < 0:
-            raise ValueError(f"skip: n_samples must be >= 0, got {n_samples}")
-        self._skipped += n_samples
-        self._seek(self._pos + n_samples)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The same dict as ShardLoader.state_dict: either loader can restore the other's state."""
-        p = self.params
-        return loader_state(self.index.version, p["seed"], p["dp_size"], p["micro_batch_size"], p["shuffle_shards"],
-                            self._pos, self._skipped, self.epoch, self.bad_shards)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state(state, self.state_dict())
-        self._skipped = int(state["samples_skipped"])
-        self._seek(int(state["samples_consumed"]))
 
     def close(self) -> None:
         self.view = None  # unmaps the ring in this process
@@ -263,16 +230,17 @@ class NodeServer(NodeLoader):
         while True:
             item = self.own.get()
             if isinstance(item, BaseException):
-                self._seek(self._pos)  # restart the producer: the next call retries
+                self.seek(self.samples_consumed)  # restart the producer: the next call retries
                 raise item
             pos, slot = item
-            window = self.view[slot, 0].copy() if pos == self._pos else None
+            window = self.view[slot, 0].copy() if pos == self.samples_consumed else None
             self._release(slot)
             if window is not None:
                 self._bad_shards = self.loader.bad_shards
                 return window
 
-    def _seek(self, pos: int) -> None:
+    def seek(self, pos: int) -> None:
+        """Restart the producer at ``pos``; batches it made for other positions are released."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
@@ -281,7 +249,7 @@ class NodeServer(NodeLoader):
             item = self.own.get()
             if not isinstance(item, BaseException):
                 self._release(item[1])
-        self._pos = pos
+        super().seek(pos)
         self.loader.seek(pos)
         self.producer = self._start()
 
@@ -337,7 +305,7 @@ class NodeClient(NodeLoader):
             if message[0] == "close":
                 raise DataError("node loader: local rank 0 closed the loader")
             _, pos, slot, bad = message
-            window = self.view[slot, self.local_rank].copy() if pos == self._pos else None
+            window = self.view[slot, self.local_rank].copy() if pos == self.samples_consumed else None
             self.conn.send(("ack", slot))  # stale batches (after a seek) are released unread
             if window is not None:
                 self._bad_shards = bad

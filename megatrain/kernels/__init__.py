@@ -16,12 +16,12 @@ import torch
 
 def resolve(impl: str, x: torch.Tensor, under_compile: str | None = "reference") -> str:
     """``auto`` means fused on CUDA when Triton imports, reference elsewhere, and
-    ``under_compile`` inside a region that ``torch.compile`` is tracing. For elementwise ops
-    (LayerNorm, GeLU) that is the reference: inductor fuses the plain-torch ops with their
-    neighbours (the bias add before a GeLU, the residual add before a LayerNorm) into kernels
-    of its own, which a hand-written autograd Function would hide from it. ``None`` keeps the
-    CUDA/CPU choice under compile too (the LM-head loss, whose reference materialises the
-    logits)."""
+    ``under_compile`` inside a region that ``torch.compile`` is tracing. For LayerNorm that is
+    the reference: inductor fuses the plain-torch ops with their neighbours (the residual add)
+    into kernels of its own, which a hand-written autograd Function would hide from it (the
+    Triton LayerNorm inside compiled blocks measured 0.8% slower on an H200). ``None`` keeps
+    the CUDA/CPU choice under compile too: the LM-head loss (whose reference materialises the
+    logits) and bias + GeLU (whose Triton backward also reduces the bias gradient in one pass)."""
     if impl != "auto":
         return impl
     if under_compile is not None and torch.compiler.is_compiling():

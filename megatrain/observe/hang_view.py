@@ -19,7 +19,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain.reliability.heartbeat import HeartbeatRecord, WatchResult
+from megatrain.reliability.heartbeat import HeartbeatRecord
+from megatrain.reliability.watcher import WatchResult
 
 COLORS = {"ok": "#b7e4c7", "hung": "#ff6b6b", "dead": "#c1121f", "missing": "#c1121f"}
 

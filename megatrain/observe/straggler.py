@@ -10,11 +10,16 @@ a rank's robust z-score against the others is ``(t - median) / (1.4826 * MAD)`` 
 a rank is a straggler when, in the recent window after warm-up, most of its steps are both
 ``zscore`` sigmas and ``min_slowdown`` (relative) above the median. The relative floor keeps a
 few-percent jitter from being flagged when the ranks happen to agree closely.
+
+``slow_ranks`` is the one detector behind both straggler paths: this trainer-side monitor
+(``find_stragglers``, every rank's compute time each step, three ranks or more) and the heartbeat
+watcher (reliability/watcher.py, each rank's forward time from its heartbeats, from two ranks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +36,71 @@ def step_zscores(timings: np.ndarray) -> np.ndarray:
     return (timings - median) / scale
 
 
+def _as_matrix(timings: np.ndarray | Sequence[Sequence[float]]) -> np.ndarray:
+    matrix = np.asarray(timings, dtype=float)
+    if matrix.ndim != 2:
+        raise ValueError(f"timings: expected a steps x ranks matrix, got shape {matrix.shape}")
+    return matrix
+
+
+@dataclass(frozen=True)
+class SlowRank:
+    """A rank found slow. ``ratio``: the median, over its slow steps, of its time divided by the
+    step's reference median (see ``slow_ranks``); ``slow_steps`` of the ``steps`` judged were slow."""
+
+    rank: int
+    ratio: float
+    slow_steps: int
+    steps: int
+
+
+def slow_ranks(
+    timings: np.ndarray | Sequence[Sequence[float]],
+    *,
+    min_slowdown: float,
+    min_fraction: float,
+    zscore: float | None = None,
+) -> list[SlowRank]:
+    """The ranks slow in at least ``min_fraction`` of the steps of a ``steps x ranks`` matrix of
+    seconds (the caller picks the steps: after warm-up, a recent window), in rank order.
+
+    A step is slow for a rank under one of two rules, picked by the caller:
+
+    - ``zscore`` given (the trainer's monitor): its robust z-score against all ranks of the step
+      exceeds ``zscore`` *and* its time exceeds ``1 + min_slowdown`` times the median of all
+      ranks. Needs three ranks or more: with two, the median is the pair's mean and the MAD half
+      their gap, so each rank's z-score is +-0.67 however far apart they are - nothing is found.
+    - ``zscore`` None (the heartbeat watcher): its time exceeds ``1 + min_slowdown`` times the
+      median of its *peers* (the other ranks). A plain ratio, so it works from two ranks; the
+      rank itself is left out of the reference because with two ranks the median of both is
+      their mean, which shrinks every gap (2.5x its peer is only 1.43x the pair's mean).
+
+    The rule follows the caller rather than the rank count: each caller's thresholds (and the
+    watcher's documented ``straggler_slowdown``) are defined under its own rule at every world
+    size, so switching rules at three ranks would change the verdicts of both. The rank count
+    only decides whether the chosen rule can judge at all.
+    """
+    matrix = _as_matrix(timings)
+    steps, ranks = matrix.shape
+    if steps == 0 or ranks < (2 if zscore is None else 3):
+        return []  # no steps to judge, or too few ranks for "the peers" to mean anything
+    if zscore is None:
+        peers = np.stack([np.median(np.delete(matrix, rank, axis=1), axis=1) for rank in range(ranks)], axis=1)
+        ratio = matrix / np.maximum(peers, 1e-9)
+        slow = ratio > 1 + min_slowdown
+    else:
+        median = np.median(matrix, axis=1, keepdims=True)
+        ratio = matrix / np.maximum(median, 1e-9)  # reported only: the test below is the rule
+        slow = (step_zscores(matrix) > zscore) & (matrix > median * (1.0 + min_slowdown))
+    found = []
+    for rank in np.flatnonzero(slow.mean(axis=0) >= min_fraction):
+        ratios = ratio[slow[:, rank], rank]
+        # nan only when min_fraction is 0 and the rank was never slow: there is no slow ratio
+        found.append(SlowRank(rank=int(rank), ratio=float(np.median(ratios)) if ratios.size else float("nan"),
+                              slow_steps=int(ratios.size), steps=steps))
+    return found
+
+
 def find_stragglers(
     timings: np.ndarray | Sequence[Sequence[float]],
     *,
@@ -41,17 +111,11 @@ def find_stragglers(
     min_fraction: float = 0.6,
 ) -> list[int]:
     """Ranks slower than their peers in at least ``min_fraction`` of the last ``window`` steps
-    after ``warmup_steps`` (the first steps compile, warm caches and are noisy)."""
-    timings = np.asarray(timings, dtype=float)
-    if timings.ndim != 2:
-        raise ValueError(f"timings: expected a steps x ranks matrix, got shape {timings.shape}")
-    recent = timings[warmup_steps:][-window:]
-    if recent.shape[0] == 0 or recent.shape[1] < 3:
-        return []  # no steps to judge, or too few ranks for a median to mean "the peers"
-    median = np.median(recent, axis=1, keepdims=True)
-    slow = (step_zscores(recent) > zscore) & (recent > median * (1.0 + min_slowdown))
-    fraction = slow.mean(axis=0)
-    return [int(rank) for rank in np.flatnonzero(fraction >= min_fraction)]
+    after ``warmup_steps`` (the first steps compile, warm caches and are noisy): the z-score
+    rule of ``slow_ranks``."""
+    recent = _as_matrix(timings)[warmup_steps:][-window:]
+    found = slow_ranks(recent, min_slowdown=min_slowdown, min_fraction=min_fraction, zscore=zscore)
+    return [straggler.rank for straggler in found]
 
 
 def plot_heatmap(

@@ -16,7 +16,7 @@ Collectives are issued with ``async_op=True`` and waited on just before their re
 GPU, NCCL runs an async collective on its own stream and ``work.wait()`` only makes the compute
 stream wait, so the same code overlaps there (Megatron-LM sets CUDA_DEVICE_MAX_CONNECTIONS=1 so
 the GPU starts kernels in issue order); on CPU with gloo the collective runs on gloo's thread.
-``tp_chunks=1`` turns this off: the plain regions in tensor_parallel.py are used. Only sequence
+``tp_chunks=1`` turns this off: the plain regions of tp_collectives.py are used. Only sequence
 parallelism uses it (without SP the regions are all-reduces, not chunked here).
 
 Where it applies in megatrain's GPT (tensor_parallel.apply_tensor_parallel): the all-gather of

@@ -29,7 +29,8 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
-from megatrain.config import Config, ConfigError, load_config
+from megatrain.config import Config
+from megatrain.config_load import ConfigError, load_config
 
 GIB = 1024**3
 

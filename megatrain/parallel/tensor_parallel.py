@@ -9,13 +9,9 @@ Inside a TP group of t ranks:
 - the token embedding and the (tied) LM head are vocabulary-parallel: each rank holds V/t rows,
   and the cross-entropy reduces max and sum-exp over the group instead of gathering logits.
 
-Regions join the parallel parts to the residual stream (autograd Functions below):
-
-                          forward                       backward
-  copy_to_tp              identity                      all-reduce        enter, no SP
-  reduce_from_tp          all-reduce                    identity          exit, no SP
-  gather_from_sp          all-gather along sequence     reduce-scatter    enter, SP
-  reduce_scatter_to_sp    reduce-scatter along seq      all-gather        exit, SP
+Regions join the parallel parts to the residual stream: on entry a block's input becomes whole
+on every rank, on exit the partial sums are reduced (the autograd Functions of tp_collectives.py:
+all-reduces without sequence parallelism, all-gather / reduce-scatter along the sequence with it).
 
 With sequence parallelism (SP) the residual stream between blocks is split along the sequence:
 LayerNorms and residual adds run on T/t tokens per rank and stored activations shrink by t. The
@@ -43,149 +39,28 @@ from megatrain.config import OverlapConfig
 from megatrain.model.block import ParallelBlock, SerialBlock
 from megatrain.model.gpt import GPT, Head
 from megatrain.parallel.dims import ProcessGroups
-from megatrain.parallel.overlap import all_gather_flat, all_gather_matmul, matmul_reduce_scatter, reduce_scatter_flat
+from megatrain.parallel.overlap import all_gather_flat, all_gather_matmul, matmul_reduce_scatter
+from megatrain.parallel.tp_collectives import (
+    all_reduced,
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+    vocab_parallel_cross_entropy,
+)
 
 # Tensor-parallel modules run outside torch.compile: dynamo leaves them to eager PyTorch and compiles
-# the code between them (attention core, GeLU, LayerNorm). The regions' autograd Functions write
-# their collectives' results in place (``dist.all_reduce(out)``, ``all_gather_into_tensor(buffer)``),
-# and torch 2.11 (the GPU image) routes the gradient of an autograd.Function whose forward mutates
-# its output in place to the wrong output slot when it is traced by dynamo: zero gradients, no error
-# (pytorch/pytorch#180642, fixed in 2.12). Traced inside the compiled blocks, every TP2 run of the
-# 1.3B model on two H200s had a first gradient norm of 3.2 against 41.9 for the same batch on one
-# GPU, a backward pass shorter than the forward, and a loss that did not fall (benchmarks/
-# RESULTS.md). The column/row-parallel linears stay eager too: they hand tensors to the regions
-# through module attributes (``accept_precomputed``, ``reduced_output``) and identity checks, which
-# dynamo would turn into guards.
+# the code between them (attention core, GeLU, LayerNorm). The regions' autograd Functions
+# (tp_collectives.py) write their collectives' results in place (``dist.all_reduce(out)``,
+# ``all_gather_into_tensor(buffer)``), and torch 2.11 (the GPU image) routes the gradient of an
+# autograd.Function whose forward mutates its output in place to the wrong output slot when it is
+# traced by dynamo: zero gradients, no error (pytorch/pytorch#180642, fixed in 2.12). Traced inside
+# the compiled blocks, every TP2 run of the 1.3B model on two H200s had a first gradient norm of 3.2
+# against 41.9 for the same batch on one GPU, a backward pass shorter than the forward, and a loss
+# that did not fall (benchmarks/RESULTS.md). The column/row-parallel linears stay eager too: they
+# hand tensors to the regions through module attributes (``accept_precomputed``,
+# ``reduced_output``) and identity checks, which dynamo would turn into guards.
 _eager = torch.compiler.disable
-
-
-# ---------------------------------------------------------------- collectives along the sequence
-
-
-def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[B, s, ...] on each rank -> [B, t*s, ...], rank r's shard at positions r*s .. r*s+s-1."""
-    world = dist.get_world_size(group)
-    buffer = x.new_empty((world * x.shape[0], *x.shape[1:]))  # gloo wants dim 0 = world * B
-    all_gather_flat(buffer, x.contiguous(), group)
-    return buffer.view(world, *x.shape).transpose(0, 1).reshape(x.shape[0], world * x.shape[1], *x.shape[2:])
-
-
-def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[B, T, ...] partial sums on each rank -> [B, T/t, ...]: rank r's positions, summed."""
-    world = dist.get_world_size(group)
-    B, T = x.shape[:2]
-    if T % world:
-        raise ValueError(f"sequence parallelism: sequence length {T} is not divisible by tp={world}")
-    send = x.reshape(B, world, T // world, *x.shape[2:]).transpose(0, 1).flatten(0, 1).contiguous()
-    out = x.new_empty(B, T // world, *x.shape[2:])
-    reduce_scatter_flat(out, send, group)
-    return out
-
-
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.clone()  # never reduce an autograd input in place
-    dist.all_reduce(out, group=group)
-    return out
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
-
-
-def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _CopyToTP.apply(x, group)
-
-
-def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group)
-
-
-def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _GatherFromSP.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ReduceScatterToSP.apply(x, group)
-
-
-# ---------------------------------------------------------------- vocabulary-parallel cross-entropy
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token loss from logits sharded over the vocabulary: [N, V/t] -> [N], fp32.
-    loss = log(sum_v exp(z_v - m)) - (z_target - m), with m, the sum and z_target all-reduced."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group):
-        ctx.dtype = logits.dtype
-        logits = logits.float()
-        global_max = logits.max(dim=-1).values
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)  # a constant: it cancels out
-        shifted = logits - global_max.unsqueeze(-1)
-        local_targets = targets - vocab_start
-        outside = (local_targets < 0) | (local_targets >= logits.shape[-1])
-        local_targets = local_targets.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()
-        stats = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both sums
-        dist.all_reduce(stats, group=group)
-        sum_exp, target_logit = stats
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_targets, outside)
-        return sum_exp.log() - target_logit
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_targets, outside = ctx.saved_tensors
-        grad = softmax.clone()  # d loss / d z = softmax - onehot(target), on this rank's columns
-        grad.scatter_add_(-1, local_targets.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Mean cross-entropy of logits [N, V/t] holding vocabulary rows [vocab_start, +V/t)."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group).mean()
 
 
 # ---------------------------------------------------------------- layers
@@ -372,7 +247,7 @@ def _patch_head(head: Head, group: dist.ProcessGroup, sequence_parallel: bool, v
 
 def _all_reduce_grad_over(param: nn.Parameter, group: dist.ProcessGroup) -> None:
     param.sequence_parallel = True
-    param.register_hook(lambda grad: _all_reduce(grad, group))
+    param.register_hook(lambda grad: all_reduced(grad, group))
 
 
 def apply_tensor_parallel(model: GPT, groups: ProcessGroups, sequence_parallel: bool, overlap: OverlapConfig) -> GPT:

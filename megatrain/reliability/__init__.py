@@ -1,12 +1,13 @@
 """Reliability: keep a long pretraining job converging through faults.
 
-- ``heartbeat``   every rank publishes step/phase/loss/throughput; a watcher finds dead and hung ranks
+- ``heartbeat``   every rank publishes step/phase/loss/throughput from a thread of its own
+- ``watcher``     reads the heartbeats: dead, hung, missing and slow ranks
 - ``stacks``      SIGUSR1 -> faulthandler stack dumps of live ranks, collected by the watcher
 - ``anomaly``     NaN/inf loss, loss spikes, gradient explosions -> a ``Verdict`` file for rollback
 - ``faults``      fault injection (off by default) to prove that recovery works
 - ``selfcheck``   per-node GEMM, memory, all-reduce, storage and Redis checks -> eviction list
 - ``redis_store`` a Redis-backed ``torch.distributed.Store`` for fast process-group init
 
-Nothing is imported here: the orchestrator imports ``heartbeat`` and ``anomaly`` without
+Nothing is imported here: the orchestrator imports ``watcher`` and ``anomaly`` without
 loading torch (only ``selfcheck`` and ``redis_store`` need it).
 """

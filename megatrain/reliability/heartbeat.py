@@ -1,27 +1,23 @@
-"""Heartbeats: every rank says where it is; a watcher tells dead ranks from hung ones.
+"""Heartbeats, the writer side: every rank says where it is, from a thread of its own.
 
 Each rank publishes a ``HeartbeatRecord`` (step, phase, loss, throughput, time) through a sink:
-Redis on a cluster, a directory of JSON files on one machine. Two failure shapes matter:
+Redis on a cluster, a directory of JSON files on one machine. The watcher (``watcher.py``, run by
+the orchestrator, never inside a rank) reads them back to tell dead ranks from hung ones, which
+is why the record carries two clocks:
 
-- **dead**: the process (or its machine) is gone, so nothing publishes for it any more and its
-  record's ``timestamp`` goes stale.
-- **hung**: the process is alive - a background thread keeps beating - but the training thread
-  is stuck, usually inside a collective waiting for a peer. The timestamp stays fresh while
-  ``step`` stops advancing (``step_since`` grows old). The rank whose phase differs from the
-  others (e.g. ``forward`` while everyone else waits in ``collective``) is the likely culprit.
+- ``timestamp`` is refreshed by every beat, so it goes stale only when the process (or its
+  machine) is gone: a **dead** rank.
+- ``step_since`` moves only when ``step`` does. A background thread keeps beating while the
+  training thread is stuck - usually inside a collective waiting for a peer - so a **hung**
+  rank has a fresh timestamp and an old ``step_since``; its ``phase`` says where it stopped.
 
-To see *where* a hung rank is stuck, the writer registers ``faulthandler`` on SIGUSR1 (see
+To show *where* a hung rank is stuck, the writer registers ``faulthandler`` on SIGUSR1 (see
 ``stacks.py``): the watcher signals the pid and reads ``<run_dir>/stacks/rank<k>.txt``.
 
-A third shape is reported but stops nothing: a **slow** rank (a straggler). Each record carries
-the seconds the rank spent in each phase of its last finished step; ``forward`` is the rank's own
-compute (its peers' extra time shows up as waiting inside backward's reductions), so a rank whose
-forward time stays well above its peers' for several steps is slow. This needs only two ranks,
-where the trainer's per-step all-gather monitor (observe/straggler.py) needs three.
+Each record also carries the seconds the rank spent in each phase of its last finished step, and
+the forward seconds of its last few steps, from which the watcher finds slow ranks (stragglers).
 
-The heartbeat store can fail too (Redis restarted): writers keep training and retry every beat;
-the watcher treats an unreadable store as "unknown" - no verdict either way - and, once it reads
-again, gives every rank a full timeout to be heard from anew before calling it dead.
+The heartbeat store can fail (Redis restarted): writers keep training and retry every beat.
 
 Timestamps are wall-clock (``time.time()``) from each rank's host; across hosts this assumes
 NTP-synchronised clocks, with skew far below the timeout (seconds vs tens of seconds).
@@ -38,7 +34,6 @@ import logging
 import math
 import os
 import socket
-import statistics
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -48,7 +43,7 @@ from typing import IO, Any, Protocol
 
 from megatrain.config import ReliabilityConfig
 from megatrain.reliability._files import atomic_write_text
-from megatrain.reliability.stacks import STACK_SIGNAL, collect_stacks, install_stack_dump, stack_file
+from megatrain.reliability.stacks import STACK_SIGNAL, install_stack_dump, stack_file
 
 log = logging.getLogger(__name__)
 
@@ -326,216 +321,3 @@ class HeartbeatWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# The watcher: run by the orchestrator (or a test), never inside a rank.
-
-
-@dataclass
-class WatchResult:
-    checked_at: float
-    records: dict[int, HeartbeatRecord]
-    dead: list[int] = field(default_factory=list)  # silent longer than the timeout
-    hung: list[int] = field(default_factory=list)  # beating, but the step is frozen
-    missing: list[int] = field(default_factory=list)  # never heard from within the init grace
-    slow: list[int] = field(default_factory=list)  # stragglers: reported, not a fault
-    unknown: str | None = None  # the store could not be read: no verdict this time (why)
-    notes: list[str] = field(default_factory=list)  # what changed since the last check, for the log
-
-    @property
-    def ok(self) -> bool:
-        """No fault found. An unreadable store (``unknown``) is no fault: nothing is known."""
-        return not (self.dead or self.hung or self.missing)
-
-    def headline(self) -> str:
-        if self.unknown is not None:
-            return f"heartbeats unknown: {self.unknown}"
-        if self.ok:
-            return "heartbeats ok" + (f" (slow: {self.slow})" if self.slow else "")
-        return f"fault detected: dead={self.dead} hung={self.hung} missing={self.missing}"
-
-    @property
-    def faulty(self) -> list[int]:
-        return sorted({*self.dead, *self.hung, *self.missing})
-
-    def status(self, rank: int) -> str:
-        for name in ("dead", "hung", "missing"):
-            if rank in getattr(self, name):
-                return name
-        return "ok"
-
-    def message(self, stacks: Mapping[int, str] | None = None) -> str:
-        """A report for logs and the failed task run: each rank's phase and step, then stacks."""
-        lines = [self.headline(), f"{'rank':>5} {'status':<8} {'host':<16} {'pid':>8} {'phase':<11} {'step':>8} "
-                       f"{'silent_s':>9} {'stalled_s':>9}"]
-        for rank in sorted({*self.records, *self.missing}):
-            record = self.records.get(rank)
-            if record is None:
-                lines.append(f"{rank:>5} {self.status(rank):<8} (no heartbeat)")
-                continue
-            lines.append(
-                f"{rank:>5} {self.status(rank):<8} {record.host[:16]:<16} {record.pid:>8} "
-                f"{record.phase:<11} {record.step:>8} {self.checked_at - record.timestamp:>9.1f} "
-                f"{self.checked_at - record.step_since:>9.1f}"
-            )
-        for rank, text in sorted((stacks or {}).items()):
-            lines += [f"--- stack of rank {rank} ---", text.rstrip()]
-        return "\n".join(lines)
-
-
-class HeartbeatWatcher:
-    """Reads all ranks' records and says which are dead, hung or missing.
-
-    ``timeout_s``: silence (or a frozen step) longer than this is a fault. A rank in ``init``
-    or still in its first step (compiling, loading a checkpoint, warming up) may keep its step
-    for ``init_timeout_s``, as long as it keeps beating; ranks never heard from get that long to
-    appear. A rank in ``done`` finished cleanly and is never flagged.
-
-    Records published before ``since`` (default: when the watcher was made) are ignored: they
-    belong to a previous attempt, whose dead ranks must not fail the restart before it begins.
-    A watcher resumed over a running job passes ``since=0``.
-
-    A store that cannot be read gives a result with ``unknown`` set and no verdict. When it reads
-    again, a rank not heard from since is dead only after a full ``timeout_s`` from that moment
-    (a restarted Redis comes back empty; the writers refill it within one interval).
-
-    ``slow_factor``: a rank whose forward time of a step exceeds ``1 + slow_factor`` times its
-    peers' median in ``slow_steps`` of the last ``slow_steps + 1`` steps seen is reported slow.
-    """
-
-    def __init__(
-        self,
-        sink: HeartbeatSink,
-        world_size: int,
-        timeout_s: float,
-        *,
-        init_timeout_s: float | None = None,
-        stacks_dir: str | Path | None = None,
-        since: float | None = None,
-        slow_factor: float | None = 0.5,
-        slow_steps: int = 3,
-    ) -> None:
-        self.sink = sink
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self.init_timeout_s = max(timeout_s, init_timeout_s or timeout_s)
-        self.stacks_dir = Path(stacks_dir) if stacks_dir is not None else None
-        self.started_at = time.time()
-        self.since = self.started_at if since is None else since
-        self.slow_factor = slow_factor
-        self.slow_steps = slow_steps
-        # Last record seen per rank: a dead rank's Redis hash may expire, and it must stay dead.
-        self._last: dict[int, HeartbeatRecord] = {}
-        self._unreadable_since: float | None = None  # the store has failed every read since then
-        self._read_failures = 0
-        self._readable_again_at = 0.0  # the end of the last outage of the store
-        self._forward_s: dict[int, dict[int, float]] = {}  # rank -> {step: forward seconds}
-        self._slow: dict[int, str] = {}  # rank -> why it was reported slow
-
-    @classmethod
-    def from_config(
-        cls, cfg: ReliabilityConfig, run_dir: str | Path, run_id: str, world_size: int
-    ) -> HeartbeatWatcher:
-        return cls(
-            make_sink(cfg, run_dir, run_id), world_size, cfg.heartbeat_timeout_s,
-            init_timeout_s=cfg.init_timeout_s, stacks_dir=Path(run_dir) / "stacks",
-            slow_factor=cfg.straggler_slowdown, slow_steps=cfg.straggler_steps,
-        )
-
-    def check(self) -> WatchResult:
-        now = time.time()
-        notes: list[str] = []
-        try:
-            read = self.sink.read_all(self.world_size)
-        except Exception as exc:  # the store is down: we know nothing, so we judge nothing
-            self._read_failures += 1
-            reason = f"{type(exc).__name__}: {exc}"
-            if self._unreadable_since is None:
-                self._unreadable_since = now
-                notes.append(f"heartbeat store unreadable ({reason}); no verdicts until it is back")
-                log.warning("heartbeat store unreadable (%s); no verdicts until it is back", reason)
-            elif self._read_failures % 100 == 0:
-                log.warning("heartbeat store still unreadable after %.0f s: %s", now - self._unreadable_since, reason)
-            return WatchResult(checked_at=now, records=dict(self._last), unknown=reason, notes=notes)
-        if self._unreadable_since is not None:
-            notes.append(f"heartbeat store readable again after {now - self._unreadable_since:.1f} s "
-                         f"({self._read_failures} failed reads)")
-            log.warning("%s", notes[-1])
-            self._unreadable_since, self._read_failures, self._readable_again_at = None, 0, now
-        fresh = {r: rec for r, rec in read.items() if rec.timestamp >= self.since}
-        self._last.update(fresh)
-        result = WatchResult(checked_at=now, records=dict(self._last), notes=notes)
-        for rank in range(self.world_size):
-            record = self._last.get(rank)
-            if record is None:
-                if now - max(self.started_at, self._readable_again_at) > self.init_timeout_s:
-                    result.missing.append(rank)
-                continue
-            if record.phase == "done":
-                continue
-            if record.timestamp < self._readable_again_at:
-                # Last heard before the store's outage ended: silence is counted from its end,
-                # and a frozen step cannot be told from a record that was not refreshed yet.
-                if now - self._readable_again_at > self.timeout_s:
-                    result.dead.append(rank)
-                continue
-            if now - record.timestamp > self.timeout_s:
-                result.dead.append(rank)
-                continue
-            warming_up = record.phase == "init" or not record.first_step_done
-            limit = self.init_timeout_s if warming_up else self.timeout_s
-            if now - record.step_since > limit:
-                result.hung.append(rank)
-        self._find_slow(fresh, result)
-        return result
-
-    def _find_slow(self, fresh: dict[int, HeartbeatRecord], result: WatchResult) -> None:
-        """Compare each rank's forward time with its peers' on the steps all of them reported."""
-        if self.slow_factor is None or self.world_size < 2:
-            return
-        for rank, record in fresh.items():
-            steps = self._forward_s.setdefault(rank, {})
-            steps.update({int(step): float(seconds) for step, seconds in record.recent_forward_s or []})
-            for old in sorted(steps)[:-64]:
-                del steps[old]
-        self._forward_s = {rank: steps for rank, steps in self._forward_s.items() if steps}
-        if len(self._forward_s) < self.world_size:
-            return
-        common = sorted(set.intersection(*(set(s) for s in self._forward_s.values())))[-(self.slow_steps + 1):]
-        if len(common) < self.slow_steps:
-            return
-        for rank in range(self.world_size):
-            ratios = []
-            for step in common:
-                peers = [self._forward_s[r][step] for r in range(self.world_size) if r != rank]
-                ratios.append(self._forward_s[rank][step] / max(statistics.median(peers), 1e-9))
-            slow = [r for r in ratios if r > 1 + self.slow_factor]
-            if len(slow) >= self.slow_steps and rank not in self._slow:
-                self._slow[rank] = (
-                    f"rank {rank} is slow: forward {statistics.median(slow):.2f}x its peers' median in "
-                    f"{len(slow)} of steps {common[0]}-{common[-1]} (threshold {1 + self.slow_factor:.2f}x)"
-                )
-                result.notes.append(self._slow[rank])
-                log.warning("%s", self._slow[rank])
-        result.slow = sorted(self._slow)
-
-    def collect_stacks(self, result: WatchResult, ranks: list[int] | None = None) -> dict[int, str]:
-        """Stacks of the given ranks (default: all hung ones) that run on this host."""
-        here = socket.gethostname()
-        chosen = result.hung if ranks is None else ranks
-        pids = {}
-        stacks = {}
-        for rank in chosen:
-            record = result.records.get(rank)
-            if record is None:
-                continue
-            if record.host != here:
-                stacks[rank] = f"(rank runs on {record.host}; collect its stack there)"
-            else:
-                pids[rank] = record.pid
-        stacks.update(collect_stacks(pids, self.stacks_dir))
-        return stacks
-
-    def close(self) -> None:
-        self.sink.close()

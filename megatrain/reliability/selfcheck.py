@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config import Config, ConfigError, SelfCheckConfig, load_config
+from megatrain.config import Config, SelfCheckConfig
+from megatrain.config_load import ConfigError, load_config
 
 
 @dataclass

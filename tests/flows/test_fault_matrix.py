@@ -36,7 +36,7 @@ from megatrain.campaign import load_campaign, stage_config
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import load_safetensors, step_dir_name
 from megatrain.checkpoint.restore import verify_checkpoint
-from megatrain.reliability.heartbeat import DirectorySink, HeartbeatRecord, HeartbeatWatcher, HeartbeatWriter
+from megatrain.reliability.heartbeat import HeartbeatRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -459,97 +459,3 @@ def test_kill_redis(reference, workdir, shard_root, logs, restarting_redis):
     assert_bit_exact(outcome.durable, reference(1))
     record_row("kill_redis", "watcher read + rank publish fail (no verdict)", t_fault, t_detect, t_recover, outcome,
                True, f"SIGKILL at step 2, back after {restarted - died:.1f} s; recovery = watcher reads again")
-
-
-# ---------------------------------------------------------------------------------------------
-# fast checks of the watcher behaviour the cases rely on (no ranks, no flow)
-
-
-class _FlakySink:
-    def __init__(self) -> None:
-        self.records: dict[int, HeartbeatRecord] = {}
-        self.down = False
-
-    def publish(self, record: HeartbeatRecord) -> None:
-        self.records[record.rank] = record
-
-    def read_all(self, world_size: int) -> dict[int, HeartbeatRecord]:
-        if self.down:
-            raise ConnectionError("Connection refused")
-        return dict(self.records)
-
-    def close(self) -> None:
-        pass
-
-
-def test_watcher_has_no_verdict_while_the_store_is_down_and_a_grace_after():
-    sink = _FlakySink()
-    watcher = HeartbeatWatcher(sink, 1, timeout_s=0.3, since=0)
-    sink.publish(HeartbeatRecord(rank=0, step=3, phase="forward", timestamp=time.time(), step_since=time.time(),
-                                 first_step_done=True))
-    assert watcher.check().ok
-    sink.down = True
-    first = watcher.check()
-    assert first.ok and first.unknown and "unreadable" in first.notes[0]
-    time.sleep(0.4)  # longer than the timeout: still no verdict, nothing is known
-    later = watcher.check()
-    assert later.ok and later.unknown and not later.notes
-    sink.down, sink.records = False, {}  # back, but empty (a restarted Redis)
-    back = watcher.check()
-    assert back.ok and back.unknown is None and "readable again" in back.notes[0]
-    time.sleep(0.15)
-    assert watcher.check().ok  # within the grace that started when the store came back
-    time.sleep(0.25)
-    assert watcher.check().dead == [0]  # never heard again: dead, a full timeout after the store returned
-
-
-def test_watcher_reports_a_rank_whose_forward_time_stays_above_its_peers():
-    sink = _FlakySink()
-    watcher = HeartbeatWatcher(sink, 2, timeout_s=30, since=0, slow_factor=0.5, slow_steps=3)
-    notes = []
-    history: dict[int, list[list[float]]] = {0: [], 1: []}
-    for step in range(1, 6):
-        now = time.time()
-        for rank, forward in ((0, 0.10), (1, 0.10 if step < 2 else 0.25)):
-            history[rank] = [*history[rank], [step, forward]][-8:]
-            sink.publish(HeartbeatRecord(rank=rank, step=step, phase="backward", timestamp=now, step_since=now,
-                                         first_step_done=True, recent_forward_s=history[rank]))
-        if step % 2:  # polled at steps 1, 3 and 5 only: the records' history fills the gaps
-            result = watcher.check()
-            notes += result.notes
-            assert result.ok  # slow is reported, never a fault
-    assert result.slow == [1] and len(notes) == 1 and "rank 1 is slow: forward 2.50x" in notes[0]
-
-
-def test_writer_publishes_the_seconds_of_each_phase_of_the_last_step(tmp_path):
-    writer = HeartbeatWriter(DirectorySink(tmp_path), 0, interval_s=0.05)
-    try:
-        writer.beat(step=0, phase="data")  # restored step, still "init": no step finished yet
-        for step in (1, 2):
-            writer.beat(phase="forward")
-            time.sleep(0.06 * step)
-            writer.beat(phase="backward")
-            time.sleep(0.02)
-            writer.beat(step=step, phase="checkpoint")
-        record = writer.record
-    finally:
-        writer.close()
-    phases = record.step_phase_s
-    assert 0.11 <= phases["forward"] < 0.3 and 0.015 <= phases["backward"] < 0.2, phases
-    assert [step for step, _ in record.recent_forward_s] == [1, 2]
-    assert record.recent_forward_s[1][1] == phases["forward"]
-
-
-def test_a_crash_names_the_exception_a_rank_printed_not_torchruns_summary():
-    from megatrain.launch import last_error
-
-    output = [
-        '[rank0]:     raise BadShardError(url, "sha256 does not match the index")',
-        "[rank0]: megatrain.data.index.BadShardError: bad shard /s/shard-000080.tar: sha256 does not match the index",
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
-        "  time      : 2026-11-22_03:59:44",
-        "  error_file: <N/A>",
-    ]
-    assert last_error(output) == ("megatrain.data.index.BadShardError: bad shard /s/shard-000080.tar: "
-                                  "sha256 does not match the index")
-    assert last_error(["all good", "  exitcode  : -9 (pid: 12)"]) == ""

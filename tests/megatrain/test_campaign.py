@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.campaign import load_campaign, stage_config
-from megatrain.config import ConfigError
+from megatrain.config_load import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

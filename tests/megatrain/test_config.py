@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 
 from megatrain.campaign import CampaignConfig, load_campaign
-from megatrain.config import Config, ConfigError, load_config, parse_overrides
+from megatrain.config import Config
+from megatrain.config_load import ConfigError, load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))

@@ -32,7 +32,8 @@ def test_megatrain_never_imports_prefect():
 
 
 def test_config_imports_neither_torch_nor_prefect():
-    code = "import sys, megatrain.config; assert 'torch' not in sys.modules and 'prefect' not in sys.modules"
+    code = ("import sys, megatrain.config, megatrain.config_load; "
+            "assert 'torch' not in sys.modules and 'prefect' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 

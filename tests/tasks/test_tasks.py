@@ -9,7 +9,7 @@ import math
 import pytest
 
 from megatrain.campaign import load_campaign, stage_config
-from megatrain.config import ConfigError
+from megatrain.config_load import ConfigError
 from megatrain.reliability.rollback import read_rollbacks
 
 ONE_STAGE = "- {name: only, steps: 6}\n"

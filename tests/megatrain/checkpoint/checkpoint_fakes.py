@@ -18,7 +18,8 @@ import torch.nn as nn
 from fsspec.implementations.local import LocalFileSystem
 
 from megatrain.checkpoint.manager import Checkpointer
-from megatrain.config import Config, load_config
+from megatrain.config import Config
+from megatrain.config_load import load_config
 from megatrain.parallel.dims import ParallelDims, ProcessGroups
 from megatrain.parallel.init import DistEnv
 

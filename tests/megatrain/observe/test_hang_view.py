@@ -6,7 +6,8 @@ import time
 from pathlib import Path
 
 from megatrain.observe.hang_view import Layout, grid_from_watch, hang_grid, plot_hang_grid, render_markdown
-from megatrain.reliability.heartbeat import DirectorySink, HeartbeatRecord, HeartbeatWatcher
+from megatrain.reliability.heartbeat import DirectorySink, HeartbeatRecord
+from megatrain.reliability.watcher import HeartbeatWatcher
 
 
 def test_layout_coords() -> None:

@@ -1,0 +1,254 @@
+"""The heartbeat watcher: reads every rank's heartbeat and tells dead ranks from hung ones.
+
+Run by the orchestrator (or a test), never inside a rank. The ranks publish through
+``heartbeat.py``'s writer; two failure shapes matter:
+
+- **dead**: the process (or its machine) is gone, so nothing publishes for it any more and its
+  record's ``timestamp`` goes stale.
+- **hung**: the process is alive - a background thread keeps beating - but the training thread
+  is stuck, usually inside a collective waiting for a peer. The timestamp stays fresh while
+  ``step`` stops advancing (``step_since`` grows old). The rank whose phase differs from the
+  others (e.g. ``forward`` while everyone else waits in ``collective``) is the likely culprit.
+
+To see *where* a hung rank is stuck, the watcher signals its pid and reads the stack the rank's
+``faulthandler`` wrote (``stacks.py``).
+
+A third shape is reported but stops nothing: a **slow** rank (a straggler). Each record carries
+the seconds the rank spent in each phase of its last finished step; ``forward`` is the rank's own
+compute (its peers' extra time shows up as waiting inside backward's reductions), so a rank whose
+forward time stays well above its peers' for several steps is slow. The judgement is
+``observe.straggler.slow_ranks``' ratio-to-peers rule, which needs only two ranks, where the
+trainer's per-step all-gather monitor (the same function's z-score rule) needs three.
+
+The heartbeat store can fail too (Redis restarted): the watcher treats an unreadable store as
+"unknown" - no verdict either way - and, once it reads again, gives every rank a full timeout to
+be heard from anew before calling it dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatrain.config import ReliabilityConfig
+from megatrain.observe.straggler import slow_ranks
+from megatrain.reliability.heartbeat import HeartbeatRecord, HeartbeatSink, make_sink
+from megatrain.reliability.stacks import collect_stacks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WatchResult:
+    """One check's verdicts. Dead, hung and missing ranks are faults (the job is stopped); slow
+    ranks and an unreadable store are reported only."""
+
+    checked_at: float
+    records: dict[int, HeartbeatRecord]
+    dead: list[int] = field(default_factory=list)  # silent longer than the timeout
+    hung: list[int] = field(default_factory=list)  # beating, but the step is frozen
+    missing: list[int] = field(default_factory=list)  # never heard from within the init grace
+    slow: list[int] = field(default_factory=list)  # stragglers: reported, not a fault
+    unknown: str | None = None  # the store could not be read: no verdict this time (why)
+    notes: list[str] = field(default_factory=list)  # what changed since the last check, for the log
+
+    @property
+    def ok(self) -> bool:
+        """No fault found. An unreadable store (``unknown``) is no fault: nothing is known."""
+        return not (self.dead or self.hung or self.missing)
+
+    def headline(self) -> str:
+        if self.unknown is not None:
+            return f"heartbeats unknown: {self.unknown}"
+        if self.ok:
+            return "heartbeats ok" + (f" (slow: {self.slow})" if self.slow else "")
+        return f"fault detected: dead={self.dead} hung={self.hung} missing={self.missing}"
+
+    @property
+    def faulty(self) -> list[int]:
+        return sorted({*self.dead, *self.hung, *self.missing})
+
+    def status(self, rank: int) -> str:
+        for name in ("dead", "hung", "missing"):
+            if rank in getattr(self, name):
+                return name
+        return "ok"
+
+    def message(self, stacks: Mapping[int, str] | None = None) -> str:
+        """A report for logs and the failed task run: each rank's phase and step, then stacks."""
+        lines = [self.headline(), f"{'rank':>5} {'status':<8} {'host':<16} {'pid':>8} {'phase':<11} {'step':>8} "
+                       f"{'silent_s':>9} {'stalled_s':>9}"]
+        for rank in sorted({*self.records, *self.missing}):
+            record = self.records.get(rank)
+            if record is None:
+                lines.append(f"{rank:>5} {self.status(rank):<8} (no heartbeat)")
+                continue
+            lines.append(
+                f"{rank:>5} {self.status(rank):<8} {record.host[:16]:<16} {record.pid:>8} "
+                f"{record.phase:<11} {record.step:>8} {self.checked_at - record.timestamp:>9.1f} "
+                f"{self.checked_at - record.step_since:>9.1f}"
+            )
+        for rank, text in sorted((stacks or {}).items()):
+            lines += [f"--- stack of rank {rank} ---", text.rstrip()]
+        return "\n".join(lines)
+
+
+class HeartbeatWatcher:
+    """Reads all ranks' records and says which are dead, hung or missing.
+
+    ``timeout_s``: silence (or a frozen step) longer than this is a fault. A rank in ``init``
+    or still in its first step (compiling, loading a checkpoint, warming up) may keep its step
+    for ``init_timeout_s``, as long as it keeps beating; ranks never heard from get that long to
+    appear. A rank in ``done`` finished cleanly and is never flagged.
+
+    Records published before ``since`` (default: when the watcher was made) are ignored: they
+    belong to a previous attempt, whose dead ranks must not fail the restart before it begins.
+    A watcher resumed over a running job passes ``since=0``.
+
+    A store that cannot be read gives a result with ``unknown`` set and no verdict. When it reads
+    again, a rank not heard from since is dead only after a full ``timeout_s`` from that moment
+    (a restarted Redis comes back empty; the writers refill it within one interval).
+
+    ``slow_factor``: a rank whose forward time of a step exceeds ``1 + slow_factor`` times its
+    peers' median in ``slow_steps`` of the last ``slow_steps + 1`` steps seen is reported slow
+    (``observe.straggler.slow_ranks``' ratio rule, at any world size; ``None`` turns it off).
+    """
+
+    def __init__(
+        self,
+        sink: HeartbeatSink,
+        world_size: int,
+        timeout_s: float,
+        *,
+        init_timeout_s: float | None = None,
+        stacks_dir: str | Path | None = None,
+        since: float | None = None,
+        slow_factor: float | None = 0.5,
+        slow_steps: int = 3,
+    ) -> None:
+        self.sink = sink
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.init_timeout_s = max(timeout_s, init_timeout_s or timeout_s)
+        self.stacks_dir = Path(stacks_dir) if stacks_dir is not None else None
+        self.started_at = time.time()
+        self.since = self.started_at if since is None else since
+        self.slow_factor = slow_factor
+        self.slow_steps = slow_steps
+        # Last record seen per rank: a dead rank's Redis hash may expire, and it must stay dead.
+        self._last: dict[int, HeartbeatRecord] = {}
+        self._unreadable_since: float | None = None  # the store has failed every read since then
+        self._read_failures = 0
+        self._readable_again_at = 0.0  # the end of the last outage of the store
+        self._forward_s: dict[int, dict[int, float]] = {}  # rank -> {step: forward seconds}
+        self._slow: dict[int, str] = {}  # rank -> why it was reported slow
+
+    @classmethod
+    def from_config(
+        cls, cfg: ReliabilityConfig, run_dir: str | Path, run_id: str, world_size: int
+    ) -> HeartbeatWatcher:
+        return cls(
+            make_sink(cfg, run_dir, run_id), world_size, cfg.heartbeat_timeout_s,
+            init_timeout_s=cfg.init_timeout_s, stacks_dir=Path(run_dir) / "stacks",
+            slow_factor=cfg.straggler_slowdown, slow_steps=cfg.straggler_steps,
+        )
+
+    def check(self) -> WatchResult:
+        now = time.time()
+        notes: list[str] = []
+        try:
+            read = self.sink.read_all(self.world_size)
+        except Exception as exc:  # the store is down: we know nothing, so we judge nothing
+            self._read_failures += 1
+            reason = f"{type(exc).__name__}: {exc}"
+            if self._unreadable_since is None:
+                self._unreadable_since = now
+                notes.append(f"heartbeat store unreadable ({reason}); no verdicts until it is back")
+                log.warning("heartbeat store unreadable (%s); no verdicts until it is back", reason)
+            elif self._read_failures % 100 == 0:
+                log.warning("heartbeat store still unreadable after %.0f s: %s", now - self._unreadable_since, reason)
+            return WatchResult(checked_at=now, records=dict(self._last), unknown=reason, notes=notes)
+        if self._unreadable_since is not None:
+            notes.append(f"heartbeat store readable again after {now - self._unreadable_since:.1f} s "
+                         f"({self._read_failures} failed reads)")
+            log.warning("%s", notes[-1])
+            self._unreadable_since, self._read_failures, self._readable_again_at = None, 0, now
+        fresh = {r: rec for r, rec in read.items() if rec.timestamp >= self.since}
+        self._last.update(fresh)
+        result = WatchResult(checked_at=now, records=dict(self._last), notes=notes)
+        for rank in range(self.world_size):
+            record = self._last.get(rank)
+            if record is None:
+                if now - max(self.started_at, self._readable_again_at) > self.init_timeout_s:
+                    result.missing.append(rank)
+                continue
+            if record.phase == "done":
+                continue
+            if record.timestamp < self._readable_again_at:
+                # Last heard before the store's outage ended: silence is counted from its end,
+                # and a frozen step cannot be told from a record that was not refreshed yet.
+                if now - self._readable_again_at > self.timeout_s:
+                    result.dead.append(rank)
+                continue
+            if now - record.timestamp > self.timeout_s:
+                result.dead.append(rank)
+                continue
+            warming_up = record.phase == "init" or not record.first_step_done
+            limit = self.init_timeout_s if warming_up else self.timeout_s
+            if now - record.step_since > limit:
+                result.hung.append(rank)
+        self._find_slow(fresh, result)
+        return result
+
+    def _find_slow(self, fresh: dict[int, HeartbeatRecord], result: WatchResult) -> None:
+        """Compare each rank's forward time with its peers' on the steps all of them reported."""
+        if self.slow_factor is None or self.world_size < 2:
+            return
+        for rank, record in fresh.items():
+            steps = self._forward_s.setdefault(rank, {})
+            steps.update({int(step): float(seconds) for step, seconds in record.recent_forward_s or []})
+            for old in sorted(steps)[:-64]:
+                del steps[old]
+        self._forward_s = {rank: steps for rank, steps in self._forward_s.items() if steps}
+        if len(self._forward_s) < self.world_size:
+            return
+        common = sorted(set.intersection(*(set(s) for s in self._forward_s.values())))[-(self.slow_steps + 1):]
+        if len(common) < self.slow_steps:
+            return
+        timings = [[self._forward_s[rank][step] for rank in range(self.world_size)] for step in common]
+        # "slow in slow_steps of these steps" as a fraction: count/n >= k/n exactly when count >= k
+        found = slow_ranks(timings, min_slowdown=self.slow_factor, min_fraction=self.slow_steps / len(common))
+        for straggler in found:
+            if straggler.rank in self._slow:
+                continue  # reported once: the notes say what changed
+            self._slow[straggler.rank] = (
+                f"rank {straggler.rank} is slow: forward {straggler.ratio:.2f}x its peers' median in "
+                f"{straggler.slow_steps} of steps {common[0]}-{common[-1]} (threshold {1 + self.slow_factor:.2f}x)"
+            )
+            result.notes.append(self._slow[straggler.rank])
+            log.warning("%s", self._slow[straggler.rank])
+        result.slow = sorted(self._slow)
+
+    def collect_stacks(self, result: WatchResult, ranks: list[int] | None = None) -> dict[int, str]:
+        """Stacks of the given ranks (default: all hung ones) that run on this host."""
+        here = socket.gethostname()
+        chosen = result.hung if ranks is None else ranks
+        pids = {}
+        stacks = {}
+        for rank in chosen:
+            record = result.records.get(rank)
+            if record is None:
+                continue
+            if record.host != here:
+                stacks[rank] = f"(rank runs on {record.host}; collect its stack there)"
+            else:
+                pids[rank] = record.pid
+        stacks.update(collect_stacks(pids, self.stacks_dir))
+        return stacks
+
+    def close(self) -> None:
+        self.sink.close()

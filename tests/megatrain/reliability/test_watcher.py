@@ -1,0 +1,184 @@
+"""The heartbeat watcher: verdicts from records (dead, hung, missing, warming up), records of a
+previous attempt, a store outage (no verdict, then a grace), slow ranks, and real processes
+killed and hung (with the hung one's stack)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from heartbeat_helpers import make, wait_for
+
+from megatrain.reliability.heartbeat import DirectorySink, HeartbeatRecord
+from megatrain.reliability.watcher import HeartbeatWatcher
+
+
+class _FlakySink:
+    """An in-memory sink whose reads fail while ``down`` (a Redis that went away)."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, HeartbeatRecord] = {}
+        self.down = False
+
+    def publish(self, record: HeartbeatRecord) -> None:
+        self.records[record.rank] = record
+
+    def read_all(self, world_size: int) -> dict[int, HeartbeatRecord]:
+        if self.down:
+            raise ConnectionError("Connection refused")
+        return dict(self.records)
+
+    def close(self) -> None:
+        pass
+
+
+def test_watcher_verdicts_from_records(tmp_path: Path) -> None:
+    sink = DirectorySink(tmp_path)
+    now = time.time()
+    def publish(rank: int, step: int, phase: str, silent: float, stalled: float, warm: bool = True) -> None:
+        sink.publish(HeartbeatRecord(rank, step=step, phase=phase, timestamp=now - silent,
+                                     step_since=now - stalled, first_step_done=warm))
+
+    publish(0, 5, "forward", 0, 0)  # fine
+    publish(1, 5, "forward", 9, 9)  # silent: dead
+    publish(2, 4, "collective", 0, 9)  # beating, step frozen: hung
+    publish(3, 0, "init", 0, 9)  # compiling
+    publish(4, 9, "done", 99, 99)  # finished
+    publish(5, 7, "forward", 0, 9, warm=False)  # first step after a restore: still warming up
+    watcher = HeartbeatWatcher(sink, world_size=7, timeout_s=5.0, init_timeout_s=60.0, since=0)
+    result = watcher.check()
+    assert (result.dead, result.hung, result.missing) == ([1], [2], [])
+    assert not result.ok and result.faulty == [1, 2]
+    watcher.started_at -= 61  # rank 6 never appeared within the init grace
+    assert watcher.check().missing == [6]
+    publish(5, 7, "forward", 0, 61, warm=False)  # ... but not forever
+    assert watcher.check().hung == [2, 5]
+    text = result.message()
+    assert "dead=[1]" in text and "collective" in text
+
+
+def test_records_of_a_previous_attempt_are_ignored(tmp_path: Path) -> None:
+    sink = DirectorySink(tmp_path)
+    old = time.time() - 100  # attempt 1: rank 1 died long ago
+    sink.publish(HeartbeatRecord(0, step=5, phase="done", timestamp=old, step_since=old))
+    sink.publish(HeartbeatRecord(1, step=5, phase="forward", timestamp=old, step_since=old))
+    watcher = HeartbeatWatcher(sink, world_size=2, timeout_s=5.0, init_timeout_s=60.0)  # attempt 2
+    assert watcher.check().ok and watcher.check().records == {}
+    now = time.time()
+    sink.publish(HeartbeatRecord(1, step=0, phase="init", timestamp=now, step_since=now))
+    assert list(watcher.check().records) == [1]
+    watcher.started_at -= 61
+    assert watcher.check().missing == [0]  # its "done" was the previous attempt's
+
+
+def test_watcher_has_no_verdict_while_the_store_is_down_and_a_grace_after():
+    sink = _FlakySink()
+    watcher = HeartbeatWatcher(sink, 1, timeout_s=0.3, since=0)
+    sink.publish(HeartbeatRecord(rank=0, step=3, phase="forward", timestamp=time.time(), step_since=time.time(),
+                                 first_step_done=True))
+    assert watcher.check().ok
+    sink.down = True
+    first = watcher.check()
+    assert first.ok and first.unknown and "unreadable" in first.notes[0]
+    time.sleep(0.4)  # longer than the timeout: still no verdict, nothing is known
+    later = watcher.check()
+    assert later.ok and later.unknown and not later.notes
+    sink.down, sink.records = False, {}  # back, but empty (a restarted Redis)
+    back = watcher.check()
+    assert back.ok and back.unknown is None and "readable again" in back.notes[0]
+    time.sleep(0.15)
+    assert watcher.check().ok  # within the grace that started when the store came back
+    time.sleep(0.25)
+    assert watcher.check().dead == [0]  # never heard again: dead, a full timeout after the store returned
+
+
+def test_watcher_reports_a_rank_whose_forward_time_stays_above_its_peers():
+    sink = _FlakySink()
+    watcher = HeartbeatWatcher(sink, 2, timeout_s=30, since=0, slow_factor=0.5, slow_steps=3)
+    notes = []
+    history: dict[int, list[list[float]]] = {0: [], 1: []}
+    for step in range(1, 6):
+        now = time.time()
+        for rank, forward in ((0, 0.10), (1, 0.10 if step < 2 else 0.25)):
+            history[rank] = [*history[rank], [step, forward]][-8:]
+            sink.publish(HeartbeatRecord(rank=rank, step=step, phase="backward", timestamp=now, step_since=now,
+                                         first_step_done=True, recent_forward_s=history[rank]))
+        if step % 2:  # polled at steps 1, 3 and 5 only: the records' history fills the gaps
+            result = watcher.check()
+            notes += result.notes
+            assert result.ok  # slow is reported, never a fault
+    assert result.slow == [1] and len(notes) == 1 and "rank 1 is slow: forward 2.50x" in notes[0]
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from megatrain.reliability.heartbeat import DirectorySink, HeartbeatWriter, RedisSink
+    kind, where, run_id, rank, mode, stacks = sys.argv[1:]
+    sink = RedisSink(where, run_id) if kind == "redis" else DirectorySink(where)
+    writer = HeartbeatWriter(sink, int(rank), interval_s=0.2, stacks_dir=stacks)
+
+    def stuck_in_allreduce():
+        while True:
+            time.sleep(1)
+
+    for step in range(1, 10**9):
+        writer.beat(step=step, phase="forward", loss=1.0 / step)
+        time.sleep(0.02)
+        writer.beat(phase="backward")
+        time.sleep(0.02)
+        if mode == "hang" and step == 10:
+            writer.beat(phase="collective")
+            stuck_in_allreduce()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["directory", "redis"])
+def test_watcher_finds_killed_and_hung_ranks(kind: str, tmp_path: Path, redis_url: str, run_id: str) -> None:
+    timeout, interval = 1.0, 0.2
+    where = redis_url if kind == "redis" else str(tmp_path / "hb")
+    stacks = tmp_path / "stacks"
+    sink = make(kind, tmp_path, redis_url, run_id)
+    watcher = HeartbeatWatcher(sink, world_size=2, timeout_s=timeout, init_timeout_s=30.0, stacks_dir=stacks)
+    procs = {
+        rank: subprocess.Popen([sys.executable, "-c", CHILD, kind, where, run_id, str(rank), mode, str(stacks)])
+        for rank, mode in ((0, "run"), (1, "hang"))
+    }
+    try:
+        records = wait_for(lambda: (r := sink.read_all(2)) and len(r) == 2 and r[0].step > 5
+                           and r[1].phase == "collective" and r)
+        frozen_since = records[1].step_since
+        procs[0].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        dead_at = hung_at = None
+        while dead_at is None or hung_at is None:
+            result = watcher.check()
+            assert 1 not in result.dead, "a hung rank's heartbeat thread keeps it alive"
+            if 0 in result.dead and dead_at is None:
+                dead_at = time.time()
+            if 1 in result.hung and hung_at is None:
+                hung_at = time.time()
+            assert time.time() - killed_at < 10, result.message()
+            time.sleep(0.05)
+        # Flagged no earlier than the timeout allows, and at most one interval (+ polling) later.
+        assert timeout - interval <= dead_at - killed_at <= timeout + interval + 0.3
+        assert hung_at - frozen_since >= timeout
+        assert hung_at <= max(frozen_since + timeout, killed_at) + interval + 0.3
+        assert result.records[0].step > 5 and result.records[1].phase == "collective"
+
+        stacks_text = watcher.collect_stacks(result)
+        assert "stuck_in_allreduce" in stacks_text[1], stacks_text
+        report = result.message(stacks_text)
+        assert "stuck_in_allreduce" in report and "dead=[0]" in report and "hung=[1]" in report
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        watcher.close()
