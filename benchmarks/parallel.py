@@ -1,8 +1,10 @@
-"""Two-GPU scaling of the real trainer: data, tensor and pipeline parallelism, each overlap on/off.
+"""Multi-GPU scaling of the real trainer: data, tensor and pipeline parallelism, each overlap on/off.
 
     python3 benchmarks/parallel.py --out results.json [--quick] [--only dp1,dp2,...] [--label COMMIT]
         [--tp-overlap-check] [--schedule 'tp2-sp-c2+tp2-sp-c1;dp1|dp1-gb32;dp2+dp2-nooverlap']
+    python3 benchmarks/parallel.py --quick --schedule 4 --out results.json   # four GPUs: DP4 + 13B layouts
     python3 benchmarks/parallel.py --cpu --quick --out cpu.json  # the same on 2 CPU processes (gloo)
+    python3 benchmarks/parallel.py --cpu --quick --schedule 4 --out cpu4.json  # 4 CPU processes, tiny "13B"
 
 Every configuration is the real ``megatrain.trainer.Trainer`` on ``configs/gpt-1.3b.yaml`` (with
 the overrides listed in ``CONFIGS``) on real data, launched with torchrun::
@@ -106,14 +108,21 @@ def _v(name, nproc, overrides, what, steps=30, quick_steps=12, env=None, dp_max_
 
 MB8 = ["train.micro_batch_size=8"]
 # DP weak scaling runs the recipe's own micro-batch ({mb}: read from the config at launch), no accumulation
-GB_MB, GB_2MB = "train.global_batch_size={mb}", "train.global_batch_size={mb2}"
+GB_MB, GB_2MB, GB_4MB = "train.global_batch_size={mb}", "train.global_batch_size={mb2}", "train.global_batch_size={mb4}"
 GB32, GB64 = "train.global_batch_size=32", "train.global_batch_size=64"
 NO_DP_OVERLAP = "parallel.overlap.dp_overlap_comm=false"
 Z1 = "parallel.zero_stage=1"  # TP with LAMB and a bf16 pipeline with LAMB need ZeRO-1 (deepspeed_config)
 TP2 = ["parallel.tp=2", Z1]
 PP2 = ["parallel.pp=2", Z1]
+# The larger model of the 4/8-GPU runs (issue 9): 13B, 40 layers x 5120, 40 heads of 128, on the
+# 1.3B recipe's data and optimizer; micro-batch 4, global batch 32. On CPUs (--cpu) the same
+# layouts run a tiny model of the same proportions instead.
+BIG = ["model.n_layer=40", "model.d_model=5120", "model.n_head=40", "train.micro_batch_size=4", GB32]
+BIG_CPU = {"model.n_layer=40": "model.n_layer=4", "model.d_model=5120": "model.d_model=128",
+           "model.n_head=40": "model.n_head=8"}
 PARITY = dict(steps=20, quick_steps=20)  # loss comparisons always run 20 steps of global batch 32
 SHORT = dict(steps=12, quick_steps=8)  # throughput-only configurations
+BIG_STEPS = dict(steps=10, quick_steps=7)  # 13B: ~2.5 s a step on four H200s; WARMUP of them not timed
 
 CONFIGS: dict[str, Variant] = {v.name: v for v in [
     _v("dp1", 1, [GB_MB], "1 GPU, the recipe (ZeRO-0, its micro-batch, no accumulation): weak-scaling baseline"),
@@ -142,7 +151,24 @@ CONFIGS: dict[str, Variant] = {v.name: v for v in [
     # the pipelines share a launch with the TP runs, so they run with CUDA_DEVICE_MAX_CONNECTIONS=1 too
     _v("pp2-m4", 2, [*PP2, *MB8, GB32], "PP2 1F1B, 4 micro-batches of 8 (bubble 1/5)", env=TP_ENV, **PARITY),
     _v("pp2-m8", 2, [*PP2, *MB8, GB64], "PP2 1F1B, 8 micro-batches of 8 (bubble 1/9)", env=TP_ENV, **SHORT),
+    # four GPUs (nvidia-h200-x4): DP4 weak scaling of the 1.3B recipe, and the 13B model in 3D layouts
+    _v("dp4", 4, [GB_4MB], "DP4, the recipe (ZeRO-0) + bucketed all-reduce during backward", **SHORT),
+    _v("dp4-nooverlap", 4, [GB_4MB, NO_DP_OVERLAP], "DP4 ZeRO-0, all-reduce after backward", **SHORT),
+    _v("13b-tp4", 4, [*BIG, "parallel.tp=4", Z1], "13B, TP4 + SP (unchunked), 8 x 4 accumulated", env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp4-c2", 4, [*BIG, "parallel.tp=4", Z1, "parallel.overlap.tp_chunks=2"],
+       "13B, TP4 + SP, collectives in 2 chunks overlapped with the GEMMs", env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp4-nosp", 4, [*BIG, "parallel.tp=4", Z1, "parallel.sequence_parallel=false"],
+       "13B, TP4 with all-reduces (no sequence parallelism)", env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp2pp2", 4, [*BIG, "parallel.tp=2", "parallel.pp=2", Z1], "13B, TP2 x PP2, 1F1B over 8 micro-batches of 4",
+       env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp2dp2", 4, [*BIG, "parallel.tp=2", Z1], "13B, TP2 x DP2 (ZeRO-1, overlap_comm), 4 x 4 accumulated per replica",
+       env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp2dp2-nooverlap", 4, [*BIG, "parallel.tp=2", Z1, NO_DP_OVERLAP], "13B, TP2 x DP2, ZeRO-1 overlap_comm off",
+       env=TP_ENV, **BIG_STEPS),
 ]}
+
+# The 4-GPU schedule (--schedule-4): 1-GPU reference, DP4, then the 13B layouts, most important first.
+SCHEDULE_4 = "dp1;dp4+dp4-nooverlap;13b-tp4+13b-tp2pp2+13b-tp2dp2+13b-tp4-nosp+13b-tp2dp2-nooverlap+13b-tp4-c2"
 
 # Launches in order; the launches of one inner list run at the same time (1-GPU runs, one GPU each).
 # Several names in one launch run one after another in the same torchrun world (one start-up).
@@ -168,6 +194,10 @@ GAINS = [  # (what, faster-by-design, baseline)
     ("sequence parallel (chunks 1) vs all-reduce TP", "tp2-sp-c1", "tp2-nosp"),
     ("sequence parallel (chunks 2) vs all-reduce TP", "tp2-sp-c2", "tp2-nosp"),
     ("PP 8 vs 4 micro-batches (1F1B bubble 1/9 vs 1/5)", "pp2-m8", "pp2-m4"),
+    ("DP4 ZeRO-0 all-reduce in buckets during backward", "dp4", "dp4-nooverlap"),
+    ("13B TP4 chunks 2 vs 1", "13b-tp4-c2", "13b-tp4"),
+    ("13B TP4 sequence parallel vs all-reduce TP", "13b-tp4", "13b-tp4-nosp"),
+    ("13B TP2xDP2 ZeRO-1 overlap_comm", "13b-tp2dp2", "13b-tp2dp2-nooverlap"),
 ]
 
 
@@ -309,8 +339,11 @@ def recipe_micro_batch(args) -> int:
 
 def launch_command(names: tuple[str, ...], nproc: int, args) -> list[str]:
     mb = recipe_micro_batch(args)
+    def own(o: str) -> str:
+        return (BIG_CPU.get(o, o) if args.cpu else o).format(mb=mb, mb2=2 * mb, mb4=4 * mb)
+
     variants = [{"name": n, "overrides": [*args.common,  # then the configuration's own, which win
-                                          *(o.format(mb=mb, mb2=2 * mb) for o in CONFIGS[n].overrides),
+                                          *(own(o) for o in CONFIGS[n].overrides),
                                           f"train.steps={CONFIGS[n].steps_for(args.quick)}"],
                  **({"dp_max_ctas": CONFIGS[n].dp_max_ctas} if CONFIGS[n].dp_max_ctas else {})} for n in names]
     return [
@@ -449,7 +482,7 @@ def derived(results: dict[str, dict]) -> dict:
     out: dict = {"gains": []}
     if "dp1" in results and "dp2" in results:
         out["dp2_weak_scaling_efficiency"] = results["dp2"]["tokens_per_s_per_gpu"] / results["dp1"]["tokens_per_s_per_gpu"]
-    for other in ("dp2-nooverlap", "dp2-again", "dp2-z1", "dp2-z1-nooverlap"):
+    for other in ("dp2-nooverlap", "dp2-again", "dp2-z1", "dp2-z1-nooverlap", "dp4", "dp4-nooverlap"):
         if "dp1" in results and other in results:
             out[f"{other}_weak_scaling_efficiency"] = (
                 results[other]["tokens_per_s_per_gpu"] / results["dp1"]["tokens_per_s_per_gpu"])
@@ -588,7 +621,7 @@ def driver(args) -> int:
     if done.returncode:
         return 1
 
-    schedule = parse_schedule(args.schedule) if args.schedule else SCHEDULE
+    schedule = parse_schedule(SCHEDULE_4 if args.schedule == "4" else args.schedule) if args.schedule else SCHEDULE
     wanted = set(args.only.split(",")) if args.only else set(CONFIGS)
     unknown = (wanted | {n for step in schedule for names in step for n in names}) - set(CONFIGS)
     if unknown:
@@ -631,7 +664,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--quick", action="store_true", help="fewer steps for throughput-only configurations")
     p.add_argument("--only", default=None, help="comma-separated configuration names")
-    p.add_argument("--schedule", default=None, help="launch order instead of SCHEDULE: 'a+b;c|d' (parse_schedule)")
+    p.add_argument("--schedule", default=None, help="launch order instead of SCHEDULE: 'a+b;c|d' (parse_schedule), or 4 for SCHEDULE_4")
     p.add_argument("--cpu", action="store_true", help="2 CPU processes, gloo, the tiny recipe (tests the script)")
     p.add_argument("--label", default=os.environ.get("MEGATRAIN_COMMIT", ""), help="what was measured (commit)")
     p.add_argument("--deadline", type=float, default=3600.0, help="seconds for the whole driver")
