@@ -27,6 +27,7 @@ hint so loads stay 16 bytes wide. Lists whose dtypes differ are split into group
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import triton
@@ -93,7 +94,8 @@ def _lamb_moments_kernel(
 
 
 @triton.jit
-def _lamb_trust_kernel(PARTIAL, CHUNK_BEGIN, TRUST, max_trust_ratio, BLOCK: tl.constexpr):
+def _lamb_trust_kernel(PARTIAL, CHUNK_BEGIN, TRUST, SUMS, max_trust_ratio, WRITE_SUMS: tl.constexpr,
+                       BLOCK: tl.constexpr):
     t = tl.program_id(0)
     begin = tl.load(CHUNK_BEGIN + t)
     end = tl.load(CHUNK_BEGIN + t + 1)
@@ -104,10 +106,14 @@ def _lamb_trust_kernel(PARTIAL, CHUNK_BEGIN, TRUST, max_trust_ratio, BLOCK: tl.c
         mask = idx < end
         acc_w += tl.load(PARTIAL + 2 * idx, mask=mask, other=0.0)
         acc_u += tl.load(PARTIAL + 2 * idx + 1, mask=mask, other=0.0)
-    w_norm = tl.sqrt(tl.sum(acc_w, axis=0))
-    u_norm = tl.sqrt(tl.sum(acc_u, axis=0))
-    ratio = tl.minimum(w_norm / u_norm, max_trust_ratio)
-    tl.store(TRUST + t, tl.where((w_norm > 0.0) & (u_norm > 0.0), ratio, 1.0))
+    if WRITE_SUMS:  # squared norms for the caller to combine (ZeRO spans of one model tensor)
+        tl.store(SUMS + 2 * t, tl.sum(acc_w, axis=0))
+        tl.store(SUMS + 2 * t + 1, tl.sum(acc_u, axis=0))
+    else:
+        w_norm = tl.sqrt(tl.sum(acc_w, axis=0))
+        u_norm = tl.sqrt(tl.sum(acc_u, axis=0))
+        ratio = tl.minimum(w_norm / u_norm, max_trust_ratio)
+        tl.store(TRUST + t, tl.where((w_norm > 0.0) & (u_norm > 0.0), ratio, 1.0))
 
 
 @triton.jit
@@ -160,7 +166,7 @@ def _check_group(params, grads, exp_avgs, exp_avg_sqs) -> None:
 
 
 def _lamb_group(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, bc1, bc2, eps, weight_decay,
-                max_trust_ratio) -> None:
+                max_trust_ratio, trust_from_sums=None) -> None:
     device = params[0].device
     chunk_tensor, chunk_start, chunk_begin, numel = _chunk_layout(tuple(p.numel() for p in params), device)
     lists = (params, grads, exp_avgs, exp_avg_sqs)
@@ -175,7 +181,14 @@ def _lamb_group(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, bc1, 
         beta1, 1.0 - beta1, beta2, 1.0 - beta2, bc1, bc2, eps, weight_decay,
         ALIGNED=aligned, CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=8,
     )
-    _lamb_trust_kernel[(n_tensors,)](partial, chunk_begin, trust, max_trust_ratio, BLOCK=256, num_warps=4)
+    if trust_from_sums is None:
+        _lamb_trust_kernel[(n_tensors,)](partial, chunk_begin, trust, partial, max_trust_ratio,
+                                         WRITE_SUMS=False, BLOCK=256, num_warps=4)
+    else:
+        sums = torch.empty(n_tensors, 2, dtype=torch.float32, device=device)
+        _lamb_trust_kernel[(n_tensors,)](partial, chunk_begin, trust, sums, max_trust_ratio,
+                                         WRITE_SUMS=True, BLOCK=256, num_warps=4)
+        trust = trust_from_sums(sums).to(torch.float32).contiguous()
     _lamb_apply_kernel[(n_chunks,)](
         chunk_tensor, chunk_start, offsets, numel, trust, n_tensors, P, G, M, V,
         lr, bc1, bc2, eps, weight_decay, ALIGNED=aligned, CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=8,
@@ -185,10 +198,16 @@ def _lamb_group(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, bc1, 
 @torch.no_grad()
 def lamb_step_fused(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                     exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, beta1: float, beta2: float,
-                    eps: float, weight_decay: float, max_trust_ratio: float) -> None:
+                    eps: float, weight_decay: float, max_trust_ratio: float,
+                    trust_from_sums: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Update params, exp_avgs and exp_avg_sqs in place (one LAMB step; ``step`` counts from 1).
     Tensors must be contiguous; dtypes may mix (fp32 master weights, bf16 grads): each
-    (device, dtypes) group gets its own three launches, computing in fp32."""
+    (device, dtypes) group gets its own three launches, computing in fp32.
+
+    ``trust_from_sums`` replaces the per-tensor trust ratio: it gets the squared norms
+    [len(params), 2] (||w||^2, ||u||^2 of each tensor) and returns the ratio to apply to each.
+    ZeRO uses it when the tensors are spans of a flat partition and a model tensor's norm
+    is summed over its spans and ranks (``optim/lamb.py``). All tensors must then share dtypes."""
     if step < 1:
         raise ValueError(f"lamb_step_fused: step counts from 1, got {step}")
     _check_group(params, grads, exp_avgs, exp_avg_sqs)
@@ -198,6 +217,10 @@ def lamb_step_fused(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
             groups.setdefault((p.device, p.dtype, g.dtype, m.dtype, v.dtype), []).append(i)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, bc1=1.0 - beta1**step, bc2=1.0 - beta2**step, eps=eps,
                  weight_decay=weight_decay, max_trust_ratio=max_trust_ratio)
+    if trust_from_sums is not None and len(groups) > 1:
+        raise ValueError("lamb_step_fused: trust_from_sums needs one device and one set of dtypes for all tensors")
+    if trust_from_sums is not None and sum(len(idx) for idx in groups.values()) != len(params):
+        raise ValueError("lamb_step_fused: trust_from_sums needs non-empty tensors")
     for idx in groups.values():
         _lamb_group([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                    [exp_avg_sqs[i] for i in idx], **hyper)
+                    [exp_avg_sqs[i] for i in idx], **hyper, trust_from_sums=trust_from_sums)

@@ -6,7 +6,8 @@ For each tensor w with gradient g, at step t:
     trust = min(||w|| / ||u||, max_trust_ratio)   (1 when either norm is 0)
     w = w - lr * trust * u
 
-Written with torch._foreach ops (one kernel launch per op for the whole group, not per tensor).
+Written with torch._foreach ops (one kernel launch per op for the whole group, not per tensor);
+on CUDA the three-launch Triton kernel of ``megatrain/kernels/lamb_triton.py`` runs instead.
 
 ZeRO hands the optimizer one flat partition per group instead of the model's tensors, which would
 turn the per-tensor trust ratio into a per-partition one. ``set_tensor_segments`` restores the
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from megatrain.kernels import triton_available
 
 
 @dataclass
@@ -82,13 +85,16 @@ class Lamb(torch.optim.Optimizer):
             s["step"] += 1
         step = int(states[0]["step"].item())
 
-        if params[0].is_cuda and not self._segments:
+        segmented = [id(p) in self._segments for p in params]
+        if params[0].is_cuda and triton_available() and len(set(segmented)) == 1:
             from megatrain.kernels.lamb_triton import lamb_step_fused
 
-            lamb_step_fused(
-                params, grads, exp_avgs, exp_avg_sqs, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
-                eps=group["eps"], weight_decay=group["weight_decay"], max_trust_ratio=group["max_trust_ratio"],
-            )
+            hyper = dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], max_trust_ratio=group["max_trust_ratio"])
+            if segmented[0]:
+                self._fused_over_spans(params, grads, exp_avgs, exp_avg_sqs, hyper)
+            else:
+                lamb_step_fused(params, grads, exp_avgs, exp_avg_sqs, **hyper)
             return
 
         torch._foreach_mul_(exp_avgs, beta1)
@@ -109,6 +115,40 @@ class Lamb(torch.optim.Optimizer):
         trust = [self._trust_ratio(p, u, group["max_trust_ratio"]) for p, u in zip(params, updates)]
         torch._foreach_mul_(updates, trust)
         torch._foreach_add_(params, updates, alpha=-group["lr"])
+
+    def _fused_over_spans(self, params, grads, exp_avgs, exp_avg_sqs, hyper: dict) -> None:
+        """ZeRO partitions on CUDA: the fused kernels run over every model tensor's span of each
+        flat partition (views, no copies), and the spans' squared norms are combined into
+        whole-tensor trust ratios (summed per model tensor, then over the segments' group). The
+        foreach form below needs two partition-sized temporaries (12 GiB each for a 13B model
+        over TP4) and about a dozen passes over them."""
+        from megatrain.kernels.lamb_triton import lamb_step_fused
+
+        views: tuple[list, list, list, list] = ([], [], [], [])
+        owners = []  # (segments, index of its first span, number of spans) per partition
+        for tensors in zip(params, grads, exp_avgs, exp_avg_sqs):
+            segments = self._segments[id(tensors[0])]
+            owners.append((segments, len(views[0]), len(segments.spans)))
+            for start, length, _ in segments.spans:
+                for lst, t in zip(views, tensors):
+                    lst.append(t.narrow(0, start, length))
+        max_ratio = hyper["max_trust_ratio"]
+
+        def trust_from_sums(span_sums: torch.Tensor) -> torch.Tensor:  # [spans, 2] -> [spans]
+            ratios = []
+            for segments, first, count in owners:
+                ids = segments.ids(span_sums.device)
+                sums = torch.zeros(segments.num_tensors, 2, dtype=torch.float32, device=span_sums.device)
+                sums.index_add_(0, ids, span_sums[first:first + count])
+                if segments.group is not None and dist.get_world_size(segments.group) > 1:
+                    dist.all_reduce(sums, group=segments.group)
+                ratios.append(_clipped_ratio(sums[:, 0].sqrt(), sums[:, 1].sqrt(), max_ratio)[ids])
+            return torch.cat(ratios)
+
+        if not views[0]:  # only padding here: still take part in the other ranks' all-reduces
+            trust_from_sums(torch.zeros(0, 2, device=params[0].device))
+            return
+        lamb_step_fused(*views, **hyper, trust_from_sums=trust_from_sums)
 
     def _trust_ratio(self, param: torch.Tensor, update: torch.Tensor, max_ratio: float) -> torch.Tensor:
         """||w|| / ||u|| clipped to max_ratio, per model tensor, as a 0-dim tensor. For a flat ZeRO
