@@ -365,6 +365,20 @@ def _stop(proc: subprocess.Popen) -> None:
             pass
 
 
+def _wait(proc: subprocess.Popen, handle, timeout: float, started: float) -> str:
+    """Wait for a launch until ``timeout`` seconds after ``started``; stop it then. Its status."""
+    status = "ok"
+    try:
+        proc.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
+    except subprocess.TimeoutExpired:
+        status = "timeout"
+        _stop(proc)
+    handle.close()
+    if status == "ok" and proc.returncode:
+        status = f"failed (exit {proc.returncode})"
+    return status
+
+
 def run_step(launches: list[tuple[str, ...]], args, deadline: float) -> list[dict]:
     """Start the launches of one schedule step at once, wait for all; returns launch records."""
     procs = []
@@ -393,15 +407,7 @@ def run_step(launches: list[tuple[str, ...]], args, deadline: float) -> list[dic
     records = []
     for names, printable, proc, handle, log_path, started in procs:
         timeout = max(1.0, min(args.launch_timeout, deadline - time.monotonic()))
-        status = "ok"
-        try:
-            proc.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-            _stop(proc)
-        handle.close()
-        if status == "ok" and proc.returncode != 0:
-            status = f"failed (exit {proc.returncode})"
+        status = _wait(proc, handle, timeout, started)
         tail = log_path.read_text(errors="replace").splitlines()[-40:]
         if status != "ok":
             print(f"--- {'+'.join(names)}: {status}; log tail:\n" + "\n".join(tail), flush=True)
@@ -573,15 +579,7 @@ def start_tp_overlap_check(args):
 
 def finish_tp_overlap_check(check, timeout: float = 240.0) -> dict:
     proc, handle, log_path, out, printable, started = check
-    status = "ok"
-    try:
-        proc.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
-    except subprocess.TimeoutExpired:
-        status = "timeout"
-        _stop(proc)
-    handle.close()
-    if status == "ok" and proc.returncode:
-        status = f"failed (exit {proc.returncode})"
+    status = _wait(proc, handle, timeout, started)
     lines = [l for l in log_path.read_text(errors="replace").splitlines() if l.startswith(("tp=", "check", "time"))]
     print("\n".join(lines) if status == "ok" else f"tp overlap check {status}:\n" +
           "\n".join(log_path.read_text(errors="replace").splitlines()[-30:]), flush=True)
