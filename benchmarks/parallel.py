@@ -3,6 +3,7 @@
     python3 benchmarks/parallel.py --out results.json [--quick] [--only dp1,dp2,...] [--label COMMIT]
         [--tp-overlap-check] [--schedule 'tp2-sp-c2+tp2-sp-c1;dp1|dp1-gb32;dp2+dp2-nooverlap']
     python3 benchmarks/parallel.py --quick --schedule 4 --out results.json   # four GPUs: DP4 + 13B layouts
+    python3 benchmarks/parallel.py --quick --schedule 8 --out results.json   # eight: DP8 + 13B TPxPPxDP
     python3 benchmarks/parallel.py --cpu --quick --out cpu.json  # the same on 2 CPU processes (gloo)
     python3 benchmarks/parallel.py --cpu --quick --schedule 4 --out cpu4.json  # 4 CPU processes, tiny "13B"
 
@@ -108,7 +109,8 @@ def _v(name, nproc, overrides, what, steps=30, quick_steps=12, env=None, dp_max_
 
 MB8 = ["train.micro_batch_size=8"]
 # DP weak scaling runs the recipe's own micro-batch ({mb}: read from the config at launch), no accumulation
-GB_MB, GB_2MB, GB_4MB = "train.global_batch_size={mb}", "train.global_batch_size={mb2}", "train.global_batch_size={mb4}"
+GB_MB, GB_2MB, GB_4MB, GB_8MB = ("train.global_batch_size={mb}", "train.global_batch_size={mb2}",
+                                 "train.global_batch_size={mb4}", "train.global_batch_size={mb8}")
 GB32, GB64 = "train.global_batch_size=32", "train.global_batch_size=64"
 NO_DP_OVERLAP = "parallel.overlap.dp_overlap_comm=false"
 Z1 = "parallel.zero_stage=1"  # TP with LAMB and a bf16 pipeline with LAMB need ZeRO-1 (deepspeed_config)
@@ -165,10 +167,30 @@ CONFIGS: dict[str, Variant] = {v.name: v for v in [
        env=TP_ENV, **BIG_STEPS),
     _v("13b-tp2dp2-nooverlap", 4, [*BIG, "parallel.tp=2", Z1, NO_DP_OVERLAP], "13B, TP2 x DP2, ZeRO-1 overlap_comm off",
        env=TP_ENV, **BIG_STEPS),
+    # eight GPUs (nvidia-h200-x8, issue 9 as written): DP8, and the 13B over TP x PP x DP
+    _v("dp8", 8, [GB_8MB], "DP8, the recipe (ZeRO-0) + bucketed all-reduce during backward", **SHORT),
+    _v("dp8-nooverlap", 8, [GB_8MB, NO_DP_OVERLAP], "DP8 ZeRO-0, all-reduce after backward", **SHORT),
+    _v("13b-tp2pp2dp2", 8, [*BIG, GB64, "parallel.tp=2", "parallel.pp=2", Z1],
+       "13B, TP2 x PP2 x DP2, 1F1B over 8 micro-batches of 4 per replica", env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp2pp2dp2-nooverlap", 8, [*BIG, GB64, "parallel.tp=2", "parallel.pp=2", Z1, NO_DP_OVERLAP],
+       "13B, TP2 x PP2 x DP2, ZeRO-1 overlap_comm off", env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp4dp2", 8, [*BIG, "parallel.tp=4", Z1], "13B, TP4 + SP x DP2, 4 x 4 accumulated per replica",
+       env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp4dp2-nooverlap", 8, [*BIG, "parallel.tp=4", Z1, NO_DP_OVERLAP], "13B, TP4 x DP2, overlap_comm off",
+       env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp4dp2-nosp", 8, [*BIG, "parallel.tp=4", Z1, "parallel.sequence_parallel=false"],
+       "13B, TP4 x DP2 with all-reduces (no sequence parallelism)", env=TP_ENV, **BIG_STEPS),
+    _v("13b-tp4dp2-c2", 8, [*BIG, "parallel.tp=4", Z1, "parallel.overlap.tp_chunks=2"],
+       "13B, TP4 x DP2, TP collectives in 2 chunks overlapped with the GEMMs", env=TP_ENV, **BIG_STEPS),
 ]}
 
 # The 4-GPU schedule (--schedule-4): 1-GPU reference, DP4, then the 13B layouts, most important first.
 SCHEDULE_4 = "dp1;dp4+dp4-nooverlap;13b-tp4+13b-tp2pp2+13b-tp2dp2+13b-tp4-nosp+13b-tp2dp2-nooverlap+13b-tp4-c2"
+# The 8-GPU schedule (--schedule 8), as issue 9 asks; one launch per 13B layout so that a failure
+# (OOM, hang) costs only its own configurations.
+SCHEDULE_8 = ("dp1;dp8+dp8-nooverlap;13b-tp2pp2dp2+13b-tp2pp2dp2-nooverlap;"
+              "13b-tp4dp2+13b-tp4dp2-nooverlap+13b-tp4dp2-nosp+13b-tp4dp2-c2")
+SCHEDULES = {"4": SCHEDULE_4, "8": SCHEDULE_8}
 
 # Launches in order; the launches of one inner list run at the same time (1-GPU runs, one GPU each).
 # Several names in one launch run one after another in the same torchrun world (one start-up).
@@ -198,6 +220,11 @@ GAINS = [  # (what, faster-by-design, baseline)
     ("13B TP4 chunks 2 vs 1", "13b-tp4-c2", "13b-tp4"),
     ("13B TP4 sequence parallel vs all-reduce TP", "13b-tp4", "13b-tp4-nosp"),
     ("13B TP2xDP2 ZeRO-1 overlap_comm", "13b-tp2dp2", "13b-tp2dp2-nooverlap"),
+    ("DP8 ZeRO-0 all-reduce in buckets during backward", "dp8", "dp8-nooverlap"),
+    ("13B TP2xPP2xDP2 ZeRO-1 overlap_comm", "13b-tp2pp2dp2", "13b-tp2pp2dp2-nooverlap"),
+    ("13B TP4xDP2 ZeRO-1 overlap_comm", "13b-tp4dp2", "13b-tp4dp2-nooverlap"),
+    ("13B TP4xDP2 sequence parallel vs all-reduce TP", "13b-tp4dp2", "13b-tp4dp2-nosp"),
+    ("13B TP4xDP2 chunks 2 vs 1", "13b-tp4dp2-c2", "13b-tp4dp2"),
 ]
 
 
@@ -340,7 +367,7 @@ def recipe_micro_batch(args) -> int:
 def launch_command(names: tuple[str, ...], nproc: int, args) -> list[str]:
     mb = recipe_micro_batch(args)
     def own(o: str) -> str:
-        return (BIG_CPU.get(o, o) if args.cpu else o).format(mb=mb, mb2=2 * mb, mb4=4 * mb)
+        return (BIG_CPU.get(o, o) if args.cpu else o).format(mb=mb, mb2=2 * mb, mb4=4 * mb, mb8=8 * mb)
 
     variants = [{"name": n, "overrides": [*args.common,  # then the configuration's own, which win
                                           *(own(o) for o in CONFIGS[n].overrides),
@@ -488,7 +515,7 @@ def derived(results: dict[str, dict]) -> dict:
     out: dict = {"gains": []}
     if "dp1" in results and "dp2" in results:
         out["dp2_weak_scaling_efficiency"] = results["dp2"]["tokens_per_s_per_gpu"] / results["dp1"]["tokens_per_s_per_gpu"]
-    for other in ("dp2-nooverlap", "dp2-again", "dp2-z1", "dp2-z1-nooverlap", "dp4", "dp4-nooverlap"):
+    for other in ("dp2-nooverlap", "dp2-again", "dp2-z1", "dp2-z1-nooverlap", "dp4", "dp4-nooverlap", "dp8", "dp8-nooverlap"):
         if "dp1" in results and other in results:
             out[f"{other}_weak_scaling_efficiency"] = (
                 results[other]["tokens_per_s_per_gpu"] / results["dp1"]["tokens_per_s_per_gpu"])
@@ -619,7 +646,7 @@ def driver(args) -> int:
     if done.returncode:
         return 1
 
-    schedule = parse_schedule(SCHEDULE_4 if args.schedule == "4" else args.schedule) if args.schedule else SCHEDULE
+    schedule = parse_schedule(SCHEDULES.get(args.schedule, args.schedule)) if args.schedule else SCHEDULE
     wanted = set(args.only.split(",")) if args.only else set(CONFIGS)
     unknown = (wanted | {n for step in schedule for names in step for n in names}) - set(CONFIGS)
     if unknown:
@@ -662,7 +689,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--quick", action="store_true", help="fewer steps for throughput-only configurations")
     p.add_argument("--only", default=None, help="comma-separated configuration names")
-    p.add_argument("--schedule", default=None, help="launch order instead of SCHEDULE: 'a+b;c|d' (parse_schedule), or 4 for SCHEDULE_4")
+    p.add_argument("--schedule", default=None, help="launch order instead of SCHEDULE: 'a+b;c|d' (parse_schedule), or 4 / 8 for SCHEDULE_4 / SCHEDULE_8")
     p.add_argument("--cpu", action="store_true", help="2 CPU processes, gloo, the tiny recipe (tests the script)")
     p.add_argument("--label", default=os.environ.get("MEGATRAIN_COMMIT", ""), help="what was measured (commit)")
     p.add_argument("--deadline", type=float, default=3600.0, help="seconds for the whole driver")
