@@ -460,6 +460,9 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "ln-reference": (["model.kernels.layernorm=reference"], None),
     "nobias": (["model.bias=false"], None),
 }
+# Variants that change the model itself (not how it runs): measured for information, never
+# profiled as "the fastest default".
+MODEL_CHANGES = {"nobias"}
 
 
 @dataclass
@@ -865,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides, options = VARIANTS[name]
         label = f"default, mb {recipe_mb}, {name}: {' '.join(overrides)}{' inductor ' + str(options) if options else ''}"
         r = megatrain_row(Spec(f"default-mb{recipe_mb}-{name}", label, overrides, "large", compile_options=options), recipe_mb, args.steps)
-        if r is not None and r.tokens_per_s and name != "nobias":  # nobias changes the model: not a profile candidate
+        if r is not None and r.tokens_per_s and name not in MODEL_CHANGES:
             variants.append((r, overrides, options))
 
     # 4. profile of the best default (with the fastest inductor variant, if one beat it)

@@ -43,6 +43,17 @@ class TensorSegments:
             self._ids[device] = torch.tensor([tensor_id for _, _, tensor_id in self.spans], device=device)
         return self._ids[device]
 
+    def trust_ratios(self, span_sums: torch.Tensor, max_ratio: float) -> torch.Tensor:
+        """Per-span trust ratios [spans] from per-span squared norms [spans, 2] (||w||^2, ||u||^2):
+        summed per model tensor (a tensor may have several spans), then over ``group``, so every
+        span of a tensor gets that whole tensor's ratio. Every rank of ``group`` must call this."""
+        ids = self.ids(span_sums.device)
+        sums = torch.zeros(self.num_tensors, 2, dtype=torch.float32, device=span_sums.device)
+        sums.index_add_(0, ids, span_sums.float())
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(sums, group=self.group)
+        return _clipped_ratio(sums[:, 0].sqrt(), sums[:, 1].sqrt(), max_ratio)[ids]
+
 
 class Lamb(torch.optim.Optimizer):
     def __init__(
@@ -135,15 +146,8 @@ class Lamb(torch.optim.Optimizer):
         max_ratio = hyper["max_trust_ratio"]
 
         def trust_from_sums(span_sums: torch.Tensor) -> torch.Tensor:  # [spans, 2] -> [spans]
-            ratios = []
-            for segments, first, count in owners:
-                ids = segments.ids(span_sums.device)
-                sums = torch.zeros(segments.num_tensors, 2, dtype=torch.float32, device=span_sums.device)
-                sums.index_add_(0, ids, span_sums[first:first + count])
-                if segments.group is not None and dist.get_world_size(segments.group) > 1:
-                    dist.all_reduce(sums, group=segments.group)
-                ratios.append(_clipped_ratio(sums[:, 0].sqrt(), sums[:, 1].sqrt(), max_ratio)[ids])
-            return torch.cat(ratios)
+            return torch.cat([segments.trust_ratios(span_sums[first:first + count], max_ratio)
+                              for segments, first, count in owners])
 
         if not views[0]:  # only padding here: still take part in the other ranks' all-reduces
             trust_from_sums(torch.zeros(0, 2, device=params[0].device))
@@ -159,13 +163,9 @@ class Lamb(torch.optim.Optimizer):
             return _clipped_ratio(param.norm(), update.norm(), max_ratio)
         w_views = [param.narrow(0, start, length) for start, length, _ in segments.spans]
         u_views = [update.narrow(0, start, length) for start, length, _ in segments.spans]
-        ids = segments.ids(param.device)
-        sums = torch.zeros(2, segments.num_tensors, dtype=torch.float32, device=param.device)
-        sums[0].index_add_(0, ids, torch.stack(torch._foreach_norm(w_views)).float().square())
-        sums[1].index_add_(0, ids, torch.stack(torch._foreach_norm(u_views)).float().square())
-        if segments.group is not None and dist.get_world_size(segments.group) > 1:
-            dist.all_reduce(sums, group=segments.group)
-        ratios = _clipped_ratio(sums[0].sqrt(), sums[1].sqrt(), max_ratio)[ids].to(update.dtype)  # per span
+        span_sums = torch.stack([torch.stack(torch._foreach_norm(views)).float().square()
+                                 for views in (w_views, u_views)], dim=1)  # [spans, 2]
+        ratios = segments.trust_ratios(span_sums, max_ratio).to(update.dtype)
         torch._foreach_mul_(u_views, list(ratios.unbind()))
         return torch.ones((), dtype=update.dtype, device=update.device)
 
