@@ -9,6 +9,7 @@ What runs, in order of priority (a time budget skips what no longer fits; JSON i
 every measurement, so a run cut short still leaves its numbers):
 
 1. ceilings: a bf16 8192^3 matmul and a device-to-device copy, and the model's GEMM shapes alone;
+   with ``--only ...,bound`` also ``bound.py``'s speed of light of a micro-batch (after 2);
 2. the baseline: a nanoGPT-style GPT written below (serial pre-LN blocks, SDPA causal attention,
    tanh GeLU MLP, tied LM head with full logits + F.cross_entropy, fp32 weights under bf16
    autocast, fused AdamW, global grad-norm clip, whole-model ``torch.compile``), at each
@@ -751,7 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=1024, help="the ablation's sliding window")
     parser.add_argument("--source-bytes", type=int, default=None, help="corpus bytes to shard")
     parser.add_argument("--only", default="ceilings,baseline,default,ab,profile,ablation,extras",
-                        help="which parts to run, comma list (also: zero1, the extras' ZeRO-1 row alone)")
+                        help="which parts to run, comma list (also: zero1, the extras' ZeRO-1 row alone; "
+                             "bound, the model's GEMMs + attention alone, see bound.py)")
     parser.add_argument("--variants", default="", help=f"comma list of A/B rows of the default: {', '.join(VARIANTS)}")
     parser.add_argument("--trace", action="store_true", help="also write the profile's chrome trace (gzip)")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
@@ -828,6 +830,20 @@ def main(argv: list[str] | None = None) -> int:
     if "baseline" in only:
         for mb in baseline_mbs:
             baseline(mb)
+
+    # 2b. the bound: the model's GEMMs and attention alone, beside the baseline just measured
+    if "bound" in only and fits("bound", 120):
+        from bound import measure_bound, table
+
+        base = [r.tokens_per_s for r in bench.results if r.kind == "baseline" and r.tokens_per_s]
+        copy = bench.report.get("ceilings", {}).get("copy_gbs_read_plus_write")
+        windows = [args.window, args.window // 2, args.window // 4]
+        bench.report["bound"] = measure_bound(shape_cfg.model, recipe_mb, args.large_batch, device, windows=windows,
+                                              baseline_tokens_per_s=max(base, default=None),
+                                              copy_bandwidth_gbs=copy, log=log)
+        bench.report["bound"]["table"] = table(bench.report["bound"])
+        log(bench.report["bound"]["table"])
+        bench.save()
 
     def megatrain_row(spec: Spec, mb: int | None, steps: int, warmup: int = 1) -> Result | None:
         gb = args.small_batch if spec.batch == "small" else args.large_batch
