@@ -39,6 +39,7 @@ import json
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -157,12 +158,44 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: 
     return statistics.median(times)
 
 
-def copy_gbs(device: torch.device) -> float:
+class PowerSampler:
+    """Median board power (W) and SM clock (MHz) of the device while the block runs, sampled
+    every 20 ms through NVML (``torch.cuda.power_draw``/``clock_rate``); None without NVML."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.samples = device, []
+        self.watts = self.mhz = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.samples.append((torch.cuda.power_draw(self.device) / 1e3, torch.cuda.clock_rate(self.device)))
+
+    def __enter__(self) -> PowerSampler:
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.power_draw(self.device)
+                self._thread.start()
+            except Exception:  # noqa: BLE001 - no NVML (pynvml) here: no power numbers, nothing else lost
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+        if self.samples:
+            self.watts = statistics.median(w for w, _ in self.samples)
+            self.mhz = statistics.median(c for _, c in self.samples)
+
+
+def copy_gbs(device: torch.device, iters: int = 20) -> float:
     """Device-to-device copy bandwidth, GB/s of reads + writes (1 GiB on CUDA)."""
     n = 2**29 if device.type == "cuda" else 2**24
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), device, iters=20, warmup=5)
+    ms = time_ms(lambda: y.copy_(x), device, iters=iters, warmup=5)
     return 2 * x.numel() * x.element_size() / ms / 1e6
 
 
@@ -188,33 +221,47 @@ def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: t
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = MicroBatchKernels(m, micro_batch, device, dtype)
     tokens = kernels.tokens
-    bandwidth = copy_bandwidth_gbs or copy_gbs(device)
+    with PowerSampler(device) as copy_power:  # ~2 s of copies: long enough to sample the power
+        measured_bandwidth = copy_gbs(device, iters=2000 if device.type == "cuda" else 20)
+    bandwidth = copy_bandwidth_gbs or measured_bandwidth
     floors = floor_bytes(m, tokens, n_params, max(1, global_batch // micro_batch))
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     warmup = 2
-    gemm_ms = time_ms(lambda: kernels.run(True, None), device, iters, warmup)
+    with PowerSampler(device) as gemm_power:
+        gemm_ms = time_ms(lambda: kernels.run(True, None), device, iters, warmup)
     gemm_flops = 2 * tokens * sum(3 * d_in * d_out for _, d_in, d_out in projections(m)) * m.n_layer
     gemm_flops += 3 * 2 * tokens * m.vocab_size * m.d_model
     log(f"bound: GEMMs alone {gemm_ms:.1f} ms per micro-batch of {tokens} tokens "
-        f"({gemm_flops / gemm_ms / 1e9:.3g} TFLOP/s); copy {bandwidth:.0f} GB/s")
+        f"({gemm_flops / gemm_ms / 1e9:.3g} TFLOP/s, {fmt(gemm_power.watts, '.0f')} W, {fmt(gemm_power.mhz, '.0f')} MHz); "
+        f"copy {bandwidth:.0f} GB/s ({fmt(copy_power.watts, '.0f')} W)")
     rows = []
     for name, (attention, context) in attention_choices(m, list(windows), device).items():
         attn_ms = time_ms(lambda: kernels.run(False, attention), device, iters, warmup)
-        both_ms = time_ms(lambda: kernels.run(True, attention), device, iters, warmup)
+        with PowerSampler(device) as power:
+            both_ms = time_ms(lambda: kernels.run(True, attention), device, iters, warmup)
         fpt = flops_per_token(m.model_copy(update={"attention": "sliding", "window": context}) if context < m.seq_len else m, n_params)
         row = {"attention": name, "attended_context": context, "flops_per_token": fpt, "attention_ms": attn_ms,
-               "gemm_plus_attention_ms": both_ms}
+               "gemm_plus_attention_ms": both_ms, "power_w": power.watts, "sm_mhz": power.mhz}
         for floor, terms in floors.items():
             ms = both_ms + terms["total"] / bandwidth / 1e6
             row[f"{floor}_ms"] = ms
             row[f"{floor}_tokens_per_s"] = tokens / ms * 1e3
             row[f"{floor}_mfu"] = tokens / ms * 1e3 * fpt / peak if peak else None
+        # At the power cap a step's time is its energy over the cap: the GEMMs and attention
+        # alone already draw the cap, so other work adds at least its own energy, i.e. its time
+        # at the copy bandwidth scaled by the copy's power over the cap (the strictest floor).
+        if power.watts and copy_power.watts:
+            share = min(1.0, copy_power.watts / power.watts)
+            row["power_share_ms"] = both_ms + share * floors["epilogue"]["total"] / bandwidth / 1e6
+        else:
+            row["power_share_ms"] = None
         # what the targets need, as ms per micro-batch: the tighter of the two
         row["mfu_target_ms"] = tokens * fpt / (TARGET_MFU * peak) * 1e3 if peak else None
         row["speedup_target_ms"] = tokens / (TARGET_SPEEDUP * baseline_tokens_per_s) * 1e3 if baseline_tokens_per_s else None
         needs = [x for x in (row["mfu_target_ms"], row["speedup_target_ms"]) if x]
         row["targets_ms"] = min(needs) if needs else None
-        row["targets_reachable"] = {f: row[f"{f}_ms"] <= row["targets_ms"] for f in floors} if needs else None
+        row["targets_reachable"] = ({f: row[f"{f}_ms"] <= row["targets_ms"] for f in (*floors, "power_share")
+                                     if row[f"{f}_ms"] is not None} if needs else None)
         rows.append(row)
         log(f"bound: {name}: attention alone {attn_ms:.1f} ms, GEMMs + attention {both_ms:.1f} ms, "
             f"floors {row['separate_ms']:.1f} / {row['epilogue_ms']:.1f} ms; targets need <= {fmt(row['targets_ms'], '.1f')} ms")
@@ -224,6 +271,8 @@ def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: t
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "micro_batch": micro_batch, "tokens": tokens, "global_batch": global_batch, "n_params": n_params,
             "peak_flops": peak, "copy_gbs": bandwidth, "gemm_ms": gemm_ms, "gemm_tflops": gemm_flops / gemm_ms / 1e9,
+            "power": {"gemm_w": gemm_power.watts, "gemm_mhz": gemm_power.mhz, "copy_w": copy_power.watts,
+                      "copy_mhz": copy_power.mhz, "copy_gbs": measured_bandwidth},
             "floor_bytes": floors, "baseline_tokens_per_s": baseline_tokens_per_s, "rows": rows}
 
 
@@ -239,16 +288,18 @@ def table(bound: dict) -> str:
     """Markdown table of the bound's rows."""
     lines = [f"Bound on {bound['device']}: {bound['tokens']} tokens per micro-batch; GEMMs alone "
              f"{bound['gemm_ms']:.1f} ms ({bound['gemm_tflops']:.3g} TFLOP/s); copy {bound['copy_gbs']:.0f} GB/s",
-             "", "| attention | attention ms | GEMM + attention ms | + separate floor ms | tokens/s | MFU "
-             "| + epilogue floor ms | tokens/s | MFU | targets need ms | reachable (separate / epilogue) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| attention | attention ms | GEMM + attention ms | W / MHz | + separate floor ms | tokens/s | MFU "
+             "| + epilogue floor ms | tokens/s | MFU | epilogue floor at its power share ms | targets need ms "
+             "| reachable (separate / epilogue / power share) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in bound["rows"]:
         reach = r["targets_reachable"]
         lines.append(
-            f"| {r['attention']} | {r['attention_ms']:.1f} | {r['gemm_plus_attention_ms']:.1f} | {r['separate_ms']:.1f} "
+            f"| {r['attention']} | {r['attention_ms']:.1f} | {r['gemm_plus_attention_ms']:.1f} "
+            f"| {fmt(r['power_w'], '.0f')} / {fmt(r['sm_mhz'], '.0f')} | {r['separate_ms']:.1f} "
             f"| {r['separate_tokens_per_s']:,.0f} | {pct(r['separate_mfu'])} "
             f"| {r['epilogue_ms']:.1f} | {r['epilogue_tokens_per_s']:,.0f} | {pct(r['epilogue_mfu'])} "
-            f"| {fmt(r['targets_ms'], '.1f')} | {'-' if reach is None else ' / '.join('yes' if v else 'no' for v in reach.values())} |")
+            f"| {fmt(r['power_share_ms'], '.1f')} | {fmt(r['targets_ms'], '.1f')} | {'-' if reach is None else ' / '.join('yes' if v else 'no' for v in reach.values())} |")
     return "\n".join(lines)
 
 
