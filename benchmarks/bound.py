@@ -63,6 +63,13 @@ def projections(m: ModelConfig) -> list[tuple[str, int, int]]:
     return [("qkv", d, 3 * d), ("attn_proj", d, d), ("fc", d, ff), ("mlp_proj", ff, d)]
 
 
+def micro_batch_gemm_flops(m: ModelConfig, tokens: int) -> int:
+    """FLOPs of ``MicroBatchKernels.run``'s GEMMs: three matmuls (forward, input gradient, weight
+    gradient) of 2 * tokens * d_in * d_out FLOPs per linear, and the same for the LM head."""
+    per_layer = sum(d_in * d_out for _, d_in, d_out in projections(m))
+    return 3 * 2 * tokens * (per_layer * m.n_layer + m.vocab_size * m.d_model)
+
+
 class MicroBatchKernels:
     """The GEMMs and attention calls of one micro-batch's forward and backward, on random
     tensors of the model's shapes. Each layer has its own weights (as in the model); the
@@ -229,8 +236,7 @@ def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: t
     warmup = 2
     with PowerSampler(device) as gemm_power:
         gemm_ms = time_ms(lambda: kernels.run(True, None), device, iters, warmup)
-    gemm_flops = 2 * tokens * sum(3 * d_in * d_out for _, d_in, d_out in projections(m)) * m.n_layer
-    gemm_flops += 3 * 2 * tokens * m.vocab_size * m.d_model
+    gemm_flops = micro_batch_gemm_flops(m, tokens)
     log(f"bound: GEMMs alone {gemm_ms:.1f} ms per micro-batch of {tokens} tokens "
         f"({gemm_flops / gemm_ms / 1e9:.3g} TFLOP/s, {fmt(gemm_power.watts, '.0f')} W, {fmt(gemm_power.mhz, '.0f')} MHz); "
         f"copy {bandwidth:.0f} GB/s ({fmt(copy_power.watts, '.0f')} W)")
