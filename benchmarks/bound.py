@@ -145,10 +145,12 @@ def floor_bytes(m: ModelConfig, tokens: int, n_params: int, micro_batches_per_st
     return out
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 5) -> float:
     """Median wall time of fn on the device (CUDA events around each call; host clock on CPU)."""
     for _ in range(warmup):
         fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     times = []
     for _ in range(iters):
         if device.type == "cuda":

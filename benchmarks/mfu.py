@@ -71,6 +71,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from bound import copy_gbs, time_ms  # noqa: E402  (benchmarks/bound.py)
 
 T0 = time.perf_counter()
 GIB = 2**30
@@ -230,27 +231,6 @@ def allocated_gib(device: torch.device) -> float | None:
     return torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 5) -> float:
-    """Median milliseconds of fn on the device (CUDA events), or host time on CPU."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
 def measure_ceilings(bench: Bench, cfg, device: torch.device) -> None:
     """The chip's bf16 matmul rate and copy bandwidth, and the model's own GEMM shapes."""
     if device.type != "cuda":
@@ -258,11 +238,8 @@ def measure_ceilings(bench: Bench, cfg, device: torch.device) -> None:
     n = 8192
     a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
     ms = time_ms(lambda: a @ b, device)
-    x = torch.randn(2**29, device=device, dtype=torch.bfloat16)  # 1 GiB
-    y = torch.empty_like(x)
-    copy_ms = time_ms(lambda: y.copy_(x), device)
-    bench.report["ceilings"] = {"matmul_8192_bf16_tflops": 2 * n**3 / ms / 1e9, "copy_gbs_read_plus_write": 2 * x.numel() * 2 / copy_ms / 1e6}
-    del a, b, x, y
+    del a, b
+    bench.report["ceilings"] = {"matmul_8192_bf16_tflops": 2 * n**3 / ms / 1e9, "copy_gbs_read_plus_write": copy_gbs(device)}
     m = cfg.model
     d, ff, V = m.d_model, m.ffn_dim, m.vocab_size
     rows = []
