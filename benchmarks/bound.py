@@ -15,9 +15,11 @@ Every implementation of the model, megatrain's and the baseline's alike, must ru
    measured here (``floor_bytes`` lists every term).
 
 1 and 2 run back to back on the device, in the model's order, with nothing in between: the
-micro-batch as it would be if every other op were free. The card meets its power limit just
-as it does in training (the matmuls are what draws the power), so the clocks are the step's.
-Adding 3 gives two floors:
+micro-batch as it would be if every other op were free. Where the card meets its power limit in
+them (an H200 does: ~690 of 700 W, the SM clock down to ~1.5 GHz) that is a bound for a real
+step too, although the step's GEMMs run at higher clocks (the pointwise kernels between them
+draw less): at the cap time is energy over the cap, and a GEMM spends at least the energy it
+takes at the lowest clock the cap forces. Adding 3 gives three floors:
 
 - ``separate``: each op between the GEMMs makes one pass over its tensors (LayerNorm, bias +
   GeLU, the residual sum, their backwards, the qkv bias gradient, the loss's softmax, the
@@ -26,6 +28,9 @@ Adding 3 gives two floors:
 - ``epilogue``: bias, GeLU and its gradient, the residual sum and the bias gradients move
   into the GEMMs (as cuBLASLt epilogues can do); what is left is LayerNorm, the stored GeLU
   input, the loss and the optimizer. The least traffic any kernel set on cuBLAS GEMMs moves.
+- ``power share``: the epilogue floor's traffic adds only its energy, i.e. its time at the copy
+  rate times (copy W - idle W) / (GEMM W - idle W), as if it ran beside the GEMMs for free
+  otherwise. The strictest of the three (NVML power; CUDA only).
 
 From these follow, per attention choice, the most tokens/s and the MFU (formula of
 ``megatrain.observe.mfu``) such an implementation could reach here, next to what issue 7's
@@ -238,10 +243,12 @@ def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: t
     warmup = 2
     with PowerSampler(device) as gemm_power:
         gemm_ms = time_ms(lambda: kernels.run(True, None), device, iters, warmup)
+    with PowerSampler(device) as idle_power:  # nothing running, clocks still up: drawn whatever runs
+        time.sleep(1.0 if device.type == "cuda" else 0.0)
     gemm_flops = micro_batch_gemm_flops(m, tokens)
     log(f"bound: GEMMs alone {gemm_ms:.1f} ms per micro-batch of {tokens} tokens "
         f"({gemm_flops / gemm_ms / 1e9:.3g} TFLOP/s, {fmt(gemm_power.watts, '.0f')} W, {fmt(gemm_power.mhz, '.0f')} MHz); "
-        f"copy {bandwidth:.0f} GB/s ({fmt(copy_power.watts, '.0f')} W)")
+        f"copy {bandwidth:.0f} GB/s ({fmt(copy_power.watts, '.0f')} W); idle {fmt(idle_power.watts, '.0f')} W")
     rows = []
     for name, (attention, context) in attention_choices(m, list(windows), device).items():
         attn_ms = time_ms(lambda: kernels.run(False, attention), device, iters, warmup)
@@ -258,8 +265,9 @@ def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: t
         # At the power cap a step's time is its energy over the cap: the GEMMs and attention
         # alone already draw the cap, so other work adds at least its own energy, i.e. its time
         # at the copy bandwidth scaled by the copy's power over the cap (the strictest floor).
-        if power.watts and copy_power.watts:
-            share = min(1.0, copy_power.watts / power.watts)
+        # The idle draw is paid all along whatever runs, so it is taken off both powers.
+        if power.watts and copy_power.watts and idle_power.watts is not None:
+            share = min(1.0, max(0.0, copy_power.watts - idle_power.watts) / (power.watts - idle_power.watts))
             row["power_share_ms"] = both_ms + share * floors["epilogue"]["total"] / bandwidth / 1e6
         else:
             row["power_share_ms"] = None
@@ -279,7 +287,8 @@ def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: t
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "micro_batch": micro_batch, "tokens": tokens, "global_batch": global_batch, "n_params": n_params,
             "peak_flops": peak, "copy_gbs": bandwidth, "gemm_ms": gemm_ms, "gemm_tflops": gemm_flops / gemm_ms / 1e9,
-            "power": {"gemm_w": gemm_power.watts, "gemm_mhz": gemm_power.mhz, "copy_w": copy_power.watts,
+            "power": {"gemm_w": gemm_power.watts, "gemm_mhz": gemm_power.mhz, "idle_w": idle_power.watts,
+                      "idle_mhz": idle_power.mhz, "copy_w": copy_power.watts,
                       "copy_mhz": copy_power.mhz, "copy_gbs": measured_bandwidth},
             "floor_bytes": floors, "baseline_tokens_per_s": baseline_tokens_per_s, "rows": rows}
 
