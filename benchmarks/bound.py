@@ -174,17 +174,21 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 20, war
 
 class PowerSampler:
     """Median board power (W) and SM clock (MHz) of the device while the block runs, sampled
-    every 20 ms through NVML (``torch.cuda.power_draw``/``clock_rate``); None without NVML."""
+    every 20 ms through NVML (``torch.cuda.power_draw``/``clock_rate``); None without NVML.
+    NVML's power reading is an average over about a second, so samples of the first ``settle_s``
+    seconds (still showing what ran before) are left out; the block must run longer than that."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.samples = device, []
+    def __init__(self, device: torch.device, settle_s: float = 1.0):
+        self.device, self.settle_s, self.samples = device, settle_s, []
         self.watts = self.mhz = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
+        start = time.perf_counter()
         while not self._stop.wait(0.02):
-            self.samples.append((torch.cuda.power_draw(self.device) / 1e3, torch.cuda.clock_rate(self.device)))
+            if time.perf_counter() - start >= self.settle_s:
+                self.samples.append((torch.cuda.power_draw(self.device) / 1e3, torch.cuda.clock_rate(self.device)))
 
     def __enter__(self) -> PowerSampler:
         if self.device.type == "cuda":
@@ -235,16 +239,16 @@ def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: t
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = MicroBatchKernels(m, micro_batch, device, dtype)
     tokens = kernels.tokens
-    with PowerSampler(device) as copy_power:  # ~2 s of copies: long enough to sample the power
-        measured_bandwidth = copy_gbs(device, iters=2000 if device.type == "cuda" else 20)
+    with PowerSampler(device) as copy_power:  # ~3 s of copies: long enough to sample the power
+        measured_bandwidth = copy_gbs(device, iters=6000 if device.type == "cuda" else 20)
     bandwidth = copy_bandwidth_gbs or measured_bandwidth
     floors = floor_bytes(m, tokens, n_params, max(1, global_batch // micro_batch))
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     warmup = 2
     with PowerSampler(device) as gemm_power:
         gemm_ms = time_ms(lambda: kernels.run(True, None), device, iters, warmup)
-    with PowerSampler(device) as idle_power:  # nothing running, clocks still up: drawn whatever runs
-        time.sleep(1.0 if device.type == "cuda" else 0.0)
+    with PowerSampler(device, settle_s=2.0) as idle_power:  # nothing running: drawn whatever runs
+        time.sleep(3.0 if device.type == "cuda" else 0.0)
     gemm_flops = micro_batch_gemm_flops(m, tokens)
     log(f"bound: GEMMs alone {gemm_ms:.1f} ms per micro-batch of {tokens} tokens "
         f"({gemm_flops / gemm_ms / 1e9:.3g} TFLOP/s, {fmt(gemm_power.watts, '.0f')} W, {fmt(gemm_power.mhz, '.0f')} MHz); "
