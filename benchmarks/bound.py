@@ -230,7 +230,7 @@ def attention_choices(m: ModelConfig, windows: list[int], device: torch.device) 
 
 def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: torch.device, *,
                   windows: list[int] = (), iters: int = 5, baseline_tokens_per_s: float | None = None,
-                  copy_bandwidth_gbs: float | None = None, log: Callable[[str], None] = print) -> dict:
+                  log: Callable[[str], None] = print) -> dict:
     """Time the micro-batch's GEMMs and attention and return the bounds (see the module docstring)."""
     from megatrain.model.gpt import GPT, count_parameters
 
@@ -240,8 +240,7 @@ def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: t
     kernels = MicroBatchKernels(m, micro_batch, device, dtype)
     tokens = kernels.tokens
     with PowerSampler(device) as copy_power:  # ~3 s of copies: long enough to sample the power
-        measured_bandwidth = copy_gbs(device, iters=6000 if device.type == "cuda" else 20)
-    bandwidth = copy_bandwidth_gbs or measured_bandwidth
+        bandwidth = copy_gbs(device, iters=6000 if device.type == "cuda" else 20)
     floors = floor_bytes(m, tokens, n_params, max(1, global_batch // micro_batch))
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     warmup = 2
@@ -293,7 +292,7 @@ def measure_bound(m: ModelConfig, micro_batch: int, global_batch: int, device: t
             "peak_flops": peak, "copy_gbs": bandwidth, "gemm_ms": gemm_ms, "gemm_tflops": gemm_flops / gemm_ms / 1e9,
             "power": {"gemm_w": gemm_power.watts, "gemm_mhz": gemm_power.mhz, "idle_w": idle_power.watts,
                       "idle_mhz": idle_power.mhz, "copy_w": copy_power.watts,
-                      "copy_mhz": copy_power.mhz, "copy_gbs": measured_bandwidth},
+                      "copy_mhz": copy_power.mhz},
             "floor_bytes": floors, "baseline_tokens_per_s": baseline_tokens_per_s, "rows": rows}
 
 

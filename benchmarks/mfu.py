@@ -813,11 +813,9 @@ def main(argv: list[str] | None = None) -> int:
         from bound import measure_bound, table
 
         base = [r.tokens_per_s for r in bench.results if r.kind == "baseline" and r.tokens_per_s]
-        copy = bench.report.get("ceilings", {}).get("copy_gbs_read_plus_write")
         windows = [args.window, args.window // 2, args.window // 4]
         bench.report["bound"] = measure_bound(shape_cfg.model, recipe_mb, args.large_batch, device, windows=windows,
-                                              baseline_tokens_per_s=max(base, default=None),
-                                              copy_bandwidth_gbs=copy, log=log)
+                                              baseline_tokens_per_s=max(base, default=None), log=log)
         bench.report["bound"]["table"] = table(bench.report["bound"])
         log(bench.report["bound"]["table"])
         bench.save()
