@@ -1,0 +1,17 @@
+output "namespace" {
+  value = kubernetes_namespace_v1.megatrain.metadata[0].name
+}
+
+output "work_pool_name" {
+  value = var.work_pool_name
+}
+
+output "prefect_api_url" {
+  description = "PREFECT_API_URL for `prefect deploy --name cluster` (from inside the cluster; port-forward from outside)"
+  value       = local.prefect_api_url
+}
+
+output "redis_url" {
+  description = "reliability.redis_url of the campaign"
+  value       = "redis://${kubernetes_service_v1.redis.metadata[0].name}:${local.redis_port}/0"
+}

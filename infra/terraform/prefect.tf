@@ -1,0 +1,42 @@
+# Prefect: a server in the namespace unless var.prefect_api_url names one, and a Kubernetes
+# worker polling the work pool. The worker chart creates the pool and keeps its base job template
+# equal to infra/k8s/base-job-template.json (the one file both the chart and `prefect work-pool
+# create --base-job-template` read).
+locals {
+  install_server  = var.prefect_api_url == ""
+  prefect_api_url = local.install_server ? "http://prefect-server.${var.namespace}.svc.cluster.local:4200/api" : var.prefect_api_url
+}
+
+resource "helm_release" "prefect_server" {
+  count      = local.install_server ? 1 : 0
+  name       = "prefect-server"
+  repository = "https://prefecthq.github.io/prefect-helm"
+  chart      = "prefect-server"
+  version    = var.prefect_server_chart_version
+  namespace  = kubernetes_namespace_v1.megatrain.metadata[0].name
+}
+
+resource "helm_release" "prefect_worker" {
+  name       = "prefect-worker"
+  repository = "https://prefecthq.github.io/prefect-helm"
+  chart      = "prefect-worker"
+  version    = var.prefect_worker_chart_version
+  namespace  = kubernetes_namespace_v1.megatrain.metadata[0].name
+
+  values = [yamlencode({
+    worker = {
+      replicaCount    = var.worker_replicas
+      apiConfig       = "server"
+      serverApiConfig = { apiUrl = local.prefect_api_url }
+      config = {
+        type     = "kubernetes"
+        workPool = var.work_pool_name
+        baseJobTemplate = {
+          configuration = file("${path.module}/../k8s/base-job-template.json")
+        }
+      }
+    }
+  })]
+
+  depends_on = [helm_release.prefect_server]
+}
