@@ -18,6 +18,9 @@ from megatrain.campaign import CampaignConfig
 from tasks._log import run_logger
 
 RDZV_PORT = 29500
+# Credentials of the durable store (S3 keys, HDFS user...: megatrain.storage reads them from the
+# environment), as a Secret every rank loads when it exists (infra/terraform/storage.tf makes it).
+STORAGE_SECRET = "megatrain-storage"
 
 
 def _name(campaign: CampaignConfig, index: int, attempt: int) -> str:
@@ -46,6 +49,7 @@ def stage_manifests(campaign: CampaignConfig, index: int, attempt: int, config_y
         "containers": [{
             "name": "ranks", "image": image, "command": ["bash", "-c", torchrun],
             "ports": [{"containerPort": RDZV_PORT}],
+            "envFrom": [{"secretRef": {"name": STORAGE_SECRET, "optional": True}}],
             "resources": {"limits": {"nvidia.com/gpu": gpus}, "requests": {"nvidia.com/gpu": gpus}},
             "volumeMounts": [{"name": "config", "mountPath": "/etc/megatrain"}, {"name": "dshm", "mountPath": "/dev/shm"}],
         }],

@@ -75,3 +75,10 @@ variable "nvidia_device_plugin_chart_version" {
   type        = string
   default     = null
 }
+
+variable "storage_env" {
+  description = "environment of the durable store's credentials for flow-run pods and ranks (megatrain/storage.py lists the names)"
+  type        = map(string)
+  default     = {}
+  sensitive   = true
+}

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from megatrain.campaign import load_campaign
-from tasks.kubernetes import stage_manifests
+from tasks.kubernetes import STORAGE_SECRET, stage_manifests
 
 ROOT = Path(__file__).resolve().parents[2]
 TF = ROOT / "infra" / "terraform"
@@ -78,6 +78,17 @@ def test_names_match_the_job_template_prefect_yaml_and_the_campaign(tf):
     redis_locals = next(entry for parsed in tf.values() for entry in parsed.get("locals", []) if "redis_name" in entry)
     assert unquote(redis_locals["redis_name"]) == host and int(redis_locals["redis_port"]) == int(port)
     assert blocks(tf, "resource")["kubernetes_service_v1.redis"]["metadata"][0]["name"] == "${local.redis_name}"
+
+
+def test_storage_secret_is_the_one_flow_runs_and_ranks_load(tf):
+    secret = blocks(tf, "resource")["kubernetes_secret_v1.storage"]
+    name = unquote(secret["metadata"][0]["name"])
+    template = json.loads((ROOT / "infra/k8s/base-job-template.json").read_text())
+    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["envFrom"] == [{"secretRef": {"name": name, "optional": True}}]
+    job = stage_manifests(load_campaign(ROOT / "configs/campaign-cluster.yaml"), 0, 1, "model: {}\n", "megatrain:test")[-1]
+    assert job["spec"]["template"]["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": name, "optional": True}}]
+    assert name == STORAGE_SECRET
 
 
 def test_worker_reads_the_repository_job_template(tf):
