@@ -167,9 +167,9 @@ def bench_gelu() -> list[dict]:
         grad = dy.float() if impl == "reference" else dy
         rows.append(timed("bias+gelu fwd", impl, fwd_only(gelu, [x, bias]), 2 * size))  # read x, write y
         rows.append(timed("bias+gelu", impl, fwd_bwd(gelu, [x, bias], grad), 5 * size))  # + read x, dy, write dx
-    profile("bias+gelu fused", fwd_bwd(lambda x, b: bias_gelu(x, b, "fused"), [x, bias], dy))
-    gelu_triton.APPROX_TANH = False  # the exact tanh (one exp + one division per element)
     fused = lambda x, b: bias_gelu(x, b, "fused")  # noqa: E731
+    profile("bias+gelu fused", fwd_bwd(fused, [x, bias], dy))
+    gelu_triton.APPROX_TANH = False  # the exact tanh (one exp + one division per element)
     rows.append(timed("bias+gelu fwd", "fused, exact tanh", fwd_only(fused, [x, bias]), 2 * size))
     rows.append(timed("bias+gelu", "fused, exact tanh", fwd_bwd(fused, [x, bias], dy), 5 * size))
     gelu_triton.APPROX_TANH = True

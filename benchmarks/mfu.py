@@ -71,7 +71,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bound import copy_gbs, time_ms  # noqa: E402  (benchmarks/bound.py)
+from bound import copy_gbs, fmt, time_ms  # noqa: E402  (benchmarks/bound.py)
 
 T0 = time.perf_counter()
 GIB = 2**30
@@ -664,10 +664,6 @@ def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int, compile_
 
 
 # ----------------------------------------------------------------------------- table
-def fmt(x, spec: str, none: str = "-") -> str:
-    return none if x is None else format(x, spec)
-
-
 def print_table(bench: Bench) -> str:
     base = [r for r in bench.results if r.kind == "baseline" and r.tokens_per_s]
     best_base = max(base, key=lambda r: r.tokens_per_s) if base else None

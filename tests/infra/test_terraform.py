@@ -36,6 +36,12 @@ def tf() -> dict[str, dict]:
     return {f.name: hcl2.loads(f.read_text()) for f in files}
 
 
+@pytest.fixture(scope="module")
+def stage_objects() -> list[dict]:
+    """What tasks/kubernetes.py submits for one stage of the cluster campaign."""
+    return stage_manifests(load_campaign(ROOT / "configs/campaign-cluster.yaml"), 0, 1, "model: {}\n", "megatrain:test")
+
+
 def blocks(tf: dict, kind: str) -> dict[str, dict]:
     """'type.name' (resources) or 'name' (variables, outputs) -> block body, over all files."""
     out = {}
@@ -80,13 +86,13 @@ def test_names_match_the_job_template_prefect_yaml_and_the_campaign(tf):
     assert blocks(tf, "resource")["kubernetes_service_v1.redis"]["metadata"][0]["name"] == "${local.redis_name}"
 
 
-def test_storage_secret_is_the_one_flow_runs_and_ranks_load(tf):
+def test_storage_secret_is_the_one_flow_runs_and_ranks_load(tf, stage_objects):
     secret = blocks(tf, "resource")["kubernetes_secret_v1.storage"]
     name = unquote(secret["metadata"][0]["name"])
     template = json.loads((ROOT / "infra/k8s/base-job-template.json").read_text())
     container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
     assert container["envFrom"] == [{"secretRef": {"name": name, "optional": True}}]
-    job = stage_manifests(load_campaign(ROOT / "configs/campaign-cluster.yaml"), 0, 1, "model: {}\n", "megatrain:test")[-1]
+    job = next(m for m in stage_objects if m["kind"] == "Job")
     assert job["spec"]["template"]["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": name, "optional": True}}]
     assert name == STORAGE_SECRET
 
@@ -99,9 +105,8 @@ def test_worker_reads_the_repository_job_template(tf):
     assert (TF / match.group(1)).resolve() == (ROOT / "infra/k8s/base-job-template.json").resolve()
 
 
-def test_role_lets_flow_runs_submit_watch_and_delete_what_tasks_kubernetes_creates(tf):
-    campaign = load_campaign(ROOT / "configs/campaign-cluster.yaml")
-    manifests = stage_manifests(campaign, 0, 1, "model: {}\n", "megatrain:test")
+def test_role_lets_flow_runs_submit_watch_and_delete_what_tasks_kubernetes_creates(tf, stage_objects):
+    manifests = stage_objects
     role = blocks(tf, "resource")["kubernetes_role_v1.stage_jobs"]
     granted = {(unquote(g), unquote(r), unquote(v))
                for rule in role["rule"] for g in rule["api_groups"] for r in rule["resources"] for v in rule["verbs"]}
