@@ -1,0 +1,42 @@
+"""What kind of failure a run can end in, so the orchestrator knows whether a retry can help.
+
+A *deterministic* error fails the same way on every attempt: a bad config, a checkpoint written
+by a different model, a missing data source or tokenizer, a bad shard under ``on_bad_shard:
+error``. Retrying it only burns restarts and hides its cause, so the rank prints one line
+``megatrain: deterministic error: <Class>: <message>`` and exits with ``EXIT_DETERMINISTIC``; the
+launcher ends the stage at once with that message. Everything else (a crash, a hang, an anomaly)
+is transient and may be retried.
+
+Engine code: imports neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+# Exit codes of a rank (torchrun passes the first failing rank's code through).
+EXIT_OK = 0
+EXIT_CONFIG = 2  # the config did not validate (before any process group exists)
+EXIT_ANOMALY = 3  # NaN / loss spike: the flow rolls back
+EXIT_DETERMINISTIC = 4  # see DeterministicError: no restart can help
+
+# The line a rank prints before exiting with EXIT_DETERMINISTIC; the launcher looks for it.
+DETERMINISTIC_PREFIX = "megatrain: deterministic error: "
+
+
+class MegatrainError(Exception):
+    """Base of megatrain's own errors."""
+
+
+class DeterministicError(MegatrainError):
+    """Fails identically on every retry; the stage ends at once with this message."""
+
+
+class CheckpointMismatch(DeterministicError):
+    """A checkpoint that cannot be restored into this run (model-changing fields differ)."""
+
+
+class InputError(DeterministicError):
+    """A data source, tokenizer, shard or other input that is missing or invalid."""
+
+
+class UnsafePathError(DeterministicError, ValueError):
+    """A name read from metadata that would leave its folder (``..``, absolute, symlink out)."""
