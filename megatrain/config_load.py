@@ -16,9 +16,10 @@ import yaml
 from pydantic import ValidationError
 
 from megatrain.config import Config
+from megatrain.errors import DeterministicError
 
 
-class ConfigError(ValueError):
+class ConfigError(DeterministicError, ValueError):
     """A config that cannot be used; the message names the file, the field and the reason."""
 
 

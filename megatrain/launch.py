@@ -29,14 +29,12 @@ import yaml
 
 from megatrain.config import Config
 
-# Exit codes of megatrain.train (torchrun passes the first failing rank's code through).
-EXIT_OK = 0
-EXIT_ANOMALY = 3
+from megatrain.errors import DETERMINISTIC_PREFIX, EXIT_ANOMALY, EXIT_DETERMINISTIC, EXIT_OK  # noqa: F401
 
 
 @dataclass
 class LaunchResult:
-    status: str  # completed | anomaly | hung | crashed | timeout
+    status: str  # completed | anomaly | deterministic | hung | crashed | timeout
     returncode: int | None
     wall_s: float
     message: str = ""
@@ -110,6 +108,15 @@ def _pump(stream, on_line: Callable[[str], None], tail: collections.deque | None
 _EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:\w+\.)*\w*(?:Error|Exception|Interrupt)): (.+)$")
 
 
+def _deterministic_error(lines) -> str:
+    """The cause a rank printed before exiting with EXIT_DETERMINISTIC (see megatrain.errors)."""
+    for line in lines:
+        _, found, cause = line.partition(DETERMINISTIC_PREFIX)
+        if found:
+            return cause.strip()
+    return ""
+
+
 def last_error(lines) -> str:
     """The last exception a rank printed (``SomeError: what``), skipping torchrun's own summary
     (ChildFailedError), so that a crash names its cause (e.g. the bad shard)."""
@@ -181,6 +188,9 @@ def run_ranks(
     verdict = verdict_reader() if verdict_reader is not None else None
     if proc.returncode == EXIT_ANOMALY or verdict is not None:
         return LaunchResult("anomaly", proc.returncode, wall, (verdict or {}).get("message", "anomaly"), verdict)
+    deterministic = _deterministic_error(tail)
+    if proc.returncode == EXIT_DETERMINISTIC or deterministic:
+        return LaunchResult("deterministic", proc.returncode, wall, deterministic or "a rank failed deterministically")
     cause = last_error(tail)
     return LaunchResult("crashed", proc.returncode, wall,
                         f"ranks exited with code {proc.returncode}" + (f": {cause}" if cause else ""))

@@ -9,6 +9,9 @@ import os
 import sys
 
 from megatrain.config_load import ConfigError, load_config
+from megatrain.errors import (
+    DETERMINISTIC_PREFIX, EXIT_ANOMALY, EXIT_CONFIG, EXIT_DETERMINISTIC, DeterministicError,
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,17 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:  # before any process group or model exists
-        print(exc, file=sys.stderr)
-        return 2
+        print(f"{DETERMINISTIC_PREFIX}{exc}".replace("\n", " | "), file=sys.stderr)
+        return EXIT_CONFIG
 
     from megatrain.parallel.init import init_distributed, shutdown_distributed
     from megatrain.trainer import Trainer
 
-    from megatrain.launch import EXIT_ANOMALY
-
     env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.reliability.collective_timeout_s)
     try:
-        result = Trainer(cfg, env).train()
+        try:
+            result = Trainer(cfg, env).train()
+        except DeterministicError as exc:  # the same on every retry: say it once, in one line
+            print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}".replace("\n", " | "), file=sys.stderr, flush=True)
+            return EXIT_DETERMINISTIC
         if env.rank == 0:
             logging.getLogger("megatrain").info(
                 "done: %d steps, final loss %.4f, %d tokens in %.1f s (%s)",

@@ -124,6 +124,8 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
             except RollbackLimitExceeded as exc:
                 raise StageFailed(f"stage {stage.name}: {exc}") from None
             continue
+        if outcome["status"] == "deterministic":  # a config, input or checkpoint error: no restart can help
+            raise StageFailed(f"stage {stage.name}: {outcome['message']}")
         restarts += 1
         if restarts > policy.max_restarts:
             raise StageFailed(
