@@ -27,8 +27,11 @@ config is found from the log line alone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
+import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
@@ -36,6 +39,8 @@ from urllib.parse import urlsplit
 
 import fsspec
 from fsspec import AbstractFileSystem
+
+from megatrain.errors import DeterministicError, UnsafePathError
 
 # Object stores publish an object only when its upload completes, so a direct write is already
 # atomic there; a temporary name plus a (copying) rename would only add cost.
@@ -48,6 +53,46 @@ class StorageError(OSError):
     def __init__(self, url: str, reason: str) -> None:
         super().__init__(f"{url}: {reason}")
         self.url = url
+
+
+class NoSpaceError(DeterministicError):
+    """Not enough free space for a write; names the path, the bytes needed and the bytes free.
+    Deterministic: the next attempt would redo the same work and fill the same disk."""
+
+    def __init__(self, path: str, what: str, needed: int, free: int) -> None:
+        super().__init__(f"{path}: no space for {what}: needs {needed} bytes, {free} bytes free")
+        self.path, self.needed, self.free = path, needed, free
+
+
+def free_bytes(url: str) -> int | None:
+    """Free bytes of the local filesystem holding ``url`` (or its nearest existing parent); None
+    for remote storage, which has no meaningful "free"."""
+    path = _local_path(url)
+    if path is None:
+        return None
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and probe != os.path.dirname(probe):
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe).free
+
+
+def check_space(url: str, needed: int, what: str) -> None:
+    """Raise NoSpaceError before writing ``needed`` bytes under a local ``url`` that cannot hold
+    them (remote storage: no check; its own errors name the URL)."""
+    free = free_bytes(url)
+    if free is not None and needed > free:
+        raise NoSpaceError(url, what, needed, free)
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is the OS saying the disk (or quota) is full."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, NoSpaceError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _describe(exc: BaseException) -> str:
@@ -209,11 +254,17 @@ def makedirs(url: str) -> None:
         fs.makedirs(path, exist_ok=True)
 
 
-def rm(url: str, recursive: bool = False) -> None:
-    """Delete a file (or a directory tree with ``recursive=True``)."""
+def rm(url: str, recursive: bool = False, missing_ok: bool = False) -> None:
+    """Delete a file (or a directory tree with ``recursive=True``); ``missing_ok``: nothing there
+    is fine (another process may have deleted it first)."""
     fs, path = resolve(url)
-    with _errors_name(url):
+    try:
         fs.rm(path, recursive=recursive)
+    except FileNotFoundError as exc:
+        if not missing_ok:
+            raise StorageError(url, f"not found ({_describe(exc)})") from exc
+    except Exception as exc:
+        raise StorageError(url, _describe(exc)) from exc
 
 
 def put_file(local_path: str, url: str) -> None:
@@ -231,6 +282,68 @@ def join_url(base: str, *parts: str) -> str:
         if part:
             out = f"{out}/{part}" if out and not out.endswith("/") else f"{out}{part}"
     return out
+
+
+# A name read from metadata is one or more plain segments of ASCII letters, digits, ``.``, ``_``
+# and ``-``: no ``..``, no absolute path, no backslash, drive letter, ``~``, control character or
+# unicode look-alike (a fullwidth solidus or a one-dot leader is a different file to the OS, but
+# not to a person reading the manifest).
+_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
+_MAX_NAME = 1024  # whole name; each segment <= 255 (NAME_MAX of every filesystem we write to)
+
+
+def _local_path(url: str) -> str | None:
+    """The filesystem path of a local URL (plain path or ``file://``), else None."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() in ("", "local"):
+        return url if not parts.scheme else url.split("://", 1)[1]
+    if parts.scheme.lower() == "file":
+        return parts.path
+    return None
+
+
+def _name_problem(name: object) -> str | None:
+    """Why ``name`` may not be used inside a folder, or None when it may."""
+    if not isinstance(name, str) or not name:
+        return "empty or not a string"
+    if len(name) > _MAX_NAME:
+        return f"{len(name)} characters long (at most {_MAX_NAME})"
+    if name.startswith("/"):
+        return "an absolute path"
+    for segment in name.split("/"):
+        if segment in ("", ".", ".."):
+            return f"has a {segment!r} segment" if segment else "has an empty segment"
+        if len(segment) > 255:
+            return f"a segment of {len(segment)} characters (at most 255)"
+        if not _SEGMENT.match(segment):
+            odd = next(c for c in segment if not _SEGMENT.match(c))
+            return f"character {odd!r} (U+{ord(odd):04X}) is not allowed (only A-Z a-z 0-9 . _ - and / between parts)"
+    return None
+
+
+def confined(base: str, name: object, source: str) -> str:
+    """``join_url(base, name)``, refusing any ``name`` that could leave ``base``.
+
+    Every name read from metadata (a manifest, a staged marker, a shard index) goes through here
+    before anything is read or written under it. ``source`` names the metadata file the name came
+    from, for the error. On a local filesystem the joined path is also resolved (symlinks
+    followed) and must still lie inside ``base`` resolved: a planted symlink cannot lead out.
+    Raises UnsafePathError (a deterministic error: no retry reads a different name).
+    """
+    problem = _name_problem(name)
+    if problem is None:
+        joined = join_url(base, name)
+        local_base, local_joined = _local_path(base), _local_path(joined)
+        if local_base is not None and local_joined is not None:
+            root = os.path.realpath(local_base)
+            real = os.path.realpath(local_joined)
+            if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+                problem = f"resolves (through a symlink) to {real}, outside {root}"
+        if problem is None:
+            return joined
+    shown = repr(name) if len(repr(name)) <= 120 else repr(name)[:100] + "...(truncated)"
+    raise UnsafePathError(f"unsafe name {shown} in {source}: {problem}; a name read from metadata must stay "
+                          f"inside its folder {base}")
 
 
 def parent_url(url: str) -> str:

@@ -27,26 +27,6 @@ def check_storage_up(run_dir: str | None, durable_url: str) -> None:
         raise StorageError(durable_url, "durable storage unavailable (injected storage_outage)")
 
 
-def _replace_if_corrupt(durable_url: str, step: int) -> list[str]:
-    """A step staged again by a later attempt but already committed: keep the committed copy if it
-    verifies; if it does not, un-commit it (manifest first) so the upload replaces it. Returns the
-    problems found."""
-    import json
-
-    from megatrain import storage
-    from megatrain.checkpoint.files import MANIFEST, step_dir_name
-    from megatrain.checkpoint.restore import verify_checkpoint
-
-    step_url = storage.join_url(durable_url, step_dir_name(step))
-    manifest_url = storage.join_url(step_url, MANIFEST)
-    if not storage.exists(manifest_url):
-        return []
-    problems = verify_checkpoint(step_url, json.loads(storage.read_bytes(manifest_url)))
-    if problems:
-        storage.rm(manifest_url)
-    return problems
-
-
 @task(name="upload-checkpoint", retries=5, retry_delay_seconds=[2, 4, 8, 16, 32], timeout_seconds=3600)
 def upload_checkpoint(staging_dir: str, durable_url: str, step: int, keep_last: int, keep_every: int | None = None,
                       run_dir: str | None = None) -> dict:
@@ -58,11 +38,11 @@ def upload_checkpoint(staging_dir: str, durable_url: str, step: int, keep_last: 
     this staged one. ``run_dir``: where an injected storage outage is announced (see
     ``check_storage_up``)."""
     from megatrain.checkpoint.retention import apply_retention
-    from megatrain.checkpoint.upload import upload_staged_step
+    from megatrain.checkpoint.upload import replace_if_corrupt, upload_staged_step
 
     logger = run_logger()
     check_storage_up(run_dir, durable_url)
-    problems = _replace_if_corrupt(durable_url, step)
+    problems = replace_if_corrupt(durable_url, step)  # the engine's check, shared with "thread" mode
     if problems:
         logger.warning("committed step %d does not verify (%s); replacing it with the staged copy",
                        step, "; ".join(problems))

@@ -4,6 +4,10 @@ A step directory is committed exactly when its ``manifest.json`` exists and pars
 written last, through an atomic rename, after every file it lists has been uploaded and verified.
 Everything else (a directory without a manifest, temporary ``.tmp`` files) is an upload that has
 not finished, or never will, and is ignored by restore.
+
+Names inside a manifest are data, not paths to trust: ``manifest_files`` confines every one to its
+step directory (``storage.confined``), and a step directory that is a symlink leading out of the
+durable root is not a checkpoint at all.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain import storage
-from megatrain.checkpoint.files import MANIFEST, parse_step
+from megatrain.errors import UnsafePathError
+from megatrain.checkpoint.files import MANIFEST, FileRecord, parse_step
 
 
 @dataclass
@@ -33,17 +38,37 @@ class CheckpointInfo:
 
 def read_manifest(step_url: str) -> dict[str, Any] | None:
     """The manifest of a step directory, or None when it has none (not committed).
-    Raises ValueError when a manifest exists but is not valid JSON."""
-    url = storage.join_url(step_url, MANIFEST)
+    Raises ValueError when a manifest exists but does not parse, is not a megatrain manifest, or
+    names a file outside its step directory (UnsafePathError, a ValueError)."""
+    url = storage.confined(step_url, MANIFEST, step_url)
     if not storage.exists(url):
         return None
     try:
         manifest = json.loads(storage.read_bytes(url))
-    except ValueError as exc:
+    except ValueError as exc:  # bad JSON or bad UTF-8
         raise ValueError(f"{url}: not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or "files" not in manifest or "step" not in manifest:
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "step" not in manifest:
         raise ValueError(f"{url}: not a megatrain manifest")
+    manifest_files(step_url, manifest)  # every record well formed, every name confined
     return manifest
+
+
+def manifest_files(step_url: str, manifest: dict[str, Any]) -> dict[str, tuple[str, FileRecord]]:
+    """File name -> (its URL inside ``step_url``, its record), over all ranks (names are unique
+    within a step). Raises UnsafePathError for a name that would leave the step directory and
+    ValueError for a record that is not {size, sha256}."""
+    source = storage.join_url(step_url, MANIFEST)
+    out: dict[str, tuple[str, FileRecord]] = {}
+    for rank_files in manifest["files"].values():
+        if not isinstance(rank_files, dict):
+            raise ValueError(f"{source}: files of a rank are not a mapping")
+        for name, record in rank_files.items():
+            url = storage.confined(step_url, name, source)
+            try:
+                out[name] = (url, FileRecord(size=int(record["size"]), sha256=str(record["sha256"])))
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{source}: malformed record for {name}: {record!r}") from None
+    return out
 
 
 def list_checkpoints(durable_url: str) -> list[CheckpointInfo]:
@@ -55,14 +80,19 @@ def list_checkpoints(durable_url: str) -> list[CheckpointInfo]:
         step = parse_step(posixpath.basename(url.rstrip("/")))
         if step is None:
             continue
-        problem = None
+        problem, unsafe = None, False
         try:
+            url = storage.confined(durable_url, posixpath.basename(url.rstrip("/")), durable_url)  # no symlink out
             manifest = read_manifest(url)
+        except UnsafePathError as exc:
+            manifest, problem, unsafe = None, str(exc), True
         except ValueError as exc:
             manifest, problem = None, str(exc)
         if manifest is not None:
-            size = int(manifest["bytes"])
-            files = sum(len(rank_files) for rank_files in manifest["files"].values())
+            records = [record for _, record in manifest_files(url, manifest).values()]
+            size, files = sum(record.size for record in records), len(records)
+        elif unsafe:
+            size, files = 0, 0  # names leading out of the durable root: look at nothing there
         else:  # what an unfinished upload left: look at the files themselves
             present = storage.find(url)
             size, files = sum(int(d.get("size") or 0) for d in present.values()), len(present)

@@ -9,6 +9,7 @@ storage::
     rank-00003.done.json          rank 3's marker, written last: its files with size and sha256
     manifest.json                 durable only, written last of all: the commit (see upload.py)
     staged.json                   staging only, "external" upload mode: every rank has staged
+    replacing.json                durable only, while a corrupt committed copy is replaced (upload.py)
 
 Tensors go into safetensors files and everything else into JSON, so loading a checkpoint never
 runs code (no pickle). The writer below streams each tensor's bytes straight from its (pinned)
@@ -30,8 +31,11 @@ from typing import Any
 
 import torch
 
+from megatrain import storage
+
 MANIFEST = "manifest.json"
 STAGED = "staged.json"
+REPLACING = "replacing.json"  # durable only: a corrupt committed copy of this step is being replaced
 FORMAT_VERSION = 1
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
@@ -128,6 +132,75 @@ def load_safetensors(data: bytes) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     return load(data)
+
+
+class UnreadableFile(ChecksumError):
+    """A checkpoint file that does not parse (bad JSON, bad safetensors header): as corrupt as a
+    flipped bit, whatever its checksum says (a manifest can be forged along with its file)."""
+
+
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def check_safetensors_header(head: bytes, size: int, name: str) -> None:
+    """Raise UnreadableFile unless ``head`` (the first bytes of a ``size``-byte file, at least the
+    8-byte length and the header) is a safetensors header whose tensors lie inside the file."""
+    if size < 8 or len(head) < 8:
+        raise UnreadableFile(f"{name}: {size} bytes, too short for a safetensors file")
+    (length,) = struct.unpack("<Q", head[:8])
+    if length > min(_MAX_HEADER, size - 8) or len(head) < 8 + length:
+        raise UnreadableFile(f"{name}: safetensors header length {length} does not fit a {size}-byte file")
+    try:
+        header = json.loads(head[8:8 + length])
+    except ValueError as exc:
+        raise UnreadableFile(f"{name}: safetensors header is not JSON ({exc})") from None
+    data_bytes = size - 8 - length
+    dtypes = set(_DTYPES.values())
+    if not isinstance(header, dict):
+        raise UnreadableFile(f"{name}: safetensors header is not a mapping")
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            start, end = entry["data_offsets"]
+            ok = entry["dtype"] in dtypes and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
+            ok = ok and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= data_bytes
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise UnreadableFile(f"{name}: safetensors entry {key!r} is malformed or lies outside the file: {entry!r}")
+
+
+def parse_safetensors(data: bytes, name: str) -> dict[str, torch.Tensor]:
+    """``load_safetensors`` for bytes read from storage: a malformed file raises UnreadableFile
+    (the header is checked first: the Rust parser may panic, which is no Exception)."""
+    check_safetensors_header(data[:8 + min(_MAX_HEADER, max(len(data) - 8, 0))], len(data), name)
+    try:
+        return load_safetensors(data)
+    except Exception as exc:  # safetensors' own checks: sizes that do not match dtype x shape
+        raise UnreadableFile(f"{name}: not a valid safetensors file ({exc})") from None
+
+
+def parse_json(data: bytes, name: str) -> Any:
+    """JSON from bytes read from storage; bad JSON or UTF-8 raises UnreadableFile."""
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise UnreadableFile(f"{name}: not valid JSON ({exc})") from None
+
+
+def check_parses(url: str, name: str) -> None:
+    """Raise UnreadableFile unless the file at ``url`` parses as what its name says (JSON; or a
+    safetensors header, read without the tensors)."""
+    if name.endswith(".json"):
+        parse_json(storage.read_bytes(url), url)
+    elif name.endswith(".safetensors"):
+        size = storage.size(url)
+        with storage.open_url(url) as handle:
+            head = handle.read(8)
+            if len(head) == 8:
+                head += handle.read(min(struct.unpack("<Q", head)[0], _MAX_HEADER, size - 8))
+        check_safetensors_header(head, size, url)
 
 
 def write_json(path: Path, value: Any) -> FileRecord:

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatrain import storage
+from megatrain import errors, storage
 from megatrain.checkpoint import catalog, state
 from megatrain.checkpoint.files import (
-    ChecksumError, FileRecord, check_bytes, load_safetensors, model_file, rank_meta_file, rank_tensor_file,
-    sha256_stream,
+    ChecksumError, check_bytes, check_parses, model_file, parse_json, parse_safetensors, rank_meta_file,
+    rank_tensor_file, sha256_stream,
 )
 from megatrain.parallel.dims import ProcessGroups
 
@@ -42,8 +41,9 @@ class CheckpointError(RuntimeError):
     """No checkpoint can be restored although committed ones exist, or they belong to another run."""
 
 
-class CheckpointMismatch(CheckpointError):
-    """A committed checkpoint was written by a different config or parallel layout."""
+class CheckpointMismatch(CheckpointError, errors.CheckpointMismatch):
+    """A committed checkpoint was written by a different config or parallel layout (deterministic:
+    the rank exits at once, no restart)."""
 
 
 def check_compatible(manifest: dict[str, Any], fingerprint: str, layout: dict[str, int], url: str) -> None:
@@ -57,19 +57,14 @@ def check_compatible(manifest: dict[str, Any], fingerprint: str, layout: dict[st
         raise CheckpointMismatch(f"{url}: saved with layout {saved}, this run is {layout}; resharding is not supported")
 
 
-def _records(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """File name -> {size, sha256} over all ranks (file names are unique within a step)."""
-    return {name: record for rank_files in manifest["files"].values() for name, record in rank_files.items()}
-
-
 def read_verified(step_url: str, name: str, manifest: dict[str, Any]) -> bytes:
     """The bytes of one file of a committed step, after checking size and sha256."""
-    records = _records(manifest)
-    if name not in records:
+    files = catalog.manifest_files(step_url, manifest)  # every name confined to the step dir
+    if name not in files:
         raise ChecksumError(f"{name}: not listed in the manifest of {step_url}")
-    url = storage.join_url(step_url, name)
+    url, record = files[name]
     data = storage.read_bytes(url)
-    check_bytes(data, records[name], url)
+    check_bytes(data, record, url)
     return data
 
 
@@ -87,26 +82,34 @@ def read_rank_state(step_url: str, manifest: dict[str, Any], groups: ProcessGrou
     rank = groups.rank
     model = None
     if groups.dp_rank == 0:
-        model = load_safetensors(read_verified(step_url, model_file(groups.pp_rank, groups.tp_rank), manifest))
-    tensors = load_safetensors(read_verified(step_url, rank_tensor_file(rank), manifest))
-    meta = json.loads(read_verified(step_url, rank_meta_file(rank), manifest))
-    if meta.get("step") != manifest["step"] or meta.get("rank") != rank:
+        name = model_file(groups.pp_rank, groups.tp_rank)
+        model = parse_safetensors(read_verified(step_url, name, manifest), name)
+    tensors = parse_safetensors(read_verified(step_url, rank_tensor_file(rank), manifest), rank_tensor_file(rank))
+    meta = parse_json(read_verified(step_url, rank_meta_file(rank), manifest), rank_meta_file(rank))
+    if not isinstance(meta, dict) or meta.get("step") != manifest["step"] or meta.get("rank") != rank:
         raise ChecksumError(f"{rank_meta_file(rank)}: records step {meta.get('step')} rank {meta.get('rank')}")
     return RankState(model=model, tensors=tensors, meta=meta)
 
 
 def verify_checkpoint(step_url: str, manifest: dict[str, Any]) -> list[str]:
-    """Check size and sha256 of every file of a committed step (streamed); returns the problems."""
+    """Check size and sha256 of every file of a committed step (streamed), and that each parses
+    (JSON, or a safetensors header); returns the problems. A name that would leave the step
+    directory is a problem, and nothing is read under it."""
+    try:
+        files = catalog.manifest_files(step_url, manifest)
+    except ValueError as exc:  # UnsafePathError included
+        return [str(exc)]
     problems = []
-    for name, record in sorted(_records(manifest).items()):
-        url = storage.join_url(step_url, name)
+    for name, (url, record) in sorted(files.items()):
         try:
             with storage.open_url(url) as handle:
                 actual = sha256_stream(handle)
-            if actual != FileRecord(**record):
+            if actual != record:
                 problems.append(f"{url}: size {actual.size} sha256 {actual.sha256[:16]}... != manifest "
-                                f"size {record['size']} sha256 {record['sha256'][:16]}...")
-        except OSError as exc:
+                                f"size {record.size} sha256 {record.sha256[:16]}...")
+            else:
+                check_parses(url, name)
+        except (OSError, ChecksumError) as exc:
             problems.append(str(exc))
     return problems
 

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from megatrain import storage
+from megatrain.errors import UnsafePathError
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import MANIFEST, parse_step, step_dir_name
 
@@ -55,6 +56,11 @@ def clean_staging(staging_dir: str | Path, durable_url: str) -> list[int]:
     for path in sorted(root.iterdir()):
         step = parse_step(path.name)
         if step is None:
+            continue
+        try:
+            storage.confined(str(root), path.name, str(root))  # a symlinked step dir is not ours to delete
+        except UnsafePathError as exc:
+            log.warning("retention: leaving %s alone: %s", path, exc)
             continue
         try:
             done = storage.exists(storage.join_url(durable_url, step_dir_name(step), MANIFEST))

@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from megatrain import storage
+from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import (
-    FORMAT_VERSION, MANIFEST, STAGED, ChecksumError, FileRecord, parse_step, rank_marker, sha256_stream,
+    FORMAT_VERSION, MANIFEST, REPLACING, STAGED, ChecksumError, FileRecord, parse_step, rank_marker, sha256_stream,
     step_dir_name, write_json,
 )
 
@@ -82,6 +83,42 @@ def verify_remote(url: str, record: FileRecord) -> None:
         raise ChecksumError(f"{url}: sha256 {actual.sha256[:16]}... != staged {record.sha256[:16]}...")
 
 
+def replace_if_corrupt(durable_url: str, step: int) -> list[str]:
+    """A step staged again (a later attempt redid it) but already committed: keep the committed
+    copy if it verifies; if it does not, un-commit it (remove the manifest) so that the upload
+    replaces it. Returns the problems found (none: the committed copy stands).
+
+    The old rank markers stay, so the REPLACING file written first tells whoever commits to re-check
+    every file against them: it cannot vouch for a corrupt file that no rank has replaced yet."""
+    from megatrain.checkpoint.restore import verify_checkpoint
+
+    step_url = storage.join_url(durable_url, step_dir_name(step))
+    try:
+        manifest = catalog.read_manifest(step_url)
+        problems = verify_checkpoint(step_url, manifest) if manifest is not None else []
+    except ValueError as exc:  # unreadable or unsafe manifest: the step is not usable as it is
+        problems = [str(exc)]
+    if problems:
+        log.warning("committed step %d at %s does not verify (%s); replacing it with the staged copy",
+                    step, step_url, "; ".join(problems))
+        storage.write_bytes(storage.join_url(step_url, REPLACING), json.dumps({"problems": problems}).encode())
+        storage.rm(storage.join_url(step_url, MANIFEST), missing_ok=True)  # another rank may have been first
+    return problems
+
+
+def _files_match_markers(step_url: str, markers: dict[int, dict[str, Any]]) -> list[str]:
+    """Every file the markers list, re-read and checked against them; returns the problems."""
+    problems = []
+    for rank, marker in sorted(markers.items()):
+        for name, record in sorted(marker["files"].items()):
+            url = storage.join_url(step_url, name)
+            try:
+                verify_remote(url, FileRecord(**record))
+            except (OSError, ChecksumError) as exc:
+                problems.append(f"rank {rank}: {exc}")
+    return problems
+
+
 def _upload_file(local: Path, url: str, record: FileRecord) -> int:
     """Upload one file unless it is already there intact; returns the bytes sent."""
     if storage.exists(url):
@@ -108,8 +145,17 @@ def read_staged_markers(staged_dir: Path, ranks: Iterable[int] | None = None) ->
         raise UploadError(f"{staged_dir}: no rank has staged here (no rank-*.done.json)")
     markers = {}
     for path in paths:
-        marker = json.loads(path.read_text())
-        markers[int(marker["rank"])] = marker
+        try:
+            marker = json.loads(path.read_text())
+            rank = int(marker["rank"])
+            files = marker["files"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UploadError(f"{path}: not a readable rank marker ({type(exc).__name__}: {exc})") from None
+        if path.name != rank_marker(rank) or not isinstance(files, dict):
+            raise UploadError(f"{path}: marker of rank {rank} under the wrong name, or without a files mapping")
+        for name in files:  # refuse the whole marker before anything is read or written
+            storage.confined(str(staged_dir), name, str(path))
+        markers[rank] = marker
     return markers
 
 
@@ -117,6 +163,8 @@ def build_manifest(markers: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The commit record, from every rank's marker; the markers must agree on the run."""
     first = markers[min(markers)]
     for rank, marker in markers.items():
+        if not isinstance(marker.get("files"), dict):
+            raise UploadError(f"rank {rank}'s durable marker has no files mapping")
         for key in ("step", "fingerprint", "layout"):
             if marker[key] != first[key]:
                 raise UploadError(f"rank {rank} staged {key}={marker[key]!r}, rank {min(markers)} {first[key]!r}")
@@ -138,30 +186,53 @@ def build_manifest(markers: dict[int, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _read_markers(step_url: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """The durable markers of ``ranks`` that exist, each file name in them confined to the step."""
+    present = {url.rsplit("/", 1)[-1] for url in storage.listdir(step_url)}
+    markers = {}
+    for rank in ranks:
+        if rank_marker(rank) in present:
+            marker_url = storage.join_url(step_url, rank_marker(rank))
+            markers[rank] = json.loads(storage.read_bytes(marker_url))
+            for name in markers[rank].get("files", {}):  # the manifest will vouch for these names
+                storage.confined(step_url, name, marker_url)
+    return markers
+
+
 def commit_checkpoint(step_url: str, world_size: int, timeout_s: float = 600.0, poll_s: float = 0.5,
                       retries: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0) -> dict[str, Any]:
-    """Wait until every rank's marker is durable, then write the manifest (the commit)."""
+    """Wait until every rank's marker is durable, then write the manifest (the commit).
+
+    When the step is replacing a corrupt committed copy (``replace_if_corrupt`` left REPLACING),
+    the markers of that copy may still be in place while ranks replace their files: then every
+    file is also re-read and must match its (re-read) marker before the commit."""
     markers: dict[int, dict[str, Any]] = {}
+    replacing_url = storage.join_url(step_url, REPLACING)
     deadline = time.monotonic() + timeout_s
-    while len(markers) < world_size:
+    while True:
         try:
-            present = {url.rsplit("/", 1)[-1] for url in storage.listdir(step_url)}
-            for rank in range(world_size):
-                if rank not in markers and rank_marker(rank) in present:
-                    markers[rank] = json.loads(storage.read_bytes(storage.join_url(step_url, rank_marker(rank))))
+            markers.update(_read_markers(step_url, set(range(world_size)) - set(markers)))
+            waiting_for = f"ranks {sorted(set(range(world_size)) - set(markers))[:8]} did not upload"
+            if len(markers) == world_size and storage.exists(replacing_url):
+                markers = _read_markers(step_url, range(world_size))  # ranks rewrite theirs when they re-upload
+                problems = _files_match_markers(step_url, markers) if len(markers) == world_size else ["a marker"]
+                waiting_for = "files still differ from their markers: " + "; ".join(problems)
+                if not problems:
+                    break
+            elif len(markers) == world_size:
+                break
         except OSError as exc:  # storage down or the directory not there yet: keep waiting
-            log.debug("%s: waiting for rank markers: %s", step_url, exc)
-        if len(markers) < world_size:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(markers))
-                raise UploadError(f"{step_url}: ranks {missing[:8]} did not upload within {timeout_s:.0f} s; not committed")
-            time.sleep(poll_s)
+            waiting_for = f"storage: {exc}"
+        if time.monotonic() > deadline:
+            raise UploadError(f"{step_url}: {waiting_for} within {timeout_s:.0f} s; not committed")
+        time.sleep(poll_s)
     manifest = build_manifest(markers)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     # storage.write_bytes writes a temporary name and renames it (an object store publishes a PUT
     # only when complete): a manifest is either whole or absent.
     url = storage.join_url(step_url, MANIFEST)
     with_retries(lambda: storage.write_bytes(url, data), f"commit {url}", retries, backoff_s, max_backoff_s)
+    storage.rm(replacing_url, missing_ok=True)
     log.info("committed checkpoint %s (%.2f GB, %d ranks)", step_url, manifest["bytes"] / 1e9, world_size)
     return manifest
 
@@ -184,8 +255,9 @@ def upload_checkpoint(
     step_url = storage.join_url(durable_url, step_dir_name(step))
     manifest_url = storage.join_url(step_url, MANIFEST)
     retry = dict(retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
-    if with_retries(lambda: storage.exists(manifest_url), f"check {manifest_url}", **retry):
-        log.info("%s is already committed", step_url)
+    if (with_retries(lambda: storage.exists(manifest_url), f"check {manifest_url}", **retry)
+            and not replace_if_corrupt(durable_url, step)):
+        log.info("%s is already committed (and verifies)", step_url)
         if clean_staged:
             shutil.rmtree(staged_dir, ignore_errors=True)
         return UploadResult(step, step_url, True, 0, time.perf_counter() - start)
@@ -193,9 +265,13 @@ def upload_checkpoint(
     sent = 0
     markers = read_staged_markers(staged_dir, ranks)
     for rank, marker in sorted(markers.items()):
-        for name, record in sorted(marker["files"].items()):
-            url = storage.join_url(step_url, name)
-            sent += with_retries(lambda: _upload_file(staged_dir / name, url, FileRecord(**record)), f"upload {url}", **retry)
+        source = str(staged_dir / rank_marker(rank))
+        targets = {name: (Path(storage.confined(str(staged_dir), name, source)), storage.confined(step_url, name, source),
+                          FileRecord(**record)) for name, record in sorted(marker["files"].items())}
+        missing = sum(record.size for _, url, record in targets.values() if not storage.exists(url))
+        storage.check_space(step_url, missing, f"rank {rank}'s files of step {step}")
+        for local, url, record in targets.values():
+            sent += with_retries(lambda: _upload_file(local, url, record), f"upload {url}", **retry)
         marker_url = storage.join_url(step_url, rank_marker(rank))
         marker_bytes = (staged_dir / rank_marker(rank)).read_bytes()
         with_retries(lambda: storage.write_bytes(marker_url, marker_bytes), f"upload {marker_url}", **retry)

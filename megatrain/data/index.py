@@ -59,12 +59,17 @@ class ShardIndex:
     inputs: dict[str, Any] = field(default_factory=dict)  # the fingerprinted input description
     params: dict[str, Any] = field(default_factory=dict)  # the sharding parameters
 
+    @property
+    def index_url(self) -> str:
+        return storage.join_url(self.url, INDEX_NAME)
+
     def shard_url(self, i: int) -> str:
-        return storage.join_url(self.url, self.shards[i].name)
+        """Shard ``i``'s URL; its name comes from index.json, so it must stay in the version dir."""
+        return storage.confined(self.url, self.shards[i].name, self.index_url)
 
     @property
     def tokenizer_url(self) -> str:
-        return storage.join_url(self.url, self.tokenizer_file)
+        return storage.confined(self.url, self.tokenizer_file, self.index_url)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -102,6 +107,9 @@ def index_from_json(url: str, raw: dict[str, Any]) -> ShardIndex:
         index = ShardIndex(url=url, **fields)
     except (KeyError, TypeError) as exc:
         raise DataError(f"{storage.join_url(url, INDEX_NAME)}: malformed index ({exc})") from exc
+    # Every name from the index must stay in the version dir: refuse a hostile index at load.
+    for name in [index.tokenizer_file, *(s.name for s in index.shards)]:
+        storage.confined(url, name, index.index_url)
     if sum(s.num_samples for s in index.shards) != index.num_samples:
         raise DataError(f"{storage.join_url(url, INDEX_NAME)}: shard sample counts do not add up to num_samples")
     return index
