@@ -85,14 +85,45 @@ def _resolve(path: str) -> Path:
     return p if p.is_absolute() else REPO_ROOT / p
 
 
+# Paths the campaign owns per stage: an override of one would be silently replaced, so it is refused
+# with the campaign field to use instead. checkpoint.staging_dir is honoured (see _staging_dir).
+_CAMPAIGN_PATHS = {
+    "train.run_dir": "set the campaign's root_dir (each stage gets <root_dir>/<id>/<stage>)",
+    "checkpoint.durable_url": "set the campaign's durable_url (each stage gets a subfolder)",
+    "checkpoint.init_from": "a stage starts from the previous stage's checkpoint; start a new campaign instead",
+}
+
+
+def _overridden(overrides: list[str], dotted: str) -> object | None:
+    """The value ``overrides`` give to the dotted key, or None."""
+    node: object = parse_overrides(overrides)
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _staging_dir(campaign: CampaignConfig, index: int, overrides: list[str]) -> Path:
+    """The stage's staging dir: <the user's checkpoint.staging_dir>/<id>/<stage> when the campaign
+    or the stage overrides it (a fast local disk, say), else <stage dir>/staging."""
+    chosen = _overridden(overrides, "checkpoint.staging_dir")
+    if chosen is None:
+        return campaign.stage_dir(index) / "staging"
+    return _resolve(str(chosen)) / campaign.id / campaign.stages[index].name
+
+
 def stage_config(campaign: CampaignConfig, index: int) -> Config:
     """The full run config of one stage: recipe + campaign overrides + stage overrides + paths."""
     stage = campaign.stages[index]
     stage_dir = campaign.stage_dir(index)
+    user = [*campaign.overrides, *stage.overrides]
+    for dotted, instead in _CAMPAIGN_PATHS.items():
+        if _overridden(user, dotted) is not None:
+            raise ValueError(f"stage {stage.name!r}: {dotted} is set by the campaign for each stage, so an override "
+                             f"of it would be ignored; {instead}")
     derived = [
         f"train.steps={stage.steps}",
         f"train.run_dir={stage_dir}",
-        f"checkpoint.staging_dir={stage_dir / 'staging'}",
+        f"checkpoint.staging_dir={_staging_dir(campaign, index, user)}",
         f"checkpoint.durable_url={campaign.stage_durable_url(index)}",
         f"parallel.world_size={campaign.world_size}",
     ]
@@ -101,7 +132,7 @@ def stage_config(campaign: CampaignConfig, index: int) -> Config:
     if index > 0:
         derived.append(f"checkpoint.init_from={campaign.stage_durable_url(index - 1)}")
     try:
-        cfg = load_config(_resolve(campaign.recipe), [*campaign.overrides, *stage.overrides, *derived])
+        cfg = load_config(_resolve(campaign.recipe), [*user, *derived])
     except ConfigError as exc:  # name the stage; the fields are those of the resolved run config
         fields = "\n".join(str(exc).splitlines()[1:]) or str(exc)
         raise ValueError(f"stage {stage.name!r} ({campaign.recipe} + campaign and stage overrides):\n{fields}") from None

@@ -57,22 +57,27 @@ def _select(url: str, step: int | None) -> list[catalog.CheckpointInfo] | str:
 
 
 def cmd_verify(url: str, step: int | None) -> int:
+    """Re-hash and parse every committed step; a manifest that does not parse (or names a file
+    outside its step) is as corrupt as a bad file. Ends with the step restore would use."""
+    unreadable = [info for info in _checkpoints(url) if info.problem and step in (None, info.step)]
     selected = _select(url, step)
-    if isinstance(selected, str):
+    if isinstance(selected, str) and not unreadable:
         print(selected, file=sys.stderr)
         return 1
-    failed = 0
-    for info in selected:
-        problems = verify_checkpoint(info.url, info.manifest)
+    verdicts = {info.step: (info, [info.problem]) for info in unreadable}
+    for info in selected if not isinstance(selected, str) else []:
+        verdicts[info.step] = (info, verify_checkpoint(info.url, info.manifest))
+    for number, (info, problems) in sorted(verdicts.items()):
         if problems:
-            failed += 1
-            print(f"step {info.step}: CORRUPT")
+            print(f"step {number}: CORRUPT")
             for problem in problems:
                 print(f"  {problem}")
         else:
-            n = sum(len(files) for files in info.manifest["files"].values())
-            print(f"step {info.step}: ok ({n} files, {_human(info.size_bytes)})")
-    return 1 if failed else 0
+            print(f"step {number}: ok ({info.files} files, {_human(info.size_bytes)})")
+    good = [number for number, (_, problems) in verdicts.items() if not problems]
+    if len(good) < len(verdicts):
+        print(f"restore would use step {max(good)}" if good else "no step here would restore")
+    return 1 if len(good) < len(verdicts) else 0
 
 
 def cmd_inspect(url: str, step: int | None) -> int:

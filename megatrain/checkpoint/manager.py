@@ -15,7 +15,9 @@ in the snapshotter's thread; what happens next depends on ``checkpoint.upload_mo
   has staged (the Prefect flow then uploads and commits the step as its own task run, see
   ``upload.upload_staged_step``) and applies retention to what the flow has committed.
 
-Either way the next save waits for the previous staging only, never for an upload.
+Either way the next save waits for the previous staging only, never for an upload. A staging,
+upload or commit that fails is never swallowed: ``maybe_save`` (every step) raises the error of
+any background job that has failed, so the rank fails with it and the step is not reported safe.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from megatrain.checkpoint.files import (
 from megatrain.checkpoint.restore import restore_checkpoint
 from megatrain.checkpoint.retention import apply_retention, clean_staging
 from megatrain.checkpoint.snapshot import RankSnapshot, Snapshotter, SnapshotTiming
-from megatrain.checkpoint.upload import mark_staged, upload_checkpoint
+from megatrain.checkpoint.upload import UploadError, mark_staged, upload_checkpoint
 from megatrain.config import Config
 from megatrain.parallel.dims import ProcessGroups
 from megatrain.parallel.init import DistEnv
@@ -120,7 +122,9 @@ class Checkpointer:
     # ---- save ---------------------------------------------------------------------------------
 
     def maybe_save(self, trainer: Any) -> bool:
-        """Save when ``trainer.step`` is a multiple of the interval, or the last step."""
+        """Save when ``trainer.step`` is a multiple of the interval, or the last step. First raise
+        the error of any staging or upload that has failed since the last call."""
+        self.raise_if_failed()
         step = trainer.step
         if step == self.last_saved_step or (step % self.ckpt.interval and step < self.cfg.train.steps):
             return False
@@ -138,7 +142,7 @@ class Checkpointer:
             self._jobs.append(self._background.submit(self._upload, staged))
         elif self.groups.rank == 0:
             self._jobs.append(self._background.submit(self._mark_staged, staged))
-        self._jobs = [job for job in self._jobs if not job.done()]
+        self._jobs = [job for job in self._jobs if not job.done() or job.exception() is not None]  # keep failures
         if self._kill_after_commit == step:
             self._test_kill_after_commit(step)
         return timing
@@ -164,29 +168,35 @@ class Checkpointer:
 
     # ---- background jobs (one thread, in save order) ------------------------------------------
 
+    def raise_if_failed(self) -> None:
+        """Raise the error of a finished background job (staging, upload, commit) that failed."""
+        self.snapshotter.raise_if_failed()
+        for job in self._jobs:
+            if job.done() and job.exception() is not None:
+                raise job.exception()
+
     def _retry_options(self) -> dict[str, float]:
         return dict(retries=self.ckpt.upload_retries, backoff_s=self.ckpt.upload_backoff_s,
                     max_backoff_s=self.ckpt.upload_backoff_max_s)
 
+    # A failure in these jobs stays in their future: raise_if_failed() and close() raise it in the
+    # training loop (upload_checkpoint has already retried storage errors with backoff).
+
     def _upload(self, staged_future: Future) -> None:
-        try:
-            staged = staged_future.result()
-            is_committer = self.groups.rank == 0
-            upload_checkpoint(staged.path, self.ckpt.durable_url, ranks=[self.groups.rank], commit=is_committer,
-                              commit_timeout_s=self.ckpt.commit_timeout_s, **self._retry_options())
-            if is_committer:
-                apply_retention(self.ckpt.durable_url, self.ckpt.keep_last, self.ckpt.keep_every)
-            clean_staging(self.ckpt.staging_dir, self.ckpt.durable_url)
-        except Exception:  # a lost upload costs one checkpoint, never the run
-            log.exception("checkpoint upload failed; the step stays uncommitted")
+        staged = staged_future.result()
+        is_committer = self.groups.rank == 0
+        upload_checkpoint(staged.path, self.ckpt.durable_url, ranks=[self.groups.rank], commit=is_committer,
+                          commit_timeout_s=self.ckpt.commit_timeout_s, **self._retry_options())
+        if is_committer:
+            apply_retention(self.ckpt.durable_url, self.ckpt.keep_last, self.ckpt.keep_every)
+        clean_staging(self.ckpt.staging_dir, self.ckpt.durable_url)
 
     def _mark_staged(self, staged_future: Future) -> None:
-        try:
-            staged = staged_future.result()
-            mark_staged(staged.path, self.env.world_size, self.ckpt.commit_timeout_s)
-            apply_retention(self.ckpt.durable_url, self.ckpt.keep_last, self.ckpt.keep_every)
-        except Exception:
-            log.exception("checkpoint staging marker or retention failed")
+        staged = staged_future.result()
+        if not mark_staged(staged.path, self.env.world_size, self.ckpt.commit_timeout_s):
+            raise UploadError(f"{staged.path}: not every rank staged step {staged.step} within "
+                              f"{self.ckpt.commit_timeout_s:.0f} s (see the other ranks' errors)")
+        apply_retention(self.ckpt.durable_url, self.ckpt.keep_last, self.ckpt.keep_every)
 
     def _test_kill_after_commit(self, step: int) -> None:
         manifest = storage.join_url(self.ckpt.durable_url, step_dir_name(step), MANIFEST)
@@ -199,8 +209,11 @@ class Checkpointer:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def close(self) -> None:
-        """Wait for staging and for this rank's background uploads (they retry through outages)."""
-        self.snapshotter.close()
-        for job in self._jobs:
-            job.result()
-        self._background.shutdown(wait=True)
+        """Wait for staging and for this rank's background uploads (they retry through outages);
+        raise the first error any of them ended in."""
+        try:
+            self.snapshotter.close()
+            for job in self._jobs:
+                job.result()
+        finally:
+            self._background.shutdown(wait=True)

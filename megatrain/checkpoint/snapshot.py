@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megatrain import storage
 from megatrain.checkpoint.files import FileRecord, rank_marker, step_dir_name, write_json, write_safetensors
 
 log = logging.getLogger("megatrain.checkpoint")
@@ -143,21 +144,25 @@ class Snapshotter:
         return self._pending
 
     def wait(self) -> None:
-        """Block until the last staging write is done (its errors are logged, not raised: a failed
-        staging loses one checkpoint, never the run)."""
-        if self._pending is not None:
-            try:
-                self._pending.result()
-            except Exception:
-                log.exception("staging of a checkpoint failed")
-            self._pending = None
+        """Block until the last staging write is done; raise its error, if any. A checkpoint that
+        could not be staged is lost: the rank must fail loudly, never train on as if it were safe."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def raise_if_failed(self) -> None:
+        """Raise the error of a staging write that has already failed (never blocks)."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
 
     def close(self) -> None:
-        self.wait()
-        self._writer.shutdown(wait=True)
-        if self._slab is not None:
-            self._slab.release()
-            self._slab = None
+        try:
+            self.wait()
+        finally:
+            self._writer.shutdown(wait=True)
+            if self._slab is not None:
+                self._slab.release()
+                self._slab = None
 
     def _buffers(self, tensor_files: dict[str, dict[str, torch.Tensor]]) -> bool:
         """Make sure the slab fits this layout; returns whether it had to be (re)allocated."""
@@ -191,22 +196,54 @@ class Snapshotter:
 
     def _write(self, step: int, rank: int, host: dict[str, dict[str, torch.Tensor]], json_files: dict[str, Any],
                marker: dict[str, Any]) -> StagedStep:
+        """Write this rank's files of one step, marker last. The free space is checked first; on any
+        failure the files of this attempt are removed (a full disk keeps no partial file) and the
+        error is raised: NoSpaceError (naming the path, bytes needed and free) when the disk is full."""
         start = time.perf_counter()
         step_dir = self.step_dir(step)
         step_dir.mkdir(parents=True, exist_ok=True)
         # A marker left by an earlier attempt at this step must not vouch for the files rewritten now.
         (step_dir / rank_marker(rank)).unlink(missing_ok=True)
-        records: dict[str, FileRecord] = {}
-        for file, tensors in host.items():
-            records[file] = write_safetensors(step_dir / file, tensors)
-        for file, value in json_files.items():
-            records[file] = write_json(step_dir / file, value)
-        write_json(step_dir / rank_marker(rank), {
-            **marker, "step": step, "rank": rank, "staged_at": time.time(),
-            "files": {name: record.to_json() for name, record in records.items()},
-        })
+        names = [*host, *json_files, rank_marker(rank)]
+        needed = staging_bytes(host, json_files)
+        try:
+            storage.check_space(str(step_dir), needed, f"staging step {step} (rank {rank})")
+            records: dict[str, FileRecord] = {}
+            for file, tensors in host.items():
+                records[file] = write_safetensors(step_dir / file, tensors)
+            for file, value in json_files.items():
+                records[file] = write_json(step_dir / file, value)
+            write_json(step_dir / rank_marker(rank), {
+                **marker, "step": step, "rank": rank, "staged_at": time.time(),
+                "files": {name: record.to_json() for name, record in records.items()},
+            })
+        except BaseException as exc:
+            _remove_partial(step_dir, names)
+            if storage.is_no_space(exc) and not isinstance(exc, storage.NoSpaceError):
+                raise storage.NoSpaceError(str(step_dir), f"staging step {step} (rank {rank})", needed,
+                                           storage.free_bytes(str(step_dir)) or 0) from exc
+            raise
         total = sum(r.size for r in records.values())
         seconds = time.perf_counter() - start
         log.info("staged step %d (rank %d): %.2f GB in %.1f s", step, rank, total / 1e9, seconds)
         return StagedStep(step=step, path=step_dir, files=records, bytes=total, write_s=seconds)
 
+
+def staging_bytes(host: dict[str, dict[str, torch.Tensor]], json_files: dict[str, Any]) -> int:
+    """Bytes one rank's staging of a step needs: tensor data, a generous bound on each safetensors
+    header, the JSON files as write_json writes them, and a filesystem block per file."""
+    tensors = sum(t.numel() * t.element_size() + 256 for tensors in host.values() for t in tensors.values())
+    text = sum(len(json.dumps(value, indent=1, sort_keys=True)) for value in json_files.values())
+    files = len(host) + len(json_files) + 1
+    return tensors + text + files * (4096 + 1024)
+
+
+def _remove_partial(step_dir: Path, names: list[str]) -> None:
+    """Remove what a failed staging of these files left (files, temporary ``.name.tmp``), and the
+    step dir when nothing else is in it (other ranks may share it)."""
+    for name in names:
+        for path in (step_dir / name, step_dir / f".{name}.tmp"):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        step_dir.rmdir()  # fails (and is left) when not empty
