@@ -116,6 +116,7 @@ class Trainer:
             micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.groups.dp_rank, dp_size=self.groups.dims.dp,
             seed=cfg.data.seed, prefetch_batches=cfg.data.prefetch_batches, on_bad_shard=cfg.data.on_bad_shard,
             verify_checksums=cfg.data.verify_checksums, shuffle_shards=cfg.data.shuffle_shards,
+            vocab_size=cfg.model.vocab_size, rank=self.env.rank,  # token ids are checked where they enter
         )
         if cfg.parallel.node_loader and self.env.local_world_size > 1:
             from megatrain.data.node_loader import build_node_loader

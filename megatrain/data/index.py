@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from megatrain import storage
+from megatrain.errors import InputError
 
 INDEX_NAME = "index.json"
 TOKENIZER_NAME = "tokenizer.json"
@@ -25,12 +26,14 @@ class DataError(ValueError):
     """Input data that cannot be used: the message names the file, shard or URL."""
 
 
-class BadShardError(DataError):
-    """A shard that is missing, truncated, corrupt or does not match its checksum."""
+class BadShardError(DataError, InputError):
+    """A shard that is missing, truncated, corrupt, does not match its checksum, or holds token ids
+    outside the vocabulary. Deterministic (under ``on_bad_shard: error`` the stage ends at once):
+    the next attempt would read the same bytes. A storage outage is not this, but a StorageError."""
 
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(f"bad shard {url}: {reason}")
-        self.url = url
+    def __init__(self, url: str, reason: str, rank: int | None = None) -> None:
+        super().__init__(f"bad shard {url}: {reason}" + (f" (read by rank {rank})" if rank is not None else ""))
+        self.url, self.reason, self.rank = url, reason, rank
 
 
 @dataclass(frozen=True)

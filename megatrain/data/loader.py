@@ -14,10 +14,13 @@ The model of the data stream, which everything here follows:
   ``dp_rank`` and get the same batch. Resume = restore ``p``; skip(n) = ``p += n`` (position.py
   keeps that bookkeeping for both loaders: this one and node_loader's).
 
-A bad shard (missing, truncated, corrupt, checksum mismatch) raises BadShardError naming it, or
-with ``on_bad_shard="skip"`` is logged, counted in ``bad_shards`` and its samples are replaced by
+A bad shard (missing, truncated, corrupt, checksum mismatch, or a token id outside the model's
+vocabulary - a consistent checksum only says the bytes are those the index describes) raises
+BadShardError naming it, the sample, the bad id and the reading rank, or with
+``on_bad_shard="skip"`` is logged, counted in ``bad_shards`` and its samples are replaced by
 samples of the next good shard in the same window (same offset modulo its size), so batch shapes
-and the lockstep of ranks are kept without any communication.
+and the lockstep of ranks are kept without any communication. Token ids are checked once per
+shard as it is decoded (one vectorised min/max), not per batch.
 """
 
 from __future__ import annotations
@@ -110,13 +113,30 @@ def decode_shard(url: str, data: bytes, expected: int, seq_len: int, dtype: np.d
     return array
 
 
-class ShardCache:
-    """Reads, verifies and decodes whole shards (one read each) and keeps those still needed."""
+def check_token_ids(url: str, samples: np.ndarray, vocab_size: int) -> None:
+    """Raise BadShardError unless every id in ``samples`` [n, seq_len + 1] is in [0, vocab_size)."""
+    if samples.size == 0 or (int(samples.min()) >= 0 and int(samples.max()) < vocab_size):
+        return
+    bad_rows = np.flatnonzero(((samples < 0) | (samples >= vocab_size)).any(axis=1))
+    row = samples[bad_rows[0]]
+    bad_id = int(row[(row < 0) | (row >= vocab_size)][0])
+    raise BadShardError(url, f"sample {int(bad_rows[0])} holds token id {bad_id}, outside the model's vocabulary "
+                             f"of {vocab_size} ({len(bad_rows)} bad samples in this shard)")
 
-    def __init__(self, index: ShardIndex, verify_checksums: bool, on_bad_shard: str) -> None:
+
+class ShardCache:
+    """Reads, verifies and decodes whole shards (one read each) and keeps those still needed.
+
+    ``vocab_size``: token ids must be below it (the model's embedding rows; default the index's
+    tokenizer size). ``rank``: named in a bad shard's message (the rank that read it)."""
+
+    def __init__(self, index: ShardIndex, verify_checksums: bool, on_bad_shard: str, vocab_size: int | None = None,
+                 rank: int | None = None) -> None:
         if on_bad_shard not in ("error", "skip"):
             raise ValueError(f"on_bad_shard must be 'error' or 'skip', got {on_bad_shard!r}")
         self.index, self.verify, self.skip_bad = index, verify_checksums, on_bad_shard == "skip"
+        self.vocab_size = vocab_size if vocab_size is not None else index.vocab_size
+        self.rank = rank
         self.shards: dict[int, np.ndarray] = {}
         self.bad: set[int] = set()
         self.reads = 0
@@ -126,13 +146,17 @@ class ShardCache:
         try:
             data = storage.read_bytes(url)
         except storage.StorageError as exc:
+            if not isinstance(exc.__cause__, FileNotFoundError):
+                raise  # an outage, not a bad shard: transient, the attempt may be retried
             raise BadShardError(url, str(exc)) from exc
         self.reads += 1
         if len(data) != info.bytes:
             raise BadShardError(url, f"{len(data)} bytes, the index says {info.bytes} (truncated?)")
         if self.verify and hashlib.sha256(data).hexdigest() != info.sha256:
             raise BadShardError(url, "sha256 does not match the index (corrupt or replaced)")
-        return decode_shard(url, data, info.num_samples, self.index.seq_len, self.index.np_dtype)
+        samples = decode_shard(url, data, info.num_samples, self.index.seq_len, self.index.np_dtype)
+        check_token_ids(url, samples, self.vocab_size)
+        return samples
 
     def get(self, i: int) -> np.ndarray | None:
         """Shard ``i``'s samples, or None if it is bad and bad shards are skipped."""
@@ -141,9 +165,10 @@ class ShardCache:
         if i not in self.shards:
             try:
                 self.shards[i] = self._load(i)
-            except BadShardError as exc:
+            except BadShardError as found:
+                exc = BadShardError(found.url, found.reason, self.rank)  # name the reading rank
                 if not self.skip_bad:
-                    raise
+                    raise exc from found
                 self.bad.add(i)
                 log.warning("skipping %s (%d bad shards so far)", exc, len(self.bad))
                 return None
@@ -259,9 +284,9 @@ class ShardLoader(PositionedLoader):
 
     def __init__(self, index: ShardIndex, *, micro_batch_size: int, dp_ranks: Sequence[int], dp_size: int,
                  seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
-                 shuffle_shards: int = 64) -> None:
+                 shuffle_shards: int = 64, vocab_size: int | None = None, rank: int | None = None) -> None:
         self.prefetch_batches = prefetch_batches
-        self.cache = ShardCache(index, verify_checksums, on_bad_shard)
+        self.cache = ShardCache(index, verify_checksums, on_bad_shard, vocab_size, rank)
         order = SampleOrder([s.num_samples for s in index.shards], seed, shuffle_shards)
         self.stream = BatchStream(index, order, self.cache, micro_batch_size, dp_size, dp_ranks)
         # Last, so that the cache's and the stream's checks of the arguments still run first.
@@ -305,8 +330,10 @@ class ShardLoader(PositionedLoader):
 
 def build_loader(index: ShardIndex, *, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
                  prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
-                 shuffle_shards: int = 64) -> ShardLoader:
-    """The loader of data-parallel rank ``dp_rank``: ``next(loader) -> (inputs, targets)``."""
+                 shuffle_shards: int = 64, vocab_size: int | None = None, rank: int | None = None) -> ShardLoader:
+    """The loader of data-parallel rank ``dp_rank``: ``next(loader) -> (inputs, targets)``.
+    ``vocab_size``: the model's (token ids must be below it); ``rank``: named in bad-shard errors."""
     return ShardLoader(index, micro_batch_size=micro_batch_size, dp_ranks=[dp_rank], dp_size=dp_size, seed=seed,
                        prefetch_batches=prefetch_batches, on_bad_shard=on_bad_shard,
-                       verify_checksums=verify_checksums, shuffle_shards=shuffle_shards)
+                       verify_checksums=verify_checksums, shuffle_shards=shuffle_shards, vocab_size=vocab_size,
+                       rank=rank)

@@ -17,7 +17,7 @@ from a ``channel`` string all local ranks agree on. It carries small messages on
     server -> client   ring(ring file path, shape, dtype)          once
     server -> client   batch(stream position, slot, bad shards)    per step
     client -> server   ack(slot)                                   per step: the slot may be reused
-    both ways          bye / close / error(text)
+    both ways          bye / close / error(text, deterministic?)
 
 A slot is reused only after every local rank acked it, so the ring is the prefetch queue and
 provides back-pressure. Every rank calls skip()/load_state_dict() at the same point of training
@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from megatrain.data.index import DataError, ShardIndex
+from megatrain.errors import DeterministicError, InputError
 from megatrain.data.loader import ShardLoader, to_tensors
 from megatrain.data.position import PositionedLoader
 
@@ -61,6 +62,17 @@ def _names(channel: str) -> tuple[str, str, bytes]:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     stem = f"megatrain-node-{digest[:16]}"
     return os.path.join(tempfile.gettempdir(), stem + ".sock"), os.path.join(shm, stem + ".ring"), digest.encode()
+
+
+def _error_message(exc: BaseException) -> tuple[str, str, bool]:
+    """The error the server sends its clients: text, and whether it is deterministic (a bad shard
+    under on_bad_shard=error), so every rank of the node fails the same way, without restarts."""
+    return ("error", f"{exc.__class__.__name__}: {exc}", isinstance(exc, DeterministicError))
+
+
+def _raise_from_server(message: tuple, where: str) -> None:
+    deterministic = len(message) > 2 and message[2]
+    raise (InputError if deterministic else DataError)(f"{where}: {message[1]}")
 
 
 class NodeLoader(PositionedLoader):
@@ -94,7 +106,7 @@ class NodeServer(NodeLoader):
     """Local rank 0: the node's only reader."""
 
     def __init__(self, index: ShardIndex, params: dict[str, Any], dp_rank: int, local_world_size: int,
-                 channel: str, timeout_s: float) -> None:
+                 channel: str, timeout_s: float, rank: int | None = None) -> None:
         super().__init__(index, params, 0)
         self.address, self.ring_path, key = _names(channel)
         if os.path.exists(self.address):
@@ -106,11 +118,13 @@ class NodeServer(NodeLoader):
         unique = sorted(set(dp_of_local))
         self.rows = [unique.index(d) for d in dp_of_local]  # batch row of each local rank
         try:
-            keys = ("micro_batch_size", "dp_size", "seed", "on_bad_shard", "verify_checksums", "shuffle_shards")
-            self.loader = ShardLoader(index, dp_ranks=unique, prefetch_batches=0, **{k: params[k] for k in keys})
+            keys = ("micro_batch_size", "dp_size", "seed", "on_bad_shard", "verify_checksums", "shuffle_shards",
+                    "vocab_size")
+            self.loader = ShardLoader(index, dp_ranks=unique, prefetch_batches=0, rank=rank,
+                                      **{k: params[k] for k in keys})
         except Exception as exc:  # e.g. a dp_rank out of range: tell the clients before failing
             for conn, _ in self.clients.values():
-                conn.send(("error", f"{exc.__class__.__name__}: {exc}"))
+                conn.send(_error_message(exc))
             self.listener.close()
             raise
         slots = max(2, params["prefetch_batches"])
@@ -178,7 +192,7 @@ class NodeServer(NodeLoader):
             try:
                 batch = self.loader.next_raw()  # the only storage reads of the node happen here
             except Exception as exc:
-                self._broadcast(("error", f"{exc.__class__.__name__}: {exc}"))
+                self._broadcast(_error_message(exc))
                 self.own.put(exc)
                 return
             self.view[slot] = batch[self.rows]
@@ -290,7 +304,7 @@ class NodeClient(NodeLoader):
         except (EOFError, OSError):
             raise DataError("node loader: local rank 0 failed while setting up (see its log)") from None
         if message[0] == "error":
-            raise DataError(f"node loader: {message[1]}")
+            _raise_from_server(message, f"node loader (local rank {local_rank})")
         _, path, shape, dtype = message
         self.view = np.memmap(path, np.dtype(dtype), mode="r", shape=tuple(shape))
 
@@ -301,7 +315,7 @@ class NodeClient(NodeLoader):
             except (EOFError, OSError):
                 raise DataError("node loader: local rank 0 closed the connection") from None
             if message[0] == "error":
-                raise DataError(f"node loader (read by local rank 0): {message[1]}")
+                _raise_from_server(message, f"node loader (local rank {self.local_rank}, read by local rank 0)")
             if message[0] == "close":
                 raise DataError("node loader: local rank 0 closed the loader")
             _, pos, slot, bad = message
@@ -323,7 +337,7 @@ class NodeClient(NodeLoader):
 def build_node_loader(index: ShardIndex, *, local_rank: int, local_world_size: int, micro_batch_size: int,
                       dp_rank: int, dp_size: int, seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error",
                       verify_checksums: bool = True, shuffle_shards: int = 64, channel: str | None = None,
-                      timeout_s: float = 300.0) -> NodeLoader:
+                      timeout_s: float = 300.0, vocab_size: int | None = None, rank: int | None = None) -> NodeLoader:
     """The loader of one local rank when the node shares one reader (``parallel.node_loader``).
 
     Every local rank of the node calls this with the same ``channel`` (default: derived from the
@@ -337,8 +351,8 @@ def build_node_loader(index: ShardIndex, *, local_rank: int, local_world_size: i
     """
     params = {"micro_batch_size": micro_batch_size, "dp_size": dp_size, "seed": seed, "on_bad_shard": on_bad_shard,
               "verify_checksums": verify_checksums, "shuffle_shards": shuffle_shards,
-              "prefetch_batches": prefetch_batches, "version": index.version}
+              "prefetch_batches": prefetch_batches, "version": index.version, "vocab_size": vocab_size}
     channel = channel if channel is not None else default_channel(index)
     if local_rank == 0:
-        return NodeServer(index, params, dp_rank, local_world_size, channel, timeout_s)
+        return NodeServer(index, params, dp_rank, local_world_size, channel, timeout_s, rank)
     return NodeClient(index, params, local_rank, dp_rank, channel, timeout_s)
