@@ -211,9 +211,10 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for staging and for this rank's background uploads (they retry through outages);
         raise the first error any of them ended in."""
+        jobs, self._jobs = self._jobs, []  # raised once: a second close() has nothing left to report
         try:
             self.snapshotter.close()
-            for job in self._jobs:
+            for job in jobs:
                 job.result()
         finally:
             self._background.shutdown(wait=True)

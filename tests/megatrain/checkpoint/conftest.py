@@ -26,4 +26,7 @@ def fresh(tmp_path: Path):
 
     yield factory
     for checkpointer in made:
-        checkpointer.close()
+        try:
+            checkpointer.close()
+        except Exception:  # an error the test provoked and asserted (close raises it again)
+            pass
