@@ -214,10 +214,10 @@ def commit_checkpoint(step_url: str, world_size: int, timeout_s: float = 600.0, 
             markers.update(_read_markers(step_url, set(range(world_size)) - set(markers)))
             waiting_for = f"ranks {sorted(set(range(world_size)) - set(markers))[:8]} did not upload"
             if len(markers) == world_size and storage.exists(replacing_url):
-                markers = _read_markers(step_url, range(world_size))  # ranks rewrite theirs when they re-upload
-                problems = _files_match_markers(step_url, markers) if len(markers) == world_size else ["a marker"]
+                markers = _read_markers(step_url, range(world_size))  # re-read: ranks rewrite theirs
+                problems = _files_match_markers(step_url, markers)
                 waiting_for = "files still differ from their markers: " + "; ".join(problems)
-                if not problems:
+                if len(markers) == world_size and not problems:
                     break
             elif len(markers) == world_size:
                 break
