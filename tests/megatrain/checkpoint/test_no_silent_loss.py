@@ -8,6 +8,10 @@ Full disks are real: small tmpfs mounts (needs root, as in this project's sandbo
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import logging
+import struct
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +22,8 @@ import yaml
 from megatrain import storage
 from megatrain.campaign import load_campaign, stage_config
 from megatrain.checkpoint import catalog
-from megatrain.checkpoint.files import step_dir_name
+from megatrain.checkpoint.cli import cli as checkpoints_cli
+from megatrain.checkpoint.files import MANIFEST, step_dir_name
 from megatrain.checkpoint.manager import Checkpointer
 from megatrain.checkpoint.restore import verify_checkpoint
 from megatrain.checkpoint.upload import UploadError, upload_checkpoint
@@ -136,3 +141,49 @@ def test_a_campaign_honours_a_staging_dir_override_and_refuses_owned_paths(tmp_p
     for owned, instead in (("checkpoint.durable_url", "campaign's durable_url"), ("train.run_dir", "root_dir")):
         with pytest.raises(ConfigError, match=rf"{owned} is set by the campaign .*{instead}"):
             load_campaign(write_campaign(tmp_path, [f"{owned}={tmp_path / 'elsewhere'}"]))
+
+
+OUTSIDE = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 9999]}}).encode()
+
+
+def forge(step_dir: Path, name: str, data: bytes) -> None:
+    """Replace a committed file and make its manifest record agree: only parsing can tell."""
+    (step_dir / name).write_bytes(data)
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    for files in manifest["files"].values():
+        if name in files:
+            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("name", "data", "why"), [
+    ("rank-00000.safetensors", struct.pack("<Q", 1 << 40) + b"{}", "header length"),
+    ("rank-00000.safetensors", struct.pack("<Q", 2) + b"[]", "not a mapping"),
+    ("rank-00000.safetensors", struct.pack("<Q", len(OUTSIDE)) + OUTSIDE + bytes(16), "outside the file"),
+    ("rank-00000.json", b"{not json", "not valid JSON"),
+], ids=["huge-header", "list-header", "offsets-outside", "bad-json"])
+def test_a_file_that_does_not_parse_is_corrupt(fresh, caplog, capsys, name, data, why):
+    cfg, trainer, checkpointer = fresh(interval=2)
+    run(trainer, checkpointer, 4)
+    checkpointer.close()
+    step_dir = Path(cfg.checkpoint.durable_url) / step_dir_name(4)
+    forge(step_dir, name, data)
+    assert checkpoints_cli(["verify", cfg.checkpoint.durable_url]) == 1
+    out = capsys.readouterr().out
+    assert "step 2: ok" in out and "step 4: CORRUPT" in out and why in out and "restore would use step 2" in out
+    other = make_trainer(cfg, seed=5)
+    with caplog.at_level(logging.WARNING, logger="megatrain.checkpoint"):
+        assert Checkpointer(cfg, other.env, other.groups).restore(other) == 2  # logged, then the step before
+    assert f"{step_dir_name(4)} rejected" in caplog.text and name in caplog.text and "UnreadableFile" in caplog.text
+
+
+def test_a_manifest_that_does_not_parse_is_corrupt(fresh, capsys):
+    cfg, trainer, checkpointer = fresh(interval=2)
+    run(trainer, checkpointer, 4)
+    checkpointer.close()
+    (Path(cfg.checkpoint.durable_url) / step_dir_name(4) / MANIFEST).write_text('{"files": ')
+    assert checkpoints_cli(["verify", cfg.checkpoint.durable_url]) == 1
+    out = capsys.readouterr().out
+    assert "step 4: CORRUPT" in out and "not valid JSON" in out and "restore would use step 2" in out
+    other = make_trainer(cfg, seed=5)
+    assert Checkpointer(cfg, other.env, other.groups).restore(other) == 2
