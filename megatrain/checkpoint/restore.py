@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatrain import errors, storage
+from megatrain import storage
 from megatrain.checkpoint import catalog, state
 from megatrain.checkpoint.files import (
     ChecksumError, check_bytes, check_parses, model_file, parse_json, parse_safetensors, rank_meta_file,
@@ -41,9 +41,8 @@ class CheckpointError(RuntimeError):
     """No checkpoint can be restored although committed ones exist, or they belong to another run."""
 
 
-class CheckpointMismatch(CheckpointError, errors.CheckpointMismatch):
-    """A committed checkpoint was written by a different config or parallel layout (deterministic:
-    the rank exits at once, no restart)."""
+class CheckpointMismatch(CheckpointError):
+    """A committed checkpoint was written by a different config or parallel layout."""
 
 
 def check_compatible(manifest: dict[str, Any], fingerprint: str, layout: dict[str, int], url: str) -> None:

@@ -16,6 +16,11 @@ Then a background thread writes the buffers to ``<staging_dir>/step-XXXXXXXX/`` 
 JSON, hashed while written) and writes this rank's ``rank-XXXXX.done.json`` marker last. Training
 resumes as soon as step 3 returns; the next optimizer step may overwrite the device tensors because
 the host copy is already complete.
+
+The write first checks the staging disk's free space against the bytes it needs, and a write that
+fails anyway (the disk filled meanwhile, an I/O error) removes what it wrote. Either way the error
+is kept in the step's future and raised in the training loop (``raise_if_failed``, the next
+``snapshot``, ``close``): a checkpoint that was not staged must fail the rank, not vanish.
 """
 
 from __future__ import annotations
