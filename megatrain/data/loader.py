@@ -121,7 +121,7 @@ def check_token_ids(url: str, samples: np.ndarray, vocab_size: int) -> None:
     row = samples[bad_rows[0]]
     bad_id = int(row[(row < 0) | (row >= vocab_size)][0])
     raise BadShardError(url, f"sample {int(bad_rows[0])} holds token id {bad_id}, outside the model's vocabulary "
-                             f"of {vocab_size} ({len(bad_rows)} bad samples in this shard)")
+                             f"of {vocab_size} ({len(bad_rows)} bad sample{'s' * (len(bad_rows) != 1)} in this shard)")
 
 
 class ShardCache:
