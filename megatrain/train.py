@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -54,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         except DeterministicError as exc:  # the same on every retry: say it once, in one line
             print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}".replace("\n", " | "), file=sys.stderr, flush=True)
             return EXIT_DETERMINISTIC
-        if env.rank == 0:
+        if env.rank == 0 and result.status == "completed" and math.isnan(result.final_loss):  # no step ran here
+            logging.getLogger("megatrain").info("already finished: step %d is committed, nothing to train", result.steps)
+        elif env.rank == 0:
             logging.getLogger("megatrain").info(
                 "done: %d steps, final loss %.4f, %d tokens in %.1f s (%s)",
                 result.steps, result.final_loss, result.tokens, result.wall_s, result.status,
