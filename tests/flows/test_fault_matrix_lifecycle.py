@@ -1,0 +1,302 @@
+"""Fault-matrix rows for the campaign's lifecycle (issue 14), through the real ``pretrain`` flow:
+stop requests (SIGTERM, SIGINT, a cancel), a second run of the same campaign, a killed flow
+process, a deleted run dir and a deterministic error.
+
+Each row asserts that the fault was detected, that nothing was lost (every committed checkpoint
+verifies, and the final one equals a fault-free run's bit for bit), that the cause is named in
+the Prefect state, and that the exit state is honest. Ranks are found in the process table
+(``/proc``): a stop must leave none within 10 s.
+
+Flow runs cost 30-60 s each on 2 loaded cores, so one campaign goes through several faults in
+sequence where the faults do not interfere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatrain.campaign import load_campaign
+from megatrain.checkpoint import catalog
+from test_fault_matrix import (  # noqa: F401  (reproducible_cpu_math: autouse, pins MKL for bit-exactness)
+    COMMITTED, STEPS, assert_bit_exact, assert_committed_intact, reproducible_cpu_math, run_campaign,
+    write_campaign,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+STOP_BOUND_S = 10.0  # ranks gone within this after a stop request
+# slow_rank in every attempt (once=false) stretches each step ~30x, with no change to the math,
+# so that a stop lands mid-stage; fault-free and slowed runs commit identical checkpoints.
+SLOWED = [{"kind": "slow_rank", "step": 1, "slowdown": 30, "once": False}]
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    """Poll until ``predicate()``; returns the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs whose command line contains ``marker`` (torchrun and its ranks carry the stage's
+    config path)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="ignore"):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(proc.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def committed_steps(durable: str) -> list[int]:
+    return [info.step for info in catalog.committed(durable)]
+
+
+class FlowProcess:
+    """``python -m flows.pretrain <campaign>`` as an operator starts it, against the test server."""
+
+    def __init__(self, path: Path, api_url: str | None, log: Path, args: list[str] | None = None) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        env.pop("PREFECT_API_URL", None)
+        if api_url:
+            env["PREFECT_API_URL"] = api_url
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "flows.pretrain", str(path), *(args or [])], cwd=ROOT,
+                                     env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def flow_run_id(self) -> str:
+        found = re.search(r"flow-run/([0-9a-f-]{36})", self.output)
+        assert found, f"no flow run id in the output:\n{self.output[-2000:]}"
+        return found.group(1)
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the flow process did not exit within {timeout_s:.0f} s:\n{self.output[-3000:]}") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def run_states(flow_run_id: str) -> tuple[object, dict[str, list[object]]]:
+    """The flow run's state and its task runs' states by task name (oldest first)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        flow_state = client.read_flow_run(flow_run_id).state
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    by_name: dict[str, list[object]] = {}
+    for run in sorted(task_runs, key=lambda r: r.expected_start_time or r.created):
+        by_name.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state)
+    return flow_state, by_name
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lifecycle")
+
+
+@pytest.fixture(scope="module")
+def reference(prefect_api, workdir, shard_root) -> str:
+    """A fault-free run of the one-stage, one-rank campaign; a copy of its committed checkpoints
+    (the run itself is reused, then deleted, by the run-dir case)."""
+    outcome = run_campaign(write_campaign(workdir, "reference", shard_url=shard_root))
+    assert outcome.stage["attempts"] == 1
+    copy = workdir / "reference-checkpoints"
+    shutil.copytree(outcome.durable, copy)
+    return str(copy)
+
+
+# ---------------------------------------------------------------------------------------------
+# the rows
+
+
+@pytest.mark.slow
+def test_sigterm_sigint_and_cancel_stop_the_ranks_commit_what_is_staged_and_a_rerun_ends_bit_exact(
+        prefect_api, reference, workdir, shard_root):
+    path = write_campaign(workdir, "stopped", shard_url=shard_root, faults=SLOWED)
+    campaign = load_campaign(path)
+    durable, marker = campaign.stage_durable_url(0), str(campaign.stage_dir(0) / "config.yaml")
+    for how, after_step, exit_code in (("SIGTERM", 2, 143), ("SIGINT", 4, 130), ("cancel", 6, 1)):
+        flow = FlowProcess(path, prefect_api, workdir / f"stopped-{how}.log")
+        try:
+            wait_for(lambda: after_step in committed_steps(durable), 300, f"step {after_step} committed ({how} run)")
+            assert processes_mentioning(marker), "no rank is training: nothing to stop"
+            if how == "cancel":  # the CLI's cancel, as the UI's button does
+                subprocess.run([sys.executable, "-m", "prefect", "flow-run", "cancel", flow.flow_run_id()],
+                               env=dict(os.environ, PREFECT_API_URL=prefect_api), check=True, capture_output=True)
+            else:
+                os.kill(flow.proc.pid, getattr(signal, how))
+            stopped_s = wait_for(lambda: not processes_mentioning(marker), STOP_BOUND_S + 5, f"ranks gone after {how}")
+            assert stopped_s <= STOP_BOUND_S, f"{how}: ranks still alive {stopped_s:.1f} s after the request"
+            assert flow.wait(60) == exit_code, flow.output[-3000:]
+        finally:
+            flow.kill()
+        steps = committed_steps(durable)
+        assert after_step in steps and STEPS not in steps  # stopped mid-stage, nothing committed lost
+        assert_committed_intact(durable, steps)  # every file of every committed step verifies
+        flow_state, tasks = run_states(flow.flow_run_id())
+        assert flow_state.is_cancelled(), (how, flow_state)
+        (stage_state,) = tasks["train-stage"]
+        assert stage_state.is_cancelled() and re.search(rf"stopped \(.*{'cancel' if how == 'cancel' else how}", stage_state.message), stage_state.message
+        assert f"committed steps [" in stage_state.message and str(after_step) in stage_state.message
+        assert tasks["upload-checkpoint"] and all(s.is_completed() and s.name == "Completed" for s in tasks["upload-checkpoint"]), \
+            [s.name for s in tasks["upload-checkpoint"]]
+        print(f"{how}: ranks gone {stopped_s:.1f} s after the request; committed {steps}; "
+              f"flow {flow_state.name}: {stage_state.message}")
+
+    outcome = run_campaign(path)  # resumes from step 6
+    assert outcome.stage["attempts"] == 1
+    assert_committed_intact(outcome.durable)
+    assert_bit_exact(outcome.durable, reference)
+
+
+@pytest.mark.slow
+def test_a_second_run_is_refused_naming_the_owner_and_a_killed_owners_lease_is_taken_over(
+        prefect_api, reference, workdir, shard_root):
+    from flows.pretrain import pretrain
+
+    path = write_campaign(workdir, "contended", shard_url=shard_root, faults=SLOWED)
+    campaign = load_campaign(path)
+    durable, marker = campaign.stage_durable_url(0), str(campaign.stage_dir(0) / "config.yaml")
+    first = FlowProcess(path, prefect_api, workdir / "contended-first.log")
+    try:
+        wait_for(lambda: 2 in committed_steps(durable), 300, "the first run's step 2")
+        rows_before = (campaign.stage_dir(0) / "metrics.jsonl").read_text()
+        started = time.monotonic()
+        second = pretrain(str(path), return_state=True)
+        refused_s = time.monotonic() - started
+        assert second.is_failed() and f"pid {first.proc.pid}" in second.message, second.message
+        assert "in use by flow run" in second.message
+        _, second_tasks = run_states(str(second.state_details.flow_run_id))
+        assert "train-stage" not in second_tasks and "shard-data" not in second_tasks  # refused before any work
+        assert (campaign.stage_dir(0) / "metrics.jsonl").read_text().startswith(rows_before)  # nothing written
+        first_run = first.flow_run_id()
+        # now kill the owner outright: no handler runs, its lease stays behind, its ranks die with it
+        os.kill(first.proc.pid, signal.SIGKILL)
+        gone_s = wait_for(lambda: not processes_mentioning(marker), STOP_BOUND_S + 20, "ranks gone after SIGKILL")
+        assert gone_s <= STOP_BOUND_S, gone_s
+        first.wait(30)
+    finally:
+        first.kill()
+    assert (campaign.campaign_dir / "lease.json").exists()  # left behind by the killed owner
+
+    third = pretrain(str(path), return_state=True)  # takes the stale lease over and resumes
+    assert third.is_completed(), third.message
+    killed_state, _ = run_states(first_run)
+    assert killed_state.is_crashed() and f"({first.proc.pid} on" in killed_state.message, killed_state
+    assert not (campaign.campaign_dir / "lease.json").exists()  # released on exit
+    assert_committed_intact(durable)
+    assert_bit_exact(durable, reference)
+    print(f"second run refused in {refused_s:.1f} s: {second.message}; SIGKILLed owner's ranks gone in {gone_s:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_deleted_run_dir_is_trained_again_and_a_checkpoint_mismatch_fails_at_once(
+        prefect_api, reference, workdir, shard_root):
+    from flows.pretrain import pretrain
+
+    path = workdir / "reference.yaml"  # the reference campaign: its stage is in the cache
+    campaign = load_campaign(path)
+    shutil.rmtree(campaign.campaign_dir)
+    state = pretrain(str(path), return_state=True)
+    assert state.is_completed(), state.message
+    report = state.result()
+    assert report["stages"][0]["steps"] == STEPS  # the report found the retrained run's metrics
+    _, tasks = run_states(str(state.state_details.flow_run_id))
+    assert [s.name for s in tasks["train-stage"]] == ["Completed"]  # trained again, not "Cached"
+    assert_committed_intact(campaign.stage_durable_url(0))
+    assert_bit_exact(campaign.stage_durable_url(0), reference)
+
+    # The same campaign with a wider model: its ranks cannot restore the committed checkpoints.
+    mismatched = write_campaign(workdir, "reference", shard_url=shard_root, overrides=["model.n_embd=96"])
+    started = time.monotonic()
+    state = pretrain(str(mismatched), return_state=True)
+    assert state.is_failed() and "CheckpointMismatch" in state.message, state.message
+    _, tasks = run_states(str(state.state_details.flow_run_id))
+    assert len(tasks["launch-ranks"]) == 1 and tasks["launch-ranks"][0].is_failed()  # no restart
+    assert "CheckpointMismatch" in tasks["train-stage"][0].message
+    assert_committed_intact(campaign.stage_durable_url(0))  # nothing lost
+    print(f"mismatch failed the stage after {time.monotonic() - started:.1f} s: {state.message[:200]}")
+
+
+def test_a_bad_campaign_is_a_few_lines_and_no_server_starts(workdir, shard_root, tmp_path):
+    bad = write_campaign(tmp_path, "bad-source", shard_url=shard_root, overrides=['data.sources=["/no/such/*.txt"]'])
+    flow = FlowProcess(bad, None, tmp_path / "bad-source.log")
+    assert flow.wait(120) == 2
+    lines = flow.output.strip().splitlines()
+    assert len(lines) <= 3 and "data.sources" in flow.output and "/no/such/*.txt" in flow.output, lines
+    assert "Traceback" not in flow.output and "temporary server" not in flow.output
+
+    flow = FlowProcess(bad, None, tmp_path / "bad-field.log", args=["nproc_per_node=zero"])
+    assert flow.wait(120) == 2
+    assert len(flow.output.strip().splitlines()) <= 6 and "nproc_per_node" in flow.output, flow.output
+    assert "Traceback" not in flow.output
+
+
+def test_the_temporary_server_of_a_command_line_run_dies_with_it_even_after_sigkill(tmp_path):
+    script = ("import time\nfrom flows.lifecycle import temporary_server\nfrom prefect.settings import PREFECT_API_URL\n"
+              "with temporary_server():\n    print('up', PREFECT_API_URL.value(), flush=True)\n    time.sleep(600)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
+    env.pop("PREFECT_API_URL", None)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline()
+        assert line.startswith("up http://127.0.0.1:"), line
+        servers = [pid for pid in children_of(parent.pid) if "uvicorn" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(servers) == 1
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        gone_s = wait_for(lambda: not alive(servers[0]), 15, "the temporary server to die with its parent")
+        assert gone_s <= STOP_BOUND_S
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
