@@ -239,7 +239,7 @@ def test_a_second_run_is_refused_naming_the_owner_and_a_killed_owners_lease_is_t
 
 
 @pytest.mark.slow
-def test_a_deleted_run_dir_is_trained_again_and_a_checkpoint_mismatch_fails_at_once(
+def test_a_deleted_run_dir_is_trained_again(
         prefect_api, reference, workdir, shard_root):
     from flows.pretrain import pretrain
 
@@ -255,16 +255,34 @@ def test_a_deleted_run_dir_is_trained_again_and_a_checkpoint_mismatch_fails_at_o
     assert_committed_intact(campaign.stage_durable_url(0))
     assert_bit_exact(campaign.stage_durable_url(0), reference)
 
-    # The same campaign with a wider model: its ranks cannot restore the committed checkpoints.
-    mismatched = write_campaign(workdir, "reference", shard_url=shard_root, overrides=["model.n_embd=96"])
-    started = time.monotonic()
-    state = pretrain(str(mismatched), return_state=True)
-    assert state.is_failed() and "CheckpointMismatch" in state.message, state.message
+
+@pytest.mark.slow
+def test_a_deterministic_error_in_a_rank_fails_the_stage_at_once_with_its_cause(prefect_api, workdir, shard_root):
+    """Someone trains by hand in the stage's run dir (``megatrain train`` holds its lease): the
+    stage's rank 0 refuses to write there, which no restart can fix."""
+    from flows.pretrain import pretrain
+
+    path = write_campaign(workdir, "run-dir-in-use", shard_url=shard_root)
+    run_dir = load_campaign(path).stage_dir(0)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom megatrain.lease import FileLeaseStore, Lease\n"
+         "Lease(FileLeaseStore(sys.argv[1]), 'megatrain train by hand').acquire()\nprint('held', flush=True)\n"
+         "time.sleep(600)\n", str(run_dir)],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        state = pretrain(str(path), return_state=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert state.is_failed(), state
+    assert "LeaseHeld" in state.message and "megatrain train by hand" in state.message and f"pid {holder.pid}" in state.message
     _, tasks = run_states(str(state.state_details.flow_run_id))
     assert len(tasks["launch-ranks"]) == 1 and tasks["launch-ranks"][0].is_failed()  # no restart
-    assert "CheckpointMismatch" in tasks["train-stage"][0].message
-    assert_committed_intact(campaign.stage_durable_url(0))  # nothing lost
-    print(f"mismatch failed the stage after {time.monotonic() - started:.1f} s: {state.message[:200]}")
+    assert "attempt 1 deterministic" in tasks["launch-ranks"][0].message
+    assert tasks["train-stage"][0].is_failed() and "LeaseHeld" in tasks["train-stage"][0].message
+    assert not (run_dir / "metrics.jsonl").exists()  # the hand-run's dir was not written to
+    print(f"deterministic error: {state.message}")
 
 
 def test_a_bad_campaign_is_a_few_lines_and_no_server_starts(workdir, shard_root, tmp_path):
