@@ -161,8 +161,8 @@ def root_cause(lines) -> dict | None:
 
 
 def describe_root_cause(cause: dict, step: int | None = None) -> str:
-    """One sentence: "rank 1 was killed by SIGKILL (exit code -9) at step 5"."""
-    at = f" at step {step}" if step is not None else ""
+    """One sentence: "rank 1 was killed by SIGKILL (exit code -9) in step 5"."""
+    at = f" in step {step}" if step is not None else ""
     if cause.get("signal"):
         return f"rank {cause['rank']} was killed by {cause['signal']} (exit code {cause['exitcode']}){at}"
     error = f": {cause['error']}" if cause.get("error") else ""

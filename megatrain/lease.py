@@ -15,8 +15,9 @@ in one of two places:
 
 A lease is *stale*, and taken over, when its owner's process is gone (same host: the pid is dead
 or now belongs to another process) or its heartbeat is older than ``stale_after_s``. The holder
-refreshes the heartbeat from a thread; if it finds the lease taken over (it was suspended past
-the timeout), it stops refreshing and calls ``on_lost``.
+refreshes the heartbeat from a thread (writing the record again if it vanished: a restarted
+Redis comes back empty); if it finds another holder's record (it was suspended past the
+timeout and taken over), it stops refreshing and calls ``on_lost``.
 
 Engine code: imports neither torch nor prefect.
 """
@@ -230,7 +231,9 @@ class Lease:
         while not self._stop.wait(self.heartbeat_s):
             self.record.heartbeat = time.time()
             try:
-                ours, current = self.store.swap(self.record, lambda now: now is not None and now.token == self.record.token)
+                # A lease that vanished (a restarted Redis comes back empty, a deleted folder) is
+                # written again; only another holder's record means it was taken over.
+                ours, current = self.store.swap(self.record, lambda now: now is None or now.token == self.record.token)
             except Exception as exc:  # a store outage: keep trying; the timeout covers the rest
                 self.log(f"lease heartbeat of {self.store.where} failed: {exc}")
                 continue

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled, Failed
 from prefect.transactions import CommitMode, transaction
 
@@ -96,7 +97,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
             should_stop=lambda: STOP.is_set() or abandoned.is_set(),
         )
         if result.root_cause is not None:  # name the step the first failed rank had reached
-            step = _rank_step(watcher, result.root_cause["rank"])
+            step = _failed_step(watcher, run_dir, cfg.train.steps)
             result.root_cause["step"] = step
             result.message = describe_root_cause(result.root_cause, step)
     finally:
@@ -105,7 +106,8 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
         result.status, result.message = "stopped", f"stopped ({STOP.reason}) after {result.wall_s:.1f} s"
     (logger.info if result.ok else logger.error)("attempt %d ended: %s after %.1f s. %s",
                                                 attempt, result.status, result.wall_s, result.message)
-    outcome = asdict(result)
+    outcome = asdict(result)  # one line for the states and the report; stacks stay in the log above
+    outcome["message"] = result.message.strip().splitlines()[0] if result.message.strip() else ""
     if result.status == "stopped":
         return Cancelled(message=result.message, data=outcome)
     if not result.ok:  # a red task run with the cause; the stage reads the outcome and recovers
@@ -113,13 +115,19 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     return outcome
 
 
-def _rank_step(watcher, rank: int) -> int | None:
-    """The step ``rank`` was in when it failed, from its last heartbeat (None if never heard)."""
-    try:
-        record = watcher.sink.read_all(watcher.world_size).get(rank)
+def _failed_step(watcher, run_dir: str, last: int) -> int:
+    """The step the job was in when a rank failed: one past the newest finished step that any
+    rank reported (heartbeats, which lag by up to an interval, and rank 0's metrics.jsonl); the
+    data-parallel ranks step in lockstep, so that is the failed rank's step too."""
+    try:  # this attempt's records only (a rank that died before beating keeps an older one)
+        finished = [record.step for record in watcher.sink.read_all(watcher.world_size).values()
+                    if record.timestamp >= watcher.since]
     except Exception:
-        return None
-    return None if record is None else record.step
+        finished = []
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.exists() and metrics.stat().st_mtime >= watcher.since:  # a row of this attempt
+        finished.append(_last_step(run_dir))
+    return min(last, max(finished, default=0) + 1)
 
 
 @task(name="train-stage", retries=0, persist_result=True, cache_key_fn=_stage_cache_key)
@@ -200,7 +208,6 @@ def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):
         "stage": stage.name, "steps": stage.steps, "attempts": len(history), "restarts": restarts,
         "rollbacks": rollbacks, "history": history, "run_dir": cfg.train.run_dir,
         "durable_url": cfg.checkpoint.durable_url, "checkpoints": sorted(uploaded),
-        "root_causes": [h["root_cause"] for h in history if h.get("root_cause")],
     }
 
 
@@ -270,8 +277,10 @@ def _upload_new(cfg, uploaded: set[int]) -> None:
         if STOP.is_set():  # a cancelled flow run may start no task run: commit it all the same
             upload_checkpoint.fn(*args)
         else:
-            with transaction(commit_mode=CommitMode.EAGER):  # committed now: stays Completed if the stage fails
-                upload_checkpoint(*args)
+            # committed now, so it stays Completed if the stage fails later; never from a cache
+            # (the same step staged again after a restart must be checked and maybe replaced)
+            with transaction(commit_mode=CommitMode.EAGER):
+                upload_checkpoint.with_options(cache_policy=NO_CACHE)(*args)
         uploaded.add(step)
 
 

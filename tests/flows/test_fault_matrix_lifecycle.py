@@ -27,7 +27,7 @@ import pytest
 from megatrain.campaign import load_campaign
 from megatrain.checkpoint import catalog
 from test_fault_matrix import (  # noqa: F401  (reproducible_cpu_math: autouse, pins MKL for bit-exactness)
-    COMMITTED, STEPS, assert_bit_exact, assert_committed_intact, reproducible_cpu_math, run_campaign,
+    STEPS, assert_bit_exact, assert_committed_intact, reproducible_cpu_math, run_campaign,
     write_campaign,
 )
 
@@ -158,17 +158,43 @@ def reference(prefect_api, workdir, shard_root) -> str:
 # the rows
 
 
+def refuse_second_run(path: Path, owner: FlowProcess, metrics: Path) -> str:
+    """A second run of the same campaign while ``owner`` runs it: refused at once, naming the
+    owner, before any work (no shard, no stage task run) and without writing anything."""
+    from flows.pretrain import pretrain
+
+    rows_before = metrics.read_text()
+    started = time.monotonic()
+    second = pretrain(str(path), return_state=True)
+    refused_s = time.monotonic() - started
+    assert second.is_failed() and f"pid {owner.proc.pid}" in second.message, second.message
+    assert "in use by flow run" in second.message and owner.flow_run_id() in second.message
+    _, tasks = run_states(str(second.state_details.flow_run_id))
+    assert "train-stage" not in tasks and "shard-data" not in tasks
+    assert metrics.read_text().startswith(rows_before)  # not one row interleaved
+    return f"second run refused in {refused_s:.1f} s: {second.message}"
+
+
 @pytest.mark.slow
-def test_sigterm_sigint_and_cancel_stop_the_ranks_commit_what_is_staged_and_a_rerun_ends_bit_exact(
+def test_stops_kills_and_a_concurrent_run_lose_nothing_and_reruns_end_bit_exact(
         prefect_api, reference, workdir, shard_root):
+    """One slowed campaign, run again after each fault: a second run beside the first (refused),
+    SIGTERM, SIGINT, a cancel from the CLI (each mid-stage, after a commit) and a SIGKILL of the
+    flow process; the last rerun takes the killed run's lease over and finishes bit-exact."""
+    from flows.pretrain import pretrain
+
     path = write_campaign(workdir, "stopped", shard_url=shard_root, faults=SLOWED)
     campaign = load_campaign(path)
     durable, marker = campaign.stage_durable_url(0), str(campaign.stage_dir(0) / "config.yaml")
+    metrics = campaign.stage_dir(0) / "metrics.jsonl"
     for how, after_step, exit_code in (("SIGTERM", 2, 143), ("SIGINT", 4, 130), ("cancel", 6, 1)):
         flow = FlowProcess(path, prefect_api, workdir / f"stopped-{how}.log")
         try:
             wait_for(lambda: after_step in committed_steps(durable), 300, f"step {after_step} committed ({how} run)")
             assert processes_mentioning(marker), "no rank is training: nothing to stop"
+            if how == "SIGTERM":
+                print(refuse_second_run(path, flow, metrics))
+            requested = time.monotonic()
             if how == "cancel":  # the CLI's cancel, as the UI's button does
                 subprocess.run([sys.executable, "-m", "prefect", "flow-run", "cancel", flow.flow_run_id()],
                                env=dict(os.environ, PREFECT_API_URL=prefect_api), check=True, capture_output=True)
@@ -177,6 +203,7 @@ def test_sigterm_sigint_and_cancel_stop_the_ranks_commit_what_is_staged_and_a_re
             stopped_s = wait_for(lambda: not processes_mentioning(marker), STOP_BOUND_S + 5, f"ranks gone after {how}")
             assert stopped_s <= STOP_BOUND_S, f"{how}: ranks still alive {stopped_s:.1f} s after the request"
             assert flow.wait(60) == exit_code, flow.output[-3000:]
+            exited_s = time.monotonic() - requested
         finally:
             flow.kill()
         steps = committed_steps(durable)
@@ -187,55 +214,33 @@ def test_sigterm_sigint_and_cancel_stop_the_ranks_commit_what_is_staged_and_a_re
         (stage_state,) = tasks["train-stage"]
         assert stage_state.is_cancelled() and re.search(rf"stopped \(.*{'cancel' if how == 'cancel' else how}", stage_state.message), stage_state.message
         assert f"committed steps [" in stage_state.message and str(after_step) in stage_state.message
+        assert tasks["launch-ranks"][-1].is_cancelled(), tasks["launch-ranks"][-1]
         assert tasks["upload-checkpoint"] and all(s.is_completed() and s.name == "Completed" for s in tasks["upload-checkpoint"]), \
             [s.name for s in tasks["upload-checkpoint"]]
-        print(f"{how}: ranks gone {stopped_s:.1f} s after the request; committed {steps}; "
-              f"flow {flow_state.name}: {stage_state.message}")
+        print(f"{how}: ranks gone {stopped_s:.1f} s after the request, flow process exited after {exited_s:.1f} s; "
+              f"committed {steps}; flow {flow_state.name}: {stage_state.message}")
 
-    outcome = run_campaign(path)  # resumes from step 6
-    assert outcome.stage["attempts"] == 1
-    assert_committed_intact(outcome.durable)
-    assert_bit_exact(outcome.durable, reference)
-
-
-@pytest.mark.slow
-def test_a_second_run_is_refused_naming_the_owner_and_a_killed_owners_lease_is_taken_over(
-        prefect_api, reference, workdir, shard_root):
-    from flows.pretrain import pretrain
-
-    path = write_campaign(workdir, "contended", shard_url=shard_root, faults=SLOWED)
-    campaign = load_campaign(path)
-    durable, marker = campaign.stage_durable_url(0), str(campaign.stage_dir(0) / "config.yaml")
-    first = FlowProcess(path, prefect_api, workdir / "contended-first.log")
+    # SIGKILL of the flow process, once its ranks run: no handler runs, the lease stays behind
+    killed = FlowProcess(path, prefect_api, workdir / "stopped-SIGKILL.log")
     try:
-        wait_for(lambda: 2 in committed_steps(durable), 300, "the first run's step 2")
-        rows_before = (campaign.stage_dir(0) / "metrics.jsonl").read_text()
-        started = time.monotonic()
-        second = pretrain(str(path), return_state=True)
-        refused_s = time.monotonic() - started
-        assert second.is_failed() and f"pid {first.proc.pid}" in second.message, second.message
-        assert "in use by flow run" in second.message
-        _, second_tasks = run_states(str(second.state_details.flow_run_id))
-        assert "train-stage" not in second_tasks and "shard-data" not in second_tasks  # refused before any work
-        assert (campaign.stage_dir(0) / "metrics.jsonl").read_text().startswith(rows_before)  # nothing written
-        first_run = first.flow_run_id()
-        # now kill the owner outright: no handler runs, its lease stays behind, its ranks die with it
-        os.kill(first.proc.pid, signal.SIGKILL)
+        wait_for(lambda: processes_mentioning(marker), 300, "the ranks of the run to kill")
+        os.kill(killed.proc.pid, signal.SIGKILL)
         gone_s = wait_for(lambda: not processes_mentioning(marker), STOP_BOUND_S + 20, "ranks gone after SIGKILL")
         assert gone_s <= STOP_BOUND_S, gone_s
-        first.wait(30)
+        killed.wait(30)
     finally:
-        first.kill()
-    assert (campaign.campaign_dir / "lease.json").exists()  # left behind by the killed owner
+        killed.kill()
+    assert (campaign.campaign_dir / "lease.json").exists()
+    print(f"SIGKILL: ranks gone {gone_s:.1f} s after the flow process was killed")
 
-    third = pretrain(str(path), return_state=True)  # takes the stale lease over and resumes
-    assert third.is_completed(), third.message
-    killed_state, _ = run_states(first_run)
-    assert killed_state.is_crashed() and f"({first.proc.pid} on" in killed_state.message, killed_state
+    state = pretrain(str(path), return_state=True)  # takes the stale lease over, resumes from step 6
+    assert state.is_completed(), state.message
+    assert state.result()["stages"][0]["attempts"] == 1
+    killed_state, _ = run_states(killed.flow_run_id())
+    assert killed_state.is_crashed() and f"({killed.proc.pid} on" in killed_state.message, killed_state
     assert not (campaign.campaign_dir / "lease.json").exists()  # released on exit
     assert_committed_intact(durable)
     assert_bit_exact(durable, reference)
-    print(f"second run refused in {refused_s:.1f} s: {second.message}; SIGKILLed owner's ranks gone in {gone_s:.1f} s")
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ Root Cause (first observed failure):
 def test_the_root_cause_is_the_first_failed_rank_torchrun_names_not_a_peers_gloo_error():
     cause = root_cause(KILLED_RANK_OUTPUT)
     assert cause == {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "error": ""}
-    assert describe_root_cause(cause, step=5) == "rank 1 was killed by SIGKILL (exit code -9) at step 5"
+    assert describe_root_cause(cause, step=5) == "rank 1 was killed by SIGKILL (exit code -9) in step 5"
     assert "gloo" not in describe_root_cause(cause)
     assert root_cause(["no torchrun summary here"]) is None
 
@@ -72,4 +72,4 @@ def test_a_rank_that_raised_is_named_with_its_own_exception():
     ]
     cause = root_cause(lines)
     assert cause == {"rank": 1, "exitcode": 1, "signal": None, "error": "ValueError: bad value in step 3"}
-    assert describe_root_cause(cause, 3) == "rank 1 exited with code 1 at step 3: ValueError: bad value in step 3"
+    assert describe_root_cause(cause, 3) == "rank 1 exited with code 1 in step 3: ValueError: bad value in step 3"

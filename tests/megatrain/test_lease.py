@@ -142,7 +142,7 @@ def test_a_lease_with_an_old_heartbeat_from_another_host_is_stale_and_a_live_one
         assert lease.took_over.owner == "run on node-7"
 
 
-def test_the_holder_notices_a_takeover_and_a_waiter_gets_the_lease_when_it_is_released(backend):
+def test_the_holder_notices_a_takeover_rewrites_a_vanished_lease_and_a_waiter_gets_it_when_released(backend):
     _, _, make_store = backend
     lost: list[str] = []
     first = Lease(make_store(), "suspended run", heartbeat_s=0.1, on_lost=lost.append).acquire()
@@ -152,6 +152,13 @@ def test_the_holder_notices_a_takeover_and_a_waiter_gets_the_lease_when_it_is_re
     while not lost and time.monotonic() < deadline:
         time.sleep(0.05)
     assert first.lost and "usurper" in lost[0]
+    make_store().delete(usurper.token)
+    steady = Lease(make_store(), "steady run", heartbeat_s=0.1, on_lost=lost.append).acquire()
+    make_store().delete(steady.record.token)  # the store lost it (a Redis restart): not a takeover
+    time.sleep(0.5)
+    assert not steady.lost and make_store().swap(LeaseRecord(owner="probe"), lambda c: False)[1].token == steady.record.token
+    steady.release()
+    make_store().swap(usurper, lambda current: True)
     first.release()  # must not delete the usurper's lease
     assert make_store().swap(LeaseRecord(owner="probe"), lambda current: False)[1].token == usurper.token
     make_store().delete(usurper.token)
