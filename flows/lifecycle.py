@@ -70,7 +70,7 @@ def temporary_server() -> Iterator[None]:
     """A temporary local Prefect server that dies with this process, when no API is configured
     (a configured one, e.g. ``make serve``'s, is used as it is)."""
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
     if PREFECT_API_URL.value():
         yield
@@ -92,7 +92,8 @@ def temporary_server() -> Iterator[None]:
                 subprocess.Popen = real_popen
 
     server = ServerDyingWithUs()
-    server.start()
+    # Prefect's default (20 s) is too short on 2 busy cores (NOTES.md: 60)
+    server.start(timeout=max(60, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             yield
