@@ -96,9 +96,20 @@ def temporary_server() -> Iterator[None]:
     server.start(timeout=max(60, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            yield
+            try:
+                yield
+            finally:  # send the last logs and events while the server still listens (else
+                _drain_to_api()  # Prefect's exit-time drain retries a dead server for a minute)
     finally:
         server.stop()
+
+
+def _drain_to_api(timeout_s: float = 15.0) -> None:
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout_s)
 
 
 def run_from_command_line(argv: list[str], default_campaign: str, show: Callable[[dict], None]) -> int:
