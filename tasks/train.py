@@ -102,8 +102,9 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
             result.message = describe_root_cause(result.root_cause, step)
     finally:
         watcher.close()
-    if STOP.is_set() and not result.ok:
-        result.status, result.message = "stopped", f"stopped ({STOP.reason}) after {result.wall_s:.1f} s"
+    stopped_by = STOP.reason if STOP.is_set() else "the stage failed" if abandoned.is_set() else None
+    if stopped_by and not result.ok:
+        result.status, result.message = "stopped", f"stopped ({stopped_by}) after {result.wall_s:.1f} s"
     (logger.info if result.ok else logger.error)("attempt %d ended: %s after %.1f s. %s",
                                                 attempt, result.status, result.wall_s, result.message)
     outcome = asdict(result)  # one line for the states and the report; stacks stay in the log above
@@ -268,19 +269,23 @@ def _launch(campaign: CampaignConfig, index: int, config_path: str, attempt: int
 
 def _upload_new(cfg, uploaded: set[int]) -> None:
     """Run one upload task run per staged step (in step order); one that fails after its retries
-    fails the stage. An upload removes its staged dir, so a step found staged again was redone
+    (``checkpoint.upload_retries``, backoff from ``upload_backoff_s``) fails the stage, and the
+    stage's ranks are stopped. An upload removes its staged dir, so a step found staged again was redone
     by a later attempt: the task keeps the committed copy when it verifies and replaces it when
     it does not."""
     ckpt = cfg.checkpoint
+    # retried with the checkpoint section's backoff; never from a cache (the same step staged
+    # again after a restart must be checked and maybe replaced)
+    delays = [min(ckpt.upload_backoff_max_s, ckpt.upload_backoff_s * 2 ** i) for i in range(ckpt.upload_retries)]
+    upload = upload_checkpoint.with_options(cache_policy=NO_CACHE, retries=ckpt.upload_retries,
+                                            retry_delay_seconds=delays or 0)
     for step in staged_steps(ckpt.staging_dir):
         args = (ckpt.staging_dir, ckpt.durable_url, step, ckpt.keep_last, ckpt.keep_every, cfg.train.run_dir)
         if STOP.is_set():  # a cancelled flow run may start no task run: commit it all the same
-            upload_checkpoint.fn(*args)
+            upload.fn(*args)
         else:
-            # committed now, so it stays Completed if the stage fails later; never from a cache
-            # (the same step staged again after a restart must be checked and maybe replaced)
-            with transaction(commit_mode=CommitMode.EAGER):
-                upload_checkpoint.with_options(cache_policy=NO_CACHE)(*args)
+            with transaction(commit_mode=CommitMode.EAGER):  # committed now: stays Completed if the stage fails
+                upload(*args)
         uploaded.add(step)
 
 

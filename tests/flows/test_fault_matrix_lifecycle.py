@@ -27,7 +27,7 @@ import pytest
 from megatrain.campaign import load_campaign
 from megatrain.checkpoint import catalog
 from test_fault_matrix import (  # noqa: F401  (reproducible_cpu_math: autouse, pins MKL for bit-exactness)
-    STEPS, assert_bit_exact, assert_committed_intact, reproducible_cpu_math, run_campaign,
+    STEPS, assert_bit_exact, assert_committed_intact, logs, reproducible_cpu_math, run_campaign,
     write_campaign,
 )
 
@@ -288,6 +288,32 @@ def test_a_deterministic_error_in_a_rank_fails_the_stage_at_once_with_its_cause(
     assert tasks["train-stage"][0].is_failed() and "LeaseHeld" in tasks["train-stage"][0].message
     assert not (run_dir / "metrics.jsonl").exists()  # the hand-run's dir was not written to
     print(f"deterministic error: {state.message}")
+
+
+@pytest.mark.slow
+def test_an_upload_that_fails_for_good_fails_the_stage_and_stops_its_ranks(prefect_api, workdir, shard_root, logs):
+    """Durable storage stays down: each upload is retried with backoff, then the stage fails with
+    the storage error as its state message (never "Completed" with nothing committed), and its
+    ranks are stopped instead of training on alone."""
+    from flows.pretrain import pretrain
+
+    path = write_campaign(workdir, "storage-down", shard_url=shard_root,
+                          overrides=["checkpoint.upload_retries=2", "checkpoint.upload_backoff_s=0.2"],
+                          faults=[{"kind": "storage_outage", "step": 1, "duration_s": 3600}, *SLOWED])
+    campaign = load_campaign(path)
+    marker = str(campaign.stage_dir(0) / "config.yaml")
+    state = pretrain(str(path), return_state=True)
+    assert state.is_failed() and "durable storage unavailable" in state.message, state.message
+    assert campaign.stage_durable_url(0) in state.message  # names the URL
+    failed_at, _ = logs.need(r"Finished in state Failed\(.*durable storage unavailable")
+    retries = [m for _, m in logs.records if "durable storage unavailable" in m and "Retry" in m]
+    assert len(retries) >= 2, retries  # retried (twice) before it failed
+    gone_s = wait_for(lambda: not processes_mentioning(marker), STOP_BOUND_S + 20, "ranks gone after the failure")
+    assert catalog.committed(campaign.stage_durable_url(0)) == []  # nothing claimed, nothing committed
+    _, tasks = run_states(str(state.state_details.flow_run_id))
+    assert tasks["train-stage"][0].is_failed() and tasks["upload-checkpoint"][0].is_failed()
+    assert tasks["launch-ranks"][0].is_cancelled() and "stopped (the stage failed)" in tasks["launch-ranks"][0].message
+    print(f"storage down: stage failed after {len(retries)} retries: {state.message[:160]}; ranks gone {gone_s:.1f} s later")
 
 
 def test_a_bad_campaign_is_a_few_lines_and_no_server_starts(workdir, shard_root, tmp_path):
