@@ -40,6 +40,7 @@ class LaunchResult:
     message: str = ""
     verdict: dict | None = None
     faulty_ranks: list[int] = field(default_factory=list)
+    root_cause: dict | None = None  # crashed: torchrun's first failure {rank, exitcode, signal, error}
 
     @property
     def ok(self) -> bool:
@@ -127,6 +128,47 @@ def last_error(lines) -> str:
     return ""
 
 
+# torchrun's "Root Cause (first observed failure):" block: "rank      : 1 (local_rank: 1)" then
+# "exitcode  : -9 (pid: 10498)  (SIGKILL)".
+_ROOT_CAUSE_HEADER = "Root Cause (first observed failure):"
+_FIELD_LINE = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)(?:.*\((SIG\w+)\))?")
+
+
+def root_cause(lines) -> dict | None:
+    """The first rank that failed, as torchrun itself reports it (its peers' failures, e.g. rank
+    0's gloo "Connection closed by peer" after rank 1 was killed, are consequences): ``{"rank",
+    "exitcode", "signal", "error"}``, where ``error`` is the last exception that rank printed
+    (torchrun prefixes a worker's lines with ``[rankN]:``). None without such a block."""
+    lines = list(lines)
+    starts = [i for i, line in enumerate(lines) if line.strip() == _ROOT_CAUSE_HEADER]
+    if not starts:
+        return None
+    found: dict = {}
+    for line in lines[starts[-1] + 1:]:
+        match = _FIELD_LINE.match(line)
+        if match:
+            found[match.group(1)] = int(match.group(2))
+            if match.group(3):
+                found["signal"] = match.group(3)
+        if line.startswith("====") and found:
+            break
+    if "rank" not in found:
+        return None
+    prefix = f"[rank{found['rank']}]:"
+    own = [line for line in lines if line.startswith(prefix)]
+    return {"rank": found["rank"], "exitcode": found.get("exitcode"), "signal": found.get("signal"),
+            "error": last_error(own)}
+
+
+def describe_root_cause(cause: dict, step: int | None = None) -> str:
+    """One sentence: "rank 1 was killed by SIGKILL (exit code -9) in step 5"."""
+    at = f" in step {step}" if step is not None else ""
+    if cause.get("signal"):
+        return f"rank {cause['rank']} was killed by {cause['signal']} (exit code {cause['exitcode']}){at}"
+    error = f": {cause['error']}" if cause.get("error") else ""
+    return f"rank {cause['rank']} exited with code {cause['exitcode']}{at}{error}"
+
+
 def run_ranks(
     command: list[str],
     *,
@@ -153,7 +195,7 @@ def run_ranks(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         start_new_session=True, preexec_fn=die_with_parent, env=env, cwd=cwd,
     )
-    tail: collections.deque = collections.deque(maxlen=200)
+    tail: collections.deque = collections.deque(maxlen=400)
     pump = threading.Thread(target=_pump, args=(proc.stdout, on_line, tail), daemon=True)
     pump.start()
     try:
@@ -191,6 +233,9 @@ def run_ranks(
     deterministic = _deterministic_error(tail)
     if proc.returncode == EXIT_DETERMINISTIC or deterministic:
         return LaunchResult("deterministic", proc.returncode, wall, deterministic or "a rank failed deterministically")
+    first = root_cause(tail)
+    if first is not None:
+        return LaunchResult("crashed", proc.returncode, wall, describe_root_cause(first), root_cause=first)
     cause = last_error(tail)
     return LaunchResult("crashed", proc.returncode, wall,
                         f"ranks exited with code {proc.returncode}" + (f": {cause}" if cause else ""))

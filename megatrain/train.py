@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
 from megatrain.config_load import ConfigError, load_config
+from megatrain.lease import FileLeaseStore, Lease, LeaseHeld
 from megatrain.errors import (
     DETERMINISTIC_PREFIX, EXIT_ANOMALY, EXIT_CONFIG, EXIT_DETERMINISTIC, DeterministicError,
 )
@@ -44,6 +46,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{DETERMINISTIC_PREFIX}{exc}".replace("\n", " | "), file=sys.stderr)
         return EXIT_CONFIG
 
+    try:
+        lease = hold_run_dir(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+    except LeaseHeld as exc:  # another run writes here: refuse, naming it (its peers stop with us)
+        print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_DETERMINISTIC
+    try:
+        return _train(cfg)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def hold_run_dir(cfg) -> Lease:
+    """One writer per run dir: rank 0 holds ``<run_dir>/lease.json`` while it trains (a restart
+    after a crash takes over the dead attempt's lease)."""
+    store = FileLeaseStore(cfg.train.run_dir)
+    return Lease(store, f"megatrain train of {cfg.run_id}", log=logging.getLogger("megatrain").warning).acquire()
+
+
+def _train(cfg) -> int:
     from megatrain.parallel.init import init_distributed, shutdown_distributed
     from megatrain.trainer import Trainer
 
@@ -54,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         except DeterministicError as exc:  # the same on every retry: say it once, in one line
             print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}".replace("\n", " | "), file=sys.stderr, flush=True)
             return EXIT_DETERMINISTIC
-        if env.rank == 0:
+        if env.rank == 0 and result.status == "completed" and math.isnan(result.final_loss):  # no step ran here
+            logging.getLogger("megatrain").info("already finished: step %d is committed, nothing to train", result.steps)
+        elif env.rank == 0:
             logging.getLogger("megatrain").info(
                 "done: %d steps, final loss %.4f, %d tokens in %.1f s (%s)",
                 result.steps, result.final_loss, result.tokens, result.wall_s, result.status,

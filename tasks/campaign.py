@@ -1,17 +1,39 @@
-"""Validate a campaign before anything heavy starts."""
+"""Validate a campaign before anything heavy starts: every field, and every input it names."""
 
 from __future__ import annotations
 
 from prefect import task
 
 from megatrain.campaign import CampaignConfig, load_campaign, stage_config
+from megatrain.errors import InputError
 from tasks._log import run_logger
+
+
+def check_inputs(campaign: CampaignConfig) -> None:
+    """Every stage's data sources (a path that exists, a glob that matches) and tokenizer file
+    exist: a missing input fails here, naming the stage and field, before any rank starts.
+    Raises ``InputError`` (deterministic: no retry can help)."""
+    from megatrain import storage
+
+    for index, stage in enumerate(campaign.stages):
+        data = stage_config(campaign, index).data
+        for source in data.sources:
+            if source == "stdlib":
+                continue
+            glob = any(ch in source for ch in "*?[")
+            if not (storage.glob(source) if glob else storage.exists(source)):
+                what = "matches no file" if glob else "does not exist"
+                raise InputError(f"stage {stage.name}: data.sources entry {source!r} {what}")
+        if data.tokenizer != "bpe" and not storage.exists(data.tokenizer):
+            raise InputError(f"stage {stage.name}: data.tokenizer {data.tokenizer!r} does not exist")
 
 
 @task(name="validate-campaign", retries=0, timeout_seconds=60)
 def validate_campaign(campaign_path: str, overrides: list[str] | None = None) -> CampaignConfig:
-    """Every stage is resolved into a full run config and validated; a bad field fails here."""
+    """Every stage is resolved into a full run config and validated, and its inputs checked; a
+    bad field or a missing input fails here."""
     campaign = load_campaign(campaign_path, overrides)
+    check_inputs(campaign)
     logger = run_logger()
     for index, stage in enumerate(campaign.stages):
         cfg = stage_config(campaign, index)

@@ -8,7 +8,24 @@ from megatrain.campaign import CampaignConfig, stage_config
 from tasks._log import run_logger
 
 
-@task(name="shard-data", retries=2, retry_delay_seconds=10, timeout_seconds=3600)
+def _transient(task, task_run, state) -> bool:
+    """Retry only what a retry can fix: an I/O error (storage briefly away), never bad input
+    (a ``DeterministicError`` or a ``DataError`` naming the file) or a bug."""
+    from megatrain.data.index import DataError
+    from megatrain.errors import DeterministicError
+
+    try:
+        state.result()
+    except (DeterministicError, DataError):
+        return False
+    except OSError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+@task(name="shard-data", retries=2, retry_delay_seconds=10, retry_condition_fn=_transient, timeout_seconds=3600)
 def shard_stage_data(data_config: dict, seq_len: int, vocab_size: int) -> dict:
     """Tokenize and pack one stage's data. Skipped by the engine itself when an index with the
     same fingerprint (inputs, tokenizer, packing) exists at the shard URL: a Prefect cache would

@@ -13,22 +13,37 @@ task run (and a Prefect event); a crash or hang re-runs the self-check before th
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Cancelled, Failed
+from prefect.transactions import CommitMode, transaction
 
 from megatrain.campaign import CampaignConfig, stage_config
 from megatrain.config_load import load_config
 from tasks.checkpoint import staged_steps, upload_checkpoint
 from tasks.rollback import RollbackLimitExceeded, rollback
+from tasks.stop import STOP
 from tasks._log import run_logger
 
 
 class StageFailed(RuntimeError):
     pass
+
+
+# config path of a running stage -> set when the stage gives up on it (an upload failed for
+# good, or the task raised), so its launch thread stops the ranks instead of training on alone
+_ABANDONED: dict[str, threading.Event] = {}
+
+
+def _failed(message: str) -> Failed:
+    """A failed stage: a red task run whose state message is the cause (no traceback)."""
+    return Failed(message=message, data=StageFailed(message))
 
 
 def _stage_cache_key(context, parameters) -> str:
@@ -47,7 +62,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     ``timeout_seconds`` cannot interrupt a running thread, so the supervision (heartbeat watcher,
     wall-clock limit, process-group kill) lives in the engine's ``run_ranks``.
     """
-    from megatrain.launch import run_ranks, torchrun_command
+    from megatrain.launch import describe_root_cause, run_ranks, torchrun_command
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.watcher import HeartbeatWatcher
 
@@ -73,24 +88,59 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
         create_markdown_artifact(f"### Who hung (attempt {attempt})\n\n{render_markdown(cells, layout)}\n\n`{png}`",
                                  description="ranks by pipeline stage x data-parallel x tensor-parallel")
 
+    abandoned = _ABANDONED.get(config_path) or threading.Event()
     try:
         result = run_ranks(
             torchrun_command(config_path, nproc_per_node), on_line=logger.info, watcher=watcher,
             timeout_s=timeout_s, env=env, verdict_reader=verdict, on_fault=draw_who_hung,
             poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
+            should_stop=lambda: STOP.is_set() or abandoned.is_set(),
         )
+        if result.root_cause is not None:  # name the step the first failed rank had reached
+            step = _failed_step(watcher, run_dir, cfg.train.steps)
+            result.root_cause["step"] = step
+            result.message = describe_root_cause(result.root_cause, step)
     finally:
         watcher.close()
+    stopped_by = STOP.reason if STOP.is_set() else "the stage failed" if abandoned.is_set() else None
+    if stopped_by and not result.ok:
+        result.status, result.message = "stopped", f"stopped ({stopped_by}) after {result.wall_s:.1f} s"
     (logger.info if result.ok else logger.error)("attempt %d ended: %s after %.1f s. %s",
                                                 attempt, result.status, result.wall_s, result.message)
-    return asdict(result)
+    outcome = asdict(result)  # one line for the states and the report; stacks stay in the log above
+    outcome["message"] = result.message.strip().splitlines()[0] if result.message.strip() else ""
+    if result.status == "stopped":
+        return Cancelled(message=result.message, data=outcome)
+    if not result.ok:  # a red task run with the cause; the stage reads the outcome and recovers
+        return Failed(message=f"attempt {attempt} {result.status}: {result.message}", data=outcome)
+    return outcome
+
+
+def _failed_step(watcher, run_dir: str, last: int) -> int:
+    """The step the job was in when a rank failed: one past the newest finished step that any
+    rank reported (heartbeats, which lag by up to an interval, and rank 0's metrics.jsonl); the
+    data-parallel ranks step in lockstep, so that is the failed rank's step too."""
+    try:  # this attempt's records only (a rank that died before beating keeps an older one)
+        finished = [record.step for record in watcher.sink.read_all(watcher.world_size).values()
+                    if record.timestamp >= watcher.since]
+    except Exception:
+        finished = []
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.exists() and metrics.stat().st_mtime >= watcher.since:  # a row of this attempt
+        finished.append(_last_step(run_dir))
+    return min(last, max(finished, default=0) + 1)
 
 
 @task(name="train-stage", retries=0, persist_result=True, cache_key_fn=_stage_cache_key)
 def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict:
+    """Run attempts until the stage's final step is committed and verifies in its durable URL.
+
+    Ends Completed (the result dict), Failed (red, the cause as the state message: restarts or
+    rollbacks used up, a deterministic error, an upload that failed for good, a final step that
+    is not durable) or Cancelled (a stop request: the ranks were stopped and what was staged is
+    committed)."""
     from megatrain.launch import write_run_config
 
-    logger = run_logger()
     stage = campaign.stages[index]
     cfg = stage_config(campaign, index)
     if campaign.launcher == "local":
@@ -98,6 +148,16 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
         # (On Kubernetes the staging disks are the nodes' own: each rank uploads its files.)
         cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"upload_mode": "external"})})
     config_path = str(write_run_config(cfg, campaign.stage_dir(index) / "config.yaml"))
+    _ABANDONED[config_path] = threading.Event()
+    try:
+        return _run_attempts(campaign, index, cfg, config_path)
+    finally:  # whatever ended the stage (an upload failed for good, a bug): no rank trains on alone
+        _ABANDONED.pop(config_path).set()
+
+
+def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):
+    logger = run_logger()
+    stage = campaign.stages[index]
     policy = cfg.reliability
     progress = create_progress_artifact(0.0, description=f"{campaign.id}: stage {stage.name}")
 
@@ -107,14 +167,19 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
     while True:
         attempt = len(history) + 1
         _upload_new(cfg, uploaded)  # staged before an earlier crash: commit it before the ranks restore
+        if STOP.check_cancelled():
+            return _stopped(stage.name, cfg, uploaded)
         launch = _launch(campaign, index, config_path, attempt)
         while not launch.state.is_final():
+            STOP.check_cancelled()  # the launch thread sees the request and stops the ranks
             _upload_new(cfg, uploaded)
             update_progress_artifact(progress, 100.0 * _last_step(cfg.train.run_dir) / stage.steps)
             time.sleep(1.0)
-        outcome = launch.result()
-        _upload_new(cfg, uploaded)  # what was staged before a crash is still good
+        outcome = _outcome(launch)
+        _upload_new(cfg, uploaded)  # what was staged before a crash or a stop is still good
         history.append(outcome)
+        if STOP.is_set():
+            return _stopped(stage.name, cfg, uploaded)
         if outcome["status"] == "completed":
             break
         if outcome["status"] == "anomaly":
@@ -122,28 +187,73 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
             try:
                 rollback(campaign.id, stage.name, config_path, outcome["verdict"], rollbacks)
             except RollbackLimitExceeded as exc:
-                raise StageFailed(f"stage {stage.name}: {exc}") from None
+                return _failed(f"stage {stage.name}: {exc}")
             continue
         if outcome["status"] == "deterministic":  # a config, input or checkpoint error: no restart can help
-            raise StageFailed(f"stage {stage.name}: {outcome['message']}")
+            return _failed(f"stage {stage.name}: {outcome['message']}")
         restarts += 1
         if restarts > policy.max_restarts:
-            raise StageFailed(
-                f"stage {stage.name}: {restarts - 1} restarts used up; last attempt {outcome['status']}: "
-                f"{outcome['message']}"
-            )
+            return _failed(f"stage {stage.name}: {restarts - 1} restarts used up; last attempt "
+                           f"{outcome['status']}: {outcome['message']}")
         logger.warning("stage %s attempt %d %s; restart %d/%d from the last committed checkpoint",
                        stage.name, attempt, outcome["status"], restarts, policy.max_restarts)
         if campaign.self_check:
             from tasks.selfcheck import run_self_check
 
             run_self_check(campaign)
+    problem = final_checkpoint_problem(cfg.checkpoint.durable_url, stage.steps)
+    if problem:  # trained, but not durable: never reported done
+        return _failed(f"stage {stage.name}: the ranks finished but {problem}")
     update_progress_artifact(progress, 100.0)
     return {
         "stage": stage.name, "steps": stage.steps, "attempts": len(history), "restarts": restarts,
         "rollbacks": rollbacks, "history": history, "run_dir": cfg.train.run_dir,
         "durable_url": cfg.checkpoint.durable_url, "checkpoints": sorted(uploaded),
     }
+
+
+def final_checkpoint_problem(durable_url: str, step: int) -> str | None:
+    """Why ``step`` is not durable under ``durable_url`` (not committed, unreadable manifest,
+    files that fail their size or sha256), or None when it is committed and verifies."""
+    from megatrain import storage
+    from megatrain.checkpoint.catalog import read_manifest
+    from megatrain.checkpoint.files import step_dir_name
+    from megatrain.checkpoint.restore import verify_checkpoint
+
+    step_url = storage.join_url(durable_url, step_dir_name(step))
+    try:
+        manifest = read_manifest(step_url)
+    except (OSError, ValueError) as exc:
+        return f"its final step {step} has an unreadable manifest ({exc})"
+    if manifest is None:
+        return f"its final step {step} is not committed at {step_url}"
+    problems = verify_checkpoint(step_url, manifest)
+    if problems:
+        return f"its final step {step} does not verify: {'; '.join(problems)}"
+    return None
+
+
+def _outcome(launch) -> dict:
+    """How an attempt ended: the launch task's outcome dict (its data on a Failed or Cancelled
+    state too), or a crash naming the exception if the task itself raised."""
+    try:
+        value = launch.result(raise_on_failure=False)
+    except Exception as exc:  # e.g. its result could not be read back
+        value = exc
+    if isinstance(value, dict):
+        return value
+    return {"status": "crashed", "returncode": None, "wall_s": 0.0, "verdict": None, "faulty_ranks": [],
+            "root_cause": None, "message": f"launch task failed: {type(value).__name__}: {value}"}
+
+
+def _stopped(stage_name: str, cfg, uploaded: set[int]) -> Cancelled:
+    from megatrain.checkpoint.catalog import committed
+
+    steps = [info.step for info in committed(cfg.checkpoint.durable_url)]
+    message = (f"stage {stage_name} stopped ({STOP.reason}); committed steps {steps or 'none'}, "
+               f"a rerun resumes from {steps[-1] if steps else 'the start'}")
+    run_logger().warning(message)
+    return Cancelled(message=message)
 
 
 def _launch(campaign: CampaignConfig, index: int, config_path: str, attempt: int):
@@ -158,12 +268,24 @@ def _launch(campaign: CampaignConfig, index: int, config_path: str, attempt: int
 
 
 def _upload_new(cfg, uploaded: set[int]) -> None:
-    """Submit one upload task run per staged step, and wait for them (in step order). An upload
-    removes its staged dir, so a step found staged again was redone by a later attempt: the task
-    keeps the committed copy when it verifies and replaces it when it does not."""
-    for step in staged_steps(cfg.checkpoint.staging_dir):
-        upload_checkpoint(cfg.checkpoint.staging_dir, cfg.checkpoint.durable_url, step,
-                          cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, cfg.train.run_dir)
+    """Run one upload task run per staged step (in step order); one that fails after its retries
+    (``checkpoint.upload_retries``, backoff from ``upload_backoff_s``) fails the stage, and the
+    stage's ranks are stopped. An upload removes its staged dir, so a step found staged again was redone
+    by a later attempt: the task keeps the committed copy when it verifies and replaces it when
+    it does not."""
+    ckpt = cfg.checkpoint
+    # retried with the checkpoint section's backoff; never from a cache (the same step staged
+    # again after a restart must be checked and maybe replaced)
+    delays = [min(ckpt.upload_backoff_max_s, ckpt.upload_backoff_s * 2 ** i) for i in range(ckpt.upload_retries)]
+    upload = upload_checkpoint.with_options(cache_policy=NO_CACHE, retries=ckpt.upload_retries,
+                                            retry_delay_seconds=delays or 0)
+    for step in staged_steps(ckpt.staging_dir):
+        args = (ckpt.staging_dir, ckpt.durable_url, step, ckpt.keep_last, ckpt.keep_every, cfg.train.run_dir)
+        if STOP.is_set():  # a cancelled flow run may start no task run: commit it all the same
+            upload.fn(*args)
+        else:
+            with transaction(commit_mode=CommitMode.EAGER):  # committed now: stays Completed if the stage fails
+                upload(*args)
         uploaded.add(step)
 
 

@@ -243,7 +243,11 @@ def test_kill_rank(reference, workdir, shard_root, logs):
     outcome = run_campaign(write_campaign(workdir, "kill-rank", shard_url=shard_root, nproc=2,
                                           faults=[{"kind": "kill_rank", "step": 5, "rank": 1}]))
     t_fault = fault_time(outcome.run_dir, "kill_rank")
-    t_detect, _ = logs.need(r"attempt 1 ended: crashed", after=t_fault)
+    t_detect, ended = logs.need(r"attempt 1 ended: crashed", after=t_fault)
+    # the cause is torchrun's root cause (rank 1's SIGKILL, in step 5), not rank 0's gloo error after it
+    assert ended.endswith("rank 1 was killed by SIGKILL (exit code -9) in step 5"), ended
+    # and the attempt is a failed (red) launch-ranks task run with that cause, while the stage recovered
+    logs.need(r"Finished in state Failed\('attempt 1 crashed: rank 1 was killed by SIGKILL", after=t_fault)
     t_recover, _ = logs.need(r"\bstep 5/8\b", after=t_detect)
     assert (outcome.stage["attempts"], outcome.stage["restarts"]) == (2, 1)
     assert_committed_intact(outcome.durable)

@@ -80,3 +80,57 @@ def test_self_check_passes_on_this_machine_and_names_a_failing_check(prefect_api
     strict = campaign.model_copy(update={"overrides": [*campaign.overrides, "reliability.selfcheck.min_gemm_tflops=1e9"]})
     with pytest.raises(SelfCheckFailed, match="gemm"):
         run_self_check.fn(strict)
+
+
+def test_validate_campaign_names_a_missing_data_source_or_tokenizer(campaign_file, tmp_path):
+    from megatrain.errors import InputError
+    from tasks.campaign import validate_campaign
+
+    glob = campaign_file("noglob", f'- {{name: only, steps: 6, overrides: ["data.sources=[{tmp_path}/none-*.txt]"]}}\n')
+    with pytest.raises(InputError, match=r"stage only: data.sources entry '.*none-\*.txt' matches no file"):
+        validate_campaign.fn(str(glob))
+    missing = campaign_file("nofile", f'- {{name: only, steps: 6, overrides: ["data.sources=[{tmp_path}/gone.txt]"]}}\n')
+    with pytest.raises(InputError, match="data.sources entry .*gone.txt' does not exist"):
+        validate_campaign.fn(str(missing))
+    tokenizer = campaign_file("notok", f"- {{name: only, steps: 6, overrides: [data.tokenizer={tmp_path}/tok.json]}}\n")
+    with pytest.raises(InputError, match="data.tokenizer .*tok.json' does not exist"):
+        validate_campaign.fn(str(tokenizer))
+
+
+def test_shard_data_retries_io_errors_only():
+    from prefect.states import Failed
+
+    from megatrain.data.index import DataError
+    from megatrain.errors import InputError
+    from megatrain.storage import StorageError
+    from tasks.data import _transient
+
+    def failed(exc):
+        return Failed(data=exc)
+
+    assert _transient(None, None, failed(StorageError("s3://b/x", "connection reset")))
+    assert _transient(None, None, failed(TimeoutError("read timed out")))
+    assert not _transient(None, None, failed(DataError("source 'x': the glob matches no file")))
+    assert not _transient(None, None, failed(InputError("tokenizer missing")))
+    assert not _transient(None, None, failed(KeyError("a bug")))
+
+
+def test_a_stage_is_durable_only_when_its_final_step_is_committed_and_verifies(tmp_path):
+    from megatrain.checkpoint.files import FileRecord, step_dir_name
+    from tasks.train import final_checkpoint_problem
+
+    durable = tmp_path / "durable"
+    assert "final step 4 is not committed" in final_checkpoint_problem(str(durable), 4)
+    step_dir = durable / step_dir_name(4)
+    step_dir.mkdir(parents=True)
+    (step_dir / "model.safetensors").write_bytes(b"weights")
+    import hashlib
+
+    record = FileRecord(size=7, sha256=hashlib.sha256(b"weights").hexdigest())
+    manifest = {"step": 4, "files": {"rank-00000": {"model.safetensors": record.to_json()}}, "bytes": 7}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    assert final_checkpoint_problem(str(durable), 4) is None
+    (step_dir / "model.safetensors").write_bytes(b"weightz")  # corrupted at rest
+    assert "final step 4 does not verify" in final_checkpoint_problem(str(durable), 4)
+    (step_dir / "manifest.json").write_text("{not json")
+    assert "unreadable manifest" in final_checkpoint_problem(str(durable), 4)
