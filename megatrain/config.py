@@ -232,6 +232,11 @@ class CheckpointConfig(_Section):
         None, description="when this run has no checkpoint of its own, start from the newest committed one "
         "here (weights and optimizer state only: a new stage of a campaign keeps its own step count and data)",
     )
+    allow_schedule_change: bool = Field(
+        False, description="on resume, accept a checkpoint written with another global batch size, LR schedule or "
+        "optimizer hyper-parameters (the change is recorded in the checkpoint's history); model, optimizer kind, "
+        "data order and seed must still match",
+    )
 
 
 class AnomalyConfig(_Section):
@@ -349,6 +354,51 @@ class Config(_Section):
         return f"{self.name}-{hashlib.sha256(self.train.run_dir.encode()).hexdigest()[:8]}"
 
     def fingerprint(self) -> str:
-        """A short hash of everything that changes the math (not logging or paths)."""
+        """A short hash of everything that changes the computation (not logging or paths): the
+        identity of a finished result (campaign stage caches). Whether a *checkpoint* can be
+        continued is decided by ``state_fields()`` and ``schedule_fields()``, not by this hash."""
         keep = self.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "checkpoint": True, "reliability": True})
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+    def state_fields(self) -> dict[str, object]:
+        """The fields that define what a checkpoint holds, by dotted name: the model's shapes and
+        math, the optimizer kind, the precision, the data (and so its sample order) and the seeds.
+        A checkpoint written under other values of any of these cannot be continued."""
+        dump = self.model_dump(mode="json", exclude=_NOT_STATE)
+        return {k: v for k, v in _flatten(dump).items() if k not in SCHEDULE_FIELDS}
+
+    def schedule_fields(self) -> dict[str, object]:
+        """How the state moves on: global batch, LR schedule (with its effective decay length) and
+        optimizer hyper-parameters. Changing one on resume needs ``checkpoint.allow_schedule_change``."""
+        flat = _flatten(self.model_dump(mode="json"))
+        out = {k: flat[k] for k in SCHEDULE_FIELDS}
+        # decay_steps defaults to train.steps: extending a cosine run changes its schedule
+        out["optim.decay_steps"] = None if self.optim.schedule == "constant" else (self.optim.decay_steps or self.train.steps)
+        return out
+
+
+# Fields that change neither the checkpointed state nor how it evolves: the length of the run,
+# the split of the global batch into micro-batches, kernels, compile, activation checkpointing,
+# the parallel layout, where files go, and the checkpoint and reliability policies.
+_NOT_STATE = {
+    "name": True, "parallel": True, "checkpoint": True, "reliability": True,
+    "model": {"kernels", "activation_checkpointing", "compile"},
+    "train": {"steps", "micro_batch_size", "device", "log_interval", "run_dir"},
+    "data": {"shard_url", "num_workers", "prefetch_batches", "on_bad_shard", "verify_checksums"},
+}
+
+SCHEDULE_FIELDS = (
+    "train.global_batch_size", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.schedule", "optim.decay_steps",
+    "optim.betas", "optim.eps", "optim.weight_decay", "optim.max_trust_ratio", "optim.grad_clip",
+)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -130,15 +130,18 @@ def load_optimizer_state(optimizer: Any, tensors: dict[str, torch.Tensor], meta:
     if kind == "zero":
         for i, flat in enumerate(optimizer.single_partition_of_fp32_groups):
             _copy_exact(flat, tensors[f"zero.{i}.fp32"], f"zero.{i}.fp32")
-        groups = optimizer.optimizer.param_groups
-    else:
-        groups = optimizer.param_groups
     if hyperparameters:
-        for group, saved in zip(groups, meta["param_groups"], strict=True):
-            for key, value in saved.items():
-                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        load_hyperparameters(optimizer, meta["param_groups"])
     if kind == "zero" and hasattr(optimizer, "_link_all_hp_params"):
         optimizer._link_all_hp_params()  # DeepSpeed's own load does this: re-point fragment views
+
+
+def load_hyperparameters(optimizer: Any, saved_groups: list[dict[str, Any]]) -> None:
+    """The param groups' lr (set by the schedule), betas, weight decay... as saved."""
+    groups = optimizer.optimizer.param_groups if _is_zero(optimizer) else optimizer.param_groups
+    for group, saved in zip(groups, saved_groups, strict=True):
+        for key, value in saved.items():
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
 
 
 def _copy_exact(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
