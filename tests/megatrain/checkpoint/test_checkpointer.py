@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import pytest
 
 from megatrain.checkpoint import catalog
-from megatrain.checkpoint.files import MANIFEST, STAGED, step_dir_name
+from megatrain.checkpoint.files import STAGED, step_dir_name
 from megatrain.checkpoint.manager import Checkpointer
 from megatrain.checkpoint.restore import CheckpointError, CheckpointMismatch
 from megatrain.checkpoint.upload import ready_steps, upload_staged_step
