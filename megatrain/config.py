@@ -258,7 +258,7 @@ class FaultConfig(_Section):
 
     kind: Literal[
         "kill_rank", "hang_rank", "slow_rank", "nan_loss", "spike_loss",
-        "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis",
+        "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node",
     ]
     step: int = Field(0, ge=0)
     rank: int = Field(0, ge=0)
@@ -269,6 +269,8 @@ class FaultConfig(_Section):
         None, description="corrupt_checkpoint/corrupt_shard: path or URL; kill_redis: pid or pid file"
     )
     once: bool = Field(True, description="fire only in the first attempt (marker file in run_dir)")
+    node: int = Field(0, ge=0, description="evict_node: the node killed at `step` (a multi-node stage, "
+                      "megatrain.launch_nodes); it then fails its self-check until the stage ends")
 
 
 class SelfCheckConfig(_Section):
@@ -303,6 +305,13 @@ class ReliabilityConfig(_Section):
     )
     straggler_steps: int = Field(3, ge=1)
     max_restarts: int = Field(3, ge=0, description="per stage")
+    on_node_loss: Literal["wait", "shrink"] = Field(
+        "wait", description="a multi-node stage whose node fails its self-check: wait up to node_wait_s for it "
+        "to pass, then fail the stage (wait), or go on without it after node_wait_s (shrink: dp shrinks, "
+        "accumulation grows, same global batch; the node rejoins at a later attempt once it passes)",
+    )
+    node_wait_s: float = Field(0.0, ge=0, description="how long a node that failed its self-check may take to "
+                               "pass it again before the policy applies (re-checked every few seconds)")
     max_rollbacks: int = Field(3, ge=0, description="per stage, within rollback_window_steps")
     rollback_window_steps: int = Field(1000, gt=0)
     rollback_skip_samples: int | None = Field(None, ge=0, description="data skipped on rollback; default one global batch per step rolled back")

@@ -5,13 +5,22 @@ torchrun ranks, gloo, the real data pipeline).
   checkpoint written by the other model. The restore is refused in the rank (CheckpointMismatch,
   a deterministic error): the stage ends at once, 0 restarts, and the differing field with its
   old and new value is the message of the flow run's and the train-stage task run's Prefect state.
+- ``evict_node``: 2 nodes x 2 ranks (two torchrun agents meeting through c10d on loopback). At
+  step 5 of stage ``a`` node 1 is killed and then fails its self-check; with
+  ``reliability.on_node_loss: shrink`` the stage goes on on node 0 alone (dp 4 -> 2, accumulation
+  1 -> 2, same global batch), restored from the last committed checkpoint, resharded. Stage ``b``
+  self-checks both nodes again, node 1 passes, and it runs on both (grow), starting from stage
+  ``a``'s final checkpoint written at dp 2.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from megatrain.campaign import load_campaign
 from megatrain.checkpoint import catalog
@@ -54,3 +63,67 @@ def test_config_mismatch_ends_the_stage_at_once(campaign_file):
     assert "model.n_layer: 1 -> 2" in stages[0].state.message, stages[0].state.message
     assert [info.step for info in catalog.committed(durable)] == [2, 4]  # the checkpoint is untouched
     print(f"\nconfig_mismatch: 1 attempt, 0 restarts; flow state: {state.message[:300]}")
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def nodes_campaign(tmp_path: Path, shard_root: Path) -> Path:
+    """2 nodes x 2 ranks, policy shrink; stage a kills node 1 at step 5, stage b follows."""
+    doc = {
+        "id": "evict", "recipe": str(ROOT / "configs/tiny-cpu.yaml"), "nproc_per_node": 2, "nnodes": 2,
+        "root_dir": str(tmp_path / "campaigns"), "shard_url": str(shard_root), "self_check": True,
+        "overrides": [
+            "model.n_layer=1", "data.max_source_bytes=400000", "checkpoint.interval=2", "data.prefetch_batches=0",
+            "train.micro_batch_size=2", "train.global_batch_size=8", "parallel.node_loader=true",
+            "reliability.on_node_loss=shrink", "reliability.heartbeat_interval_s=0.5",
+            # a lean self-check per node: no all-reduce processes, small GEMM/copy/storage probes
+            "reliability.selfcheck.nproc_per_node=1", "reliability.selfcheck.gemm_size=256",
+            "reliability.selfcheck.copy_mb=8", "reliability.selfcheck.storage_mb=1",
+        ],
+        "stages": [
+            {"name": "a", "steps": 8, "overrides": ["reliability.faults=[{kind: evict_node, step: 5, node: 1}]"]},
+            {"name": "b", "steps": 4},
+        ],
+    }
+    path = tmp_path / "evict.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _steps(run_dir: str) -> list[int]:
+    return [json.loads(line)["step"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_evict_node_shrinks_then_grows_back(tmp_path, shard_root):
+    from flows.pretrain import pretrain
+
+    path = nodes_campaign(tmp_path, shard_root)
+    campaign = load_campaign(path)
+    state = pretrain(str(path), return_state=True)
+    assert state.is_completed(), state.message
+    report = state.result()
+    rows = {row["stage"]: row for row in report["stages"]}
+    assert rows["a"]["restarts"] == 1 and rows["b"]["restarts"] == 0, rows
+
+    nodes = json.loads((campaign.campaign_dir / "nodes.json").read_text())
+    seen = [(r["stage"], r["attempt"], r["nodes"], r["dp"], r["accumulation"], r["change"]) for r in nodes]
+    assert seen == [("a", 1, [0, 1], 4, 1, None), ("a", 2, [0], 2, 2, "shrink"), ("b", 1, [0, 1], 4, 1, "grow")], seen
+    assert "alive" in nodes[1]["excluded"]["1"][0]
+
+    a_durable, b_durable = campaign.stage_durable_url(0), campaign.stage_durable_url(1)
+    a_final = catalog.committed(a_durable)[-1]
+    b_final = catalog.committed(b_durable)[-1]
+    assert a_final.step == 8 and a_final.manifest["layout"]["world_size"] == 2 and a_final.manifest["layout"]["dp"] == 2
+    assert b_final.step == 4 and b_final.manifest["layout"]["world_size"] == 4 and b_final.manifest["layout"]["dp"] == 4
+    # stage a: steps 1..5 on both nodes (killed at 5), then node 0 alone from the last checkpoint
+    # committed by then (resharded from 4 ranks to 2, recorded in the checkpoint history) to 8
+    meta = json.loads((Path(a_final.url) / "rank-00000.json").read_text())
+    [switch] = meta["history"]
+    assert switch["layout"][0]["world_size"] == 4 and switch["layout"][1]["world_size"] == 2, switch
+    steps = _steps(campaign.stage_dir(0))
+    resumed_at = max(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[resumed_at - 1] >= 5 and steps[resumed_at] == switch["step"] + 1 and steps[-1] == 8, steps
+    assert meta["loader"]["samples_consumed"] == 8 * 8  # one global batch per step, none repeated or skipped
+    print(f"\nevict_node: {seen}")
