@@ -107,7 +107,16 @@ def param_map(module: nn.Module, optimizer: Any, dp_rank: int) -> dict[str, Any]
     names = _param_names(module)
     tp = {names[id(p)]: _tp_split(p) for p in module.parameters() if id(p) in names}
     out: dict[str, Any] = {"names": canonical_names(module), "tp": tp}
-    if state._is_zero(optimizer):
+    if state._is_zero3(optimizer):  # each parameter's own slice of its flattened (padded) value
+        groups = []
+        for flat, params in zip(state.fp32_partitions(optimizer), optimizer.fp16_groups):
+            offsets = [0]
+            for p in params:
+                offsets.append(offsets[-1] + p.partition_numel())
+            groups.append({"numel": flat.numel(), "params": [
+                [names[id(p)], offsets[k], p.partition_numel(), list(p.ds_shape)] for k, p in enumerate(params)]})
+        out.update(kind="zero3", groups=groups)
+    elif state._is_zero(optimizer):
         groups = []
         for flat, params, part in _zero_groups(optimizer):
             groups.append({"flat_numel": flat.numel(), "start": dp_rank * part.numel(), "numel": part.numel(),
@@ -172,13 +181,16 @@ def read_full_state(metas: dict[int, dict], dims: ParallelDims, load: Callable[[
         if not names:
             continue
         split = head["tp"]
-        if weights:
+        if weights and head["kind"] != "zero3":  # ZeRO-3 model files hold placeholders: weights = masters
             files = [load(model_file(pp, t)) for t in range(dims.tp)]
             file_names = {canonical: live for live, canonical in head["names"].items()}
             for n in names:
                 params.setdefault(n, FullParam()).weight = _join_tp([f[file_names[n]] for f in files], split[n])
-        if optimizer:
+        if optimizer or head["kind"] == "zero3":
             _read_optimizer(metas, dims, pp, set(names), load, params, scalars)
+        if head["kind"] == "zero3":
+            for n in names:
+                params[n].weight = params[n].fp32
     return FullState(params=params, scalars=scalars, meta0=metas[0])
 
 
@@ -192,7 +204,9 @@ def _read_optimizer(metas: dict[int, dict], dims: ParallelDims, pp: int, names: 
         layout = metas[ranks[0]]["shards"]
         scalar_meta = metas[ranks[0]]["optimizer"]["scalars"]
         for i, group in enumerate(layout["groups"]):
-            if layout["kind"] == "zero":
+            if layout["kind"] == "zero3":
+                _read_zero3_group(i, group, tensors, set(names), shards, scalars)
+            elif layout["kind"] == "zero":
                 prefix = f"zero.{i}."
                 keys = ["fp32"] + sorted({k[len(prefix) + 6:] for k in tensors[0] if k.startswith(prefix + "state.")})
                 for key in keys:
@@ -226,6 +240,8 @@ def _read_optimizer(metas: dict[int, dict], dims: ParallelDims, pp: int, names: 
                 if m:
                     scalars.setdefault(int(m.group(1)), {})[m.group(2)] = value
     split = metas[dims.rank_of(pp, 0, 0)]["shards"]["tp"]
+    for name in names:
+        params.setdefault(name, FullParam())
     for name, by_key in shards.items():
         for key, parts in by_key.items():
             full = _join_tp(parts, split[name])
@@ -236,6 +252,45 @@ def _read_optimizer(metas: dict[int, dict], dims: ParallelDims, pp: int, names: 
     for name in names:  # without ZeRO the weight is its own master copy
         if params.get(name) is not None and params[name].fp32 is None and params[name].weight is not None:
             params[name].fp32 = params[name].weight.float()
+
+
+def _read_zero3_group(i: int, group: dict, tensors: list[dict[str, torch.Tensor]], names: set[str],
+                      shards: dict[str, dict[str, list[torch.Tensor]]], scalars: dict[int, dict[str, Any]]) -> None:
+    """ZeRO-3: DP rank d holds elements [d*ps, (d+1)*ps) of each flattened, padded parameter."""
+    prefix = f"zero.{i}."
+    keys = ["fp32"] + sorted({k[len(prefix) + 6:] for k in tensors[0] if k.startswith(prefix + "state.")})
+    for key in keys:
+        parts = [ts[prefix + ("fp32" if key == "fp32" else f"state.{key}")] for ts in tensors]
+        if key != "fp32" and parts[0].numel() != group["numel"]:
+            scalars.setdefault(i, {})[key] = parts[0]
+            continue
+        for name, offset, ps, shape in group["params"]:
+            if name in names:
+                whole = torch.cat([part.reshape(-1)[offset:offset + ps] for part in parts])
+                shards.setdefault(name, {}).setdefault(key, []).append(whole[:torch.Size(shape).numel()].view(shape))
+
+
+def _apply_zero3(optimizer: Any, full: FullState, names: dict[int, str], local: Callable, groups: ProcessGroups) -> None:
+    """This DP rank's slice of each parameter into its ZeRO-3 fp32 partition and moments."""
+    base, dp, r = optimizer.optimizer, groups.dims.dp, groups.dp_rank
+    for i, (flat, params) in enumerate(zip(state.fp32_partitions(optimizer), optimizer.fp16_groups)):
+        buffers: dict[str, torch.Tensor] = {}
+        offset = 0
+        for p in params:
+            ps, found = p.partition_numel(), full.params[names[id(p)]]
+            for key, value in [("fp32", found.fp32), *found.state.items()]:
+                whole = local(p, value).reshape(-1)
+                padded = torch.zeros(ps * dp, dtype=value.dtype)
+                padded[:whole.numel()] = whole
+                buffers.setdefault(key, torch.zeros(flat.numel(), dtype=value.dtype))[offset:offset + ps] = padded[r * ps:(r + 1) * ps]
+            offset += ps
+        state._copy_exact(flat, buffers.pop("fp32").to(flat.device), f"zero.{i}.fp32")
+        slot = base.state[flat]
+        for key, buf in buffers.items():
+            _set_state(slot, key, buf.to(flat.device))
+        for key, value in full.scalars.get(i, {}).items():
+            _set_state(slot, key, value)
+    state.sync_zero3_weights(optimizer)
 
 
 # ---- applying: full tensors -> this rank's shards ---------------------------------------------
@@ -250,6 +305,9 @@ def apply_full_state(module: nn.Module, optimizer: Any, full: FullState, groups:
     def local(p: torch.Tensor, full_tensor: torch.Tensor) -> torch.Tensor:
         return _cut_tp(full_tensor, _tp_split(p), tp_rank, tp)
 
+    if state._is_zero3(optimizer):  # the model holds placeholders: its weights are the partitions
+        _apply_zero3(optimizer, full, names, local, groups)
+        return
     if weights:
         live = state.model_tensors(module)
         for live_name, canonical in canonical_names(module).items():
@@ -382,4 +440,5 @@ def broadcast_weights(module: nn.Module, groups: ProcessGroups) -> None:
     src = groups.dims.rank_of(groups.pp_rank, 0, groups.tp_rank)
     with torch.no_grad():
         for tensor in state.model_tensors(module).values():
-            dist.broadcast(tensor, src=src, group=groups.dp_group)
+            if tensor.numel():  # ZeRO-3 placeholders: the weights live in the partitions
+                dist.broadcast(tensor, src=src, group=groups.dp_group)

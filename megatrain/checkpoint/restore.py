@@ -107,9 +107,13 @@ def same_layout(saved: dict[str, Any], mine: dict[str, Any]) -> bool:
     keys = ("dp", "tp", "pp", "world_size")
     if any(saved.get(k) != mine.get(k) for k in keys):
         return False
-    if "zero_stage" in saved and "zero_stage" in mine:  # ZeRO 1 and 2 share a partition layout; 0 does not
-        return (saved["zero_stage"] == 0) == (mine["zero_stage"] == 0)
+    if "zero_stage" in saved and "zero_stage" in mine:  # ZeRO 1 and 2 share a partition layout; 0 and 3 do not
+        return _partitioning(saved["zero_stage"]) == _partitioning(mine["zero_stage"])
     return True
+
+
+def _partitioning(zero_stage: int) -> str:
+    return {0: "none", 1: "flat", 2: "flat", 3: "per-parameter"}[zero_stage]
 
 
 def _records(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:

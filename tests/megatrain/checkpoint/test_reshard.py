@@ -8,7 +8,8 @@ optimizer moments of its step-6 checkpoint. Across the switch, the samples consu
 reshard_worker.py) must be the stream's order exactly: no duplicate, no gap.
 
 LAMB: saved at dp2 x tp2, ZeRO-1; restored at dp4, tp2 x pp2, dp1, pp2.
-AdamW: saved at dp2, ZeRO-2; restored at tp2 without ZeRO (ZeRO partitions -> plain optimizer state).
+AdamW: saved at dp2 ZeRO-2, restored at tp2 without ZeRO (partitions -> plain optimizer state) and
+at dp2 ZeRO-3; saved at dp2 ZeRO-3, restored at dp1 ZeRO-1.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def _train(run_dir: Path, shard_url: str, nproc: int, steps: int, *overrides: st
                str(Path(__file__).with_name("reshard_worker.py")), "--config", "configs/tiny-cpu.yaml", *args]
     proc = subprocess.run(command, cwd=REPO, env=dict(env, PYTHONPATH=f"{REPO}:{env.get('PYTHONPATH', '')}"),
                           capture_output=True, text=True, timeout=600)
+    (run_dir / "train.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
@@ -102,11 +104,12 @@ def _worst(a: reshard.FullState, b: reshard.FullState) -> float:
 
 def _check_switch(tmp_path: Path, shards, saved: Path, name: str, nproc: int, reference: Path, *overrides: str) -> str:
     url, order = shards
-    run_dir = tmp_path / name
+    run_dir = tmp_path / "".join(c if c.isalnum() else "-" for c in name)
     shutil.copytree(saved / "durable", run_dir / "durable")
     _train(run_dir, url, nproc, STEPS, *overrides)
     got, want = _metrics(run_dir), _metrics(reference)
     assert sorted(got) == list(range(SAVE_STEP + 1, STEPS + 1)), f"{name}: did not resume at step {SAVE_STEP}"
+    assert "resharded" in (run_dir / "train.log").read_text(), f"{name}: restored without resharding"
     loss = max(abs(got[s]["loss"] - want[s]["loss"]) for s in got)
     # DeepSpeed reports no global grad norm without ZeRO (0.0): those steps are checked through
     # the weights and moments only
@@ -117,7 +120,7 @@ def _check_switch(tmp_path: Path, shards, saved: Path, name: str, nproc: int, re
     assert [h for _, _, h in samples] == order, f"{name}: samples out of the stream's order"
     assert max(loss, grad, state) <= TOL, f"{name}: loss {loss:.2e} grad norm {grad:.2e} state {state:.2e}"
     grads = "n/a" if not any(got[s]["grad_norm"] for s in got) else f"{grad:.1e}"
-    return f"{name:>12}: |loss| {loss:.1e}  |grad norm| {grads}  |weights, masters, moments| {state:.1e}"
+    return f"{name:>26}: |loss| {loss:.1e}  |grad norm| {grads}  |weights, masters, moments| {state:.1e}"
 
 
 def test_lamb_zero1_dp2_tp2_restores_at_dp4_tp2pp2_dp1_pp2(tmp_path, shards):
@@ -135,12 +138,19 @@ def test_lamb_zero1_dp2_tp2_restores_at_dp4_tp2pp2_dp1_pp2(tmp_path, shards):
     print("\nLAMB ZeRO-1 saved at dp2 x tp2, step 3 -> 6 vs one process straight:\n" + "\n".join(rows))
 
 
-def test_adamw_zero2_dp2_restores_at_tp2_without_zero(tmp_path, shards):
+def test_adamw_zero2_and_zero3_restore_across_stages_and_layouts(tmp_path, shards):
     url, _ = shards
     adamw = ("optim.name=adamw", "optim.lr=1e-3", "optim.min_lr=1e-4")
-    reference, saved = tmp_path / "reference", tmp_path / "saved-dp2-zero2"
+    reference, zero2, zero3 = tmp_path / "reference", tmp_path / "saved-dp2-zero2", tmp_path / "saved-dp2-zero3"
     _train(reference, url, 1, STEPS, "train.micro_batch_size=8", *adamw)
-    _train(saved, url, 2, SAVE_STEP, "parallel.zero_stage=2", "train.micro_batch_size=4", *adamw)
-    row = _check_switch(tmp_path, shards, saved, "tp2, ZeRO-0", 2, reference, "parallel.tp=2", "parallel.zero_stage=0",
-                        "train.micro_batch_size=8", *adamw)
-    print("\nAdamW ZeRO-2 saved at dp2, step 3 -> 6 vs one process straight:\n" + row)
+    _train(zero2, url, 2, SAVE_STEP, "parallel.zero_stage=2", "train.micro_batch_size=4", *adamw)
+    _train(zero3, url, 2, SAVE_STEP, "parallel.zero_stage=3", "train.micro_batch_size=4", *adamw)
+    rows = [
+        _check_switch(tmp_path, shards, zero2, "ZeRO-2 dp2 -> tp2 ZeRO-0", 2, reference, "parallel.tp=2",
+                      "parallel.zero_stage=0", "train.micro_batch_size=8", *adamw),
+        _check_switch(tmp_path, shards, zero2, "ZeRO-2 dp2 -> dp2 ZeRO-3", 2, reference, "parallel.zero_stage=3",
+                      "train.micro_batch_size=2", *adamw),
+        _check_switch(tmp_path, shards, zero3, "ZeRO-3 dp2 -> dp1 ZeRO-1", 1, reference, "train.micro_batch_size=4",
+                      *adamw),
+    ]
+    print("\nAdamW, step 3 -> 6 vs one process straight:\n" + "\n".join(rows))
