@@ -142,7 +142,6 @@ class FullParam:
 class FullState:
     params: dict[str, FullParam]
     scalars: dict[int, dict[str, Any]]  # group -> scalar optimizer state (LAMB's step)
-    meta0: dict[str, Any]  # old rank 0's JSON: schedule, counters, loader, hyper-parameters
 
 
 def _join_tp(shards: list[torch.Tensor], split: list[int] | None) -> torch.Tensor:
@@ -191,7 +190,7 @@ def read_full_state(metas: dict[int, dict], dims: ParallelDims, load: Callable[[
         if head["kind"] == "zero3":
             for n in names:
                 params[n].weight = params[n].fp32
-    return FullState(params=params, scalars=scalars, meta0=metas[0])
+    return FullState(params=params, scalars=scalars)
 
 
 def _read_optimizer(metas: dict[int, dict], dims: ParallelDims, pp: int, names: set[str], load: Callable,
@@ -204,29 +203,13 @@ def _read_optimizer(metas: dict[int, dict], dims: ParallelDims, pp: int, names: 
         layout = metas[ranks[0]]["shards"]
         scalar_meta = metas[ranks[0]]["optimizer"]["scalars"]
         for i, group in enumerate(layout["groups"]):
-            if layout["kind"] == "zero3":
-                _read_zero3_group(i, group, tensors, set(names), shards, scalars)
-            elif layout["kind"] == "zero":
-                prefix = f"zero.{i}."
-                keys = ["fp32"] + sorted({k[len(prefix) + 6:] for k in tensors[0] if k.startswith(prefix + "state.")})
-                for key in keys:
-                    tname = prefix + ("fp32" if key == "fp32" else f"state.{key}")
-                    parts = [ts[tname] for ts in tensors]
-                    if key != "fp32" and parts[0].numel() != metas[ranks[0]]["shards"]["groups"][i]["numel"]:
-                        scalars.setdefault(i, {})[key] = parts[0]
-                        continue
-                    flat = torch.cat([p.reshape(-1) for p in parts])
-                    for name, offset, numel, shape in group["params"]:
-                        if name in names:
-                            local = flat[offset:offset + numel].view(shape)
-                            shards.setdefault(name, {}).setdefault(key, []).append(local)
-                            params.setdefault(name, FullParam())
+            if layout["kind"] in ("zero", "zero3"):
+                _read_flat_group(i, group, tensors, names, shards, scalars, per_parameter=layout["kind"] == "zero3")
             else:
                 for j, (name, shape) in enumerate(group):
                     prefix = f"torch.{i}.{j}."
                     if name not in names:
                         continue
-                    params.setdefault(name, FullParam())
                     for tname, tensor in tensors[0].items():
                         if not tname.startswith(prefix + "state."):
                             continue
@@ -254,20 +237,28 @@ def _read_optimizer(metas: dict[int, dict], dims: ParallelDims, pp: int, names: 
             params[name].fp32 = params[name].weight.float()
 
 
-def _read_zero3_group(i: int, group: dict, tensors: list[dict[str, torch.Tensor]], names: set[str],
-                      shards: dict[str, dict[str, list[torch.Tensor]]], scalars: dict[int, dict[str, Any]]) -> None:
-    """ZeRO-3: DP rank d holds elements [d*ps, (d+1)*ps) of each flattened, padded parameter."""
+def _read_flat_group(i: int, group: dict, tensors: list[dict[str, torch.Tensor]], names: set[str],
+                     shards: dict[str, dict[str, list[torch.Tensor]]], scalars: dict[int, dict[str, Any]],
+                     per_parameter: bool) -> None:
+    """One ZeRO group of one TP shard, from its DP ranks' flat tensors (``tensors``, in DP order).
+    ZeRO-1/2: the ranks' slices concatenated are the group's flat buffer, a parameter sits at its
+    offset. ZeRO-3 (``per_parameter``): rank d holds elements [d*ps, (d+1)*ps) of each flattened,
+    padded parameter, at the parameter's offset in the rank's own flat tensor."""
     prefix = f"zero.{i}."
     keys = ["fp32"] + sorted({k[len(prefix) + 6:] for k in tensors[0] if k.startswith(prefix + "state.")})
     for key in keys:
-        parts = [ts[prefix + ("fp32" if key == "fp32" else f"state.{key}")] for ts in tensors]
-        if key != "fp32" and parts[0].numel() != group["numel"]:
-            scalars.setdefault(i, {})[key] = parts[0]
+        parts = [ts[prefix + ("fp32" if key == "fp32" else f"state.{key}")].reshape(-1) for ts in tensors]
+        if key != "fp32" and parts[0].numel() != group["numel"]:  # a scalar (LAMB's step)
+            scalars.setdefault(i, {})[key] = parts[0].reshape(())
             continue
-        for name, offset, ps, shape in group["params"]:
+        flat = None if per_parameter else torch.cat(parts)
+        for name, offset, size, shape in group["params"]:
             if name in names:
-                whole = torch.cat([part.reshape(-1)[offset:offset + ps] for part in parts])
-                shards.setdefault(name, {}).setdefault(key, []).append(whole[:torch.Size(shape).numel()].view(shape))
+                if per_parameter:
+                    piece = torch.cat([part[offset:offset + size] for part in parts])[:torch.Size(shape).numel()]
+                else:
+                    piece = flat[offset:offset + size]
+                shards.setdefault(name, {}).setdefault(key, []).append(piece.view(shape))
 
 
 def _apply_zero3(optimizer: Any, full: FullState, names: dict[int, str], local: Callable, groups: ProcessGroups) -> None:

@@ -40,6 +40,17 @@ async def _task_runs(flow_run_id) -> list:
         return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
+async def _artifact(key: str):
+    """The newest version of the artifact under ``key``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
+
+    async with get_client() as client:
+        found = await client.read_latest_artifacts(
+            artifact_filter=ArtifactCollectionFilter(key=ArtifactCollectionFilterKey(any_=[key])))
+    return found[0] if found else None
+
+
 @pytest.mark.usefixtures("prefect_api")
 def test_config_mismatch_ends_the_stage_at_once(campaign_file):
     from flows.pretrain import pretrain
@@ -111,6 +122,10 @@ def test_evict_node_shrinks_then_grows_back(tmp_path, shard_root):
     seen = [(r["stage"], r["attempt"], r["nodes"], r["dp"], r["accumulation"], r["change"]) for r in nodes]
     assert seen == [("a", 1, [0, 1], 4, 1, None), ("a", 2, [0], 2, 2, "shrink"), ("b", 1, [0, 1], 4, 1, "grow")], seen
     assert "alive" in nodes[1]["excluded"]["1"][0]
+    for node in (0, 1):  # each node staged into its own directory
+        assert (campaign.stage_dir(0) / "nodes" / f"node-{node}" / "staging").is_dir()
+    artifact = asyncio.run(_artifact("evict-nodes"))
+    assert artifact is not None and "shrink" in str(artifact.data) and "grow" in str(artifact.data)
 
     a_durable, b_durable = campaign.stage_durable_url(0), campaign.stage_durable_url(1)
     a_final = catalog.committed(a_durable)[-1]
