@@ -31,6 +31,8 @@ STAGE = """\
   overrides: [{extra}]
 """
 
+pytestmark = pytest.mark.slow  # torchrun ranks (and Prefect flows): still part of make test
+
 
 async def _task_runs(flow_run_id) -> list:
     from prefect.client.orchestration import get_client
@@ -142,3 +144,32 @@ def test_evict_node_shrinks_then_grows_back(tmp_path, shard_root):
     assert steps[resumed_at - 1] >= 5 and steps[resumed_at] == switch["step"] + 1 and steps[-1] == 8, steps
     assert meta["loader"]["samples_consumed"] == 8 * 8  # one global batch per step, none repeated or skipped
     print(f"\nevict_node: {seen}")
+
+
+def test_node_loss_policy_wait_refuses_and_shrink_goes_on(tmp_path, shard_root):
+    """The policy alone (no ranks): node 1 marked evicted fails its check; ``wait`` names it
+    after node_wait_s, ``shrink`` plans node 0 with twice the accumulation."""
+    from megatrain.launch_nodes import evicted_marker
+    from tasks.elastic import NodeLost, plan_nodes
+
+    doc = yaml.safe_load(nodes_campaign(tmp_path, shard_root).read_text())
+    doc["self_check"] = False
+    doc["overrides"] = [o for o in doc["overrides"] if not o.startswith("reliability.on_node_loss")]
+    doc["overrides"] += ["reliability.on_node_loss=wait", "reliability.node_wait_s=0.5"]
+    path = tmp_path / "wait.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    campaign = load_campaign(path)
+    from megatrain.campaign import stage_config
+    from megatrain.launch import write_run_config
+
+    config_path = str(write_run_config(stage_config(campaign, 0), campaign.stage_dir(0) / "config.yaml"))
+    assert plan_nodes(campaign, 0, config_path).nodes == [0, 1]
+    marker = evicted_marker(stage_config(campaign, 0).train.run_dir, 1)
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")
+    with pytest.raises(NodeLost, match=r"node 1: alive .*on_node_loss=wait"):
+        plan_nodes(campaign, 0, config_path)
+    shrink = load_campaign(path, ["overrides=" + json.dumps([*doc["overrides"][:-2], "reliability.on_node_loss=shrink"])])
+    plan = plan_nodes(shrink, 0, config_path)
+    assert (plan.nodes, plan.world_size, plan.dp, plan.accumulation) == ([0], 2, 2, 2)
+    assert list(plan.excluded) == [1]

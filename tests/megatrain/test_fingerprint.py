@@ -77,6 +77,7 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_extend_rebatch_and_checkpoint_activations_resume_like_one_run(tmp_path, shard_url):
     straight = tmp_path / "straight"
     _ok(_train(straight, shard_url, "train.steps=6", "train.micro_batch_size=8"))

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from megatrain.checkpoint import reshard
@@ -31,6 +30,8 @@ from megatrain.checkpoint.files import rank_meta_file, step_dir_name
 REPO = Path(__file__).resolve().parents[3]
 SAVE_STEP, STEPS, GLOBAL_BATCH = 3, 6, 8
 TOL = 1e-5
+
+pytestmark = pytest.mark.slow  # torchrun ranks (and Prefect flows): still part of make test
 
 
 @pytest.fixture(scope="module")
