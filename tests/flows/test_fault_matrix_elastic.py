@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,26 @@ async def _artifact(key: str):
         found = await client.read_latest_artifacts(
             artifact_filter=ArtifactCollectionFilter(key=ArtifactCollectionFilterKey(any_=[key])))
     return found[0] if found else None
+
+
+async def _elastic_events() -> list[dict]:
+    """Payloads of the megatrain.elastic.* events the server has stored."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    async with get_client() as client:
+        page = await client.read_events(filter=EventFilter(event=EventNameFilter(prefix=["megatrain.elastic."])), limit=50)
+    return [{"event": e.event, **e.payload} for e in page.events]
+
+
+def _wait_for_events(names: set[str], timeout_s: float = 30.0) -> list[dict]:
+    """Events reach the server asynchronously (the client's websocket): poll until they are in."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = asyncio.run(_elastic_events())
+        if names <= {e["event"] for e in events} or time.monotonic() > deadline:
+            return events
+        time.sleep(0.5)
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -128,6 +149,9 @@ def test_evict_node_shrinks_then_grows_back(tmp_path, shard_root):
         assert (campaign.stage_dir(0) / "nodes" / f"node-{node}" / "staging").is_dir()
     artifact = asyncio.run(_artifact("evict-nodes"))
     assert artifact is not None and "shrink" in str(artifact.data) and "grow" in str(artifact.data)
+    events = _wait_for_events({"megatrain.elastic.shrink", "megatrain.elastic.grow"})
+    changes = sorted((e["event"], e["stage"], e["nodes"]) for e in events)
+    assert changes == [("megatrain.elastic.grow", "b", [0, 1]), ("megatrain.elastic.shrink", "a", [0])], events
 
     a_durable, b_durable = campaign.stage_durable_url(0), campaign.stage_durable_url(1)
     a_final = catalog.committed(a_durable)[-1]
