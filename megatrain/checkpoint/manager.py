@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain import storage
-from megatrain.checkpoint import reshard, state
+from megatrain.checkpoint import catalog, reshard, state
 from megatrain.checkpoint.files import (
     MANIFEST, STAGED, model_file, parse_step, rank_marker, rank_meta_file, rank_tensor_file, step_dir_name,
 )
@@ -94,6 +94,7 @@ class Checkpointer:
             if found is None:
                 log.warning("checkpoint.init_from=%s holds no committed checkpoint: starting from scratch",
                             self.ckpt.init_from)
+        self._drop_abandoned_steps(restored.step if restored is not None else 0)
         if restored is None:
             return 0
         self.history = restored.history
@@ -101,6 +102,21 @@ class Checkpointer:
             log.warning("resumed step %d with changes: %s", restored.step, restored.history[-1])
         self.last_saved_step = restored.step
         return restored.step
+
+    def _drop_abandoned_steps(self, resumed: int) -> None:
+        """Uncommitted steps after the one resumed from were left by an attempt that died before
+        committing them. This attempt redoes them, and the committer must not take their stale
+        rank markers (an older timeline's, maybe another layout's) for the new ones."""
+        if self.groups.rank == 0:
+            for info in catalog.list_checkpoints(self.ckpt.durable_url):
+                if not info.committed and not info.problem and info.step > resumed:
+                    try:
+                        storage.rm(info.url, recursive=True)
+                        log.info("removed uncommitted step %d of an earlier attempt: %s", info.step, info.url)
+                    except OSError as exc:
+                        log.warning("could not remove uncommitted step %s: %s", info.url, exc)
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.barrier()  # nobody uploads into a step dir before it is gone
 
     def _discard_own_staging(self) -> None:
         """Staged files of an earlier attempt are either committed already or from a timeline that

@@ -149,6 +149,8 @@ def test_evict_node_shrinks_then_grows_back(tmp_path, shard_root):
         assert (campaign.stage_dir(0) / "nodes" / f"node-{node}" / "staging").is_dir()
     artifact = asyncio.run(_artifact("evict-nodes"))
     assert artifact is not None and "shrink" in str(artifact.data) and "grow" in str(artifact.data)
+    report_md = Path(report["report"]).read_text()  # the campaign report says what happened to the nodes
+    assert "dp 2, accumulation 2 (shrink); node 1 excluded" in report_md and "dp 4, accumulation 1 (grow)" in report_md
     events = _wait_for_events({"megatrain.elastic.shrink", "megatrain.elastic.grow"})
     changes = sorted((e["event"], e["stage"], e["nodes"]) for e in events)
     assert changes == [("megatrain.elastic.grow", "b", [0, 1]), ("megatrain.elastic.shrink", "a", [0])], events

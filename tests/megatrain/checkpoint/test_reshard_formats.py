@@ -76,3 +76,18 @@ def test_checkpoint_of_the_previous_format_still_loads(fresh):
     run(second, resumed, 4)
     resumed.close()
     assert_same_state(full_state(second), expected)
+
+
+def test_restore_removes_uncommitted_steps_of_an_abandoned_attempt(fresh):
+    """A step uploaded but never committed by a dead attempt (its rank markers maybe of another
+    layout) is redone by the next one: restore removes it, so the committer cannot mix markers."""
+    cfg, trainer, checkpointer = fresh(interval=2)
+    run(trainer, checkpointer, 2)
+    checkpointer.close()
+    durable = Path(cfg.checkpoint.durable_url)
+    stale = durable / "step-00000004"
+    stale.mkdir()
+    (stale / "rank-00001.done.json").write_text(json.dumps({"rank": 1, "step": 4, "fingerprint": "another layout"}))
+    again = make_trainer(cfg)
+    assert Checkpointer(cfg, again.env, again.groups).restore(again) == 2
+    assert not stale.exists() and [i.step for i in catalog.committed(str(durable))] == [2]
