@@ -130,6 +130,7 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     from megatrain.launch import run_ranks
     from megatrain.launch_nodes import nodes_command
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
+    from megatrain.reliability.watcher import HeartbeatWatcher
 
     logger = run_logger()
     plan = plan_nodes(campaign, index, config_path)
@@ -148,8 +149,12 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     command = nodes_command(config_path, plan.nodes, campaign.nproc_per_node, campaign.stage_dir(index) / "nodes",
                             [f"parallel.world_size={plan.world_size}"])
-    result = run_ranks(command, on_line=logger.info, timeout_s=campaign.stage_timeout_s, env=env,
-                       verdict_reader=verdict, poll_s=min(1.0, cfg.reliability.heartbeat_interval_s))
+    watcher = HeartbeatWatcher.from_config(cfg.reliability, cfg.train.run_dir, cfg.run_id, world_size=plan.world_size)
+    try:  # a hung rank on any node: stacks collected, every node stopped (megatrain.launch.run_ranks)
+        result = run_ranks(command, on_line=logger.info, watcher=watcher, timeout_s=campaign.stage_timeout_s, env=env,
+                           verdict_reader=verdict, poll_s=min(1.0, cfg.reliability.heartbeat_interval_s))
+    finally:
+        watcher.close()
     (logger.info if result.ok else logger.error)("attempt %d ended: %s after %.1f s. %s",
                                                 attempt, result.status, result.wall_s, result.message)
     outcome = asdict(result)
