@@ -36,7 +36,9 @@ class CampaignConfig(_Section):
     recipe: str = Field(description="path of the base recipe (relative paths: from the repository root)")
     overrides: list[str] = Field(default_factory=list, description="dotted overrides for every stage")
     nproc_per_node: int = Field(1, gt=0, description="training ranks per node")
-    nnodes: int = Field(1, gt=0)
+    nnodes: int = Field(1, gt=0, description="nodes of nproc_per_node ranks; launcher local: that many torchrun "
+                        "agents on this machine meeting through a c10d rendezvous (megatrain.launch_nodes), each node "
+                        "self-checked before every attempt (reliability.on_node_loss: wait | shrink)")
     launcher: Literal["local", "kubernetes"] = "local"
     root_dir: str = Field("runs/campaigns", description="local directory for run dirs, staging and reports")
     durable_url: str | None = Field(None, description="fsspec URL for committed checkpoints; default <root_dir>/<id>/durable")

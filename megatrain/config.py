@@ -232,6 +232,11 @@ class CheckpointConfig(_Section):
         None, description="when this run has no checkpoint of its own, start from the newest committed one "
         "here (weights and optimizer state only: a new stage of a campaign keeps its own step count and data)",
     )
+    allow_schedule_change: bool = Field(
+        False, description="on resume, accept a checkpoint written with another global batch size, LR schedule or "
+        "optimizer hyper-parameters (the change is recorded in the checkpoint's history); model, optimizer kind, "
+        "data order and seed must still match",
+    )
 
 
 class AnomalyConfig(_Section):
@@ -253,7 +258,7 @@ class FaultConfig(_Section):
 
     kind: Literal[
         "kill_rank", "hang_rank", "slow_rank", "nan_loss", "spike_loss",
-        "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis",
+        "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node",
     ]
     step: int = Field(0, ge=0)
     rank: int = Field(0, ge=0)
@@ -264,6 +269,8 @@ class FaultConfig(_Section):
         None, description="corrupt_checkpoint/corrupt_shard: path or URL; kill_redis: pid or pid file"
     )
     once: bool = Field(True, description="fire only in the first attempt (marker file in run_dir)")
+    node: int = Field(0, ge=0, description="evict_node: the node killed at `step` (a multi-node stage, "
+                      "megatrain.launch_nodes); it then fails its self-check until the stage ends")
 
 
 class SelfCheckConfig(_Section):
@@ -298,6 +305,13 @@ class ReliabilityConfig(_Section):
     )
     straggler_steps: int = Field(3, ge=1)
     max_restarts: int = Field(3, ge=0, description="per stage")
+    on_node_loss: Literal["wait", "shrink"] = Field(
+        "wait", description="a multi-node stage whose node fails its self-check: wait up to node_wait_s for it "
+        "to pass, then fail the stage (wait), or go on without it after node_wait_s (shrink: dp shrinks, "
+        "accumulation grows, same global batch; the node rejoins at a later attempt once it passes)",
+    )
+    node_wait_s: float = Field(0.0, ge=0, description="how long a node that failed its self-check may take to "
+                               "pass it again before the policy applies (re-checked every few seconds)")
     max_rollbacks: int = Field(3, ge=0, description="per stage, within rollback_window_steps")
     rollback_window_steps: int = Field(1000, gt=0)
     rollback_skip_samples: int | None = Field(None, ge=0, description="data skipped on rollback; default one global batch per step rolled back")
@@ -349,6 +363,51 @@ class Config(_Section):
         return f"{self.name}-{hashlib.sha256(self.train.run_dir.encode()).hexdigest()[:8]}"
 
     def fingerprint(self) -> str:
-        """A short hash of everything that changes the math (not logging or paths)."""
+        """A short hash of everything that changes the computation (not logging or paths): the
+        identity of a finished result (campaign stage caches). Whether a *checkpoint* can be
+        continued is decided by ``state_fields()`` and ``schedule_fields()``, not by this hash."""
         keep = self.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "checkpoint": True, "reliability": True})
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+    def state_fields(self) -> dict[str, object]:
+        """The fields that define what a checkpoint holds, by dotted name: the model's shapes and
+        math, the optimizer kind, the precision, the data (and so its sample order) and the seeds.
+        A checkpoint written under other values of any of these cannot be continued."""
+        dump = self.model_dump(mode="json", exclude=_NOT_STATE)
+        return {k: v for k, v in _flatten(dump).items() if k not in SCHEDULE_FIELDS}
+
+    def schedule_fields(self) -> dict[str, object]:
+        """How the state moves on: global batch, LR schedule (with its effective decay length) and
+        optimizer hyper-parameters. Changing one on resume needs ``checkpoint.allow_schedule_change``."""
+        flat = _flatten(self.model_dump(mode="json"))
+        out = {k: flat[k] for k in SCHEDULE_FIELDS}
+        # decay_steps defaults to train.steps: extending a cosine run changes its schedule
+        out["optim.decay_steps"] = None if self.optim.schedule == "constant" else (self.optim.decay_steps or self.train.steps)
+        return out
+
+
+# Fields that change neither the checkpointed state nor how it evolves: the length of the run,
+# the split of the global batch into micro-batches, kernels, compile, activation checkpointing,
+# the parallel layout, where files go, and the checkpoint and reliability policies.
+_NOT_STATE = {
+    "name": True, "parallel": True, "checkpoint": True, "reliability": True,
+    "model": {"kernels", "activation_checkpointing", "compile"},
+    "train": {"steps", "micro_batch_size", "device", "log_interval", "run_dir"},
+    "data": {"shard_url", "num_workers", "prefetch_batches", "on_bad_shard", "verify_checksums"},
+}
+
+SCHEDULE_FIELDS = (
+    "train.global_batch_size", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.schedule", "optim.decay_steps",
+    "optim.betas", "optim.eps", "optim.weight_decay", "optim.max_trust_ratio", "optim.grad_clip",
+)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -264,6 +264,10 @@ def _launch(campaign: CampaignConfig, index: int, config_path: str, attempt: int
         manifests = stage_manifests(campaign, index, attempt, Path(config_path).read_text(),
                                     image=os.environ.get("MEGATRAIN_IMAGE", "megatrain:latest"))
         return launch_kubernetes_job.submit(manifests, campaign.stage_timeout_s)
+    if campaign.nnodes > 1:  # N torchrun agents here, each node self-checked first (shrink/grow: tasks/elastic.py)
+        from tasks.elastic import launch_nodes
+
+        return launch_nodes.submit(campaign, index, config_path, attempt)
     return launch_ranks.submit(config_path, campaign.nproc_per_node, attempt, campaign.stage_timeout_s)
 
 

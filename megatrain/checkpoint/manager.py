@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 
 from megatrain import storage
-from megatrain.checkpoint import state
+from megatrain.checkpoint import catalog, reshard, state
 from megatrain.checkpoint.files import (
     MANIFEST, STAGED, model_file, parse_step, rank_marker, rank_meta_file, rank_tensor_file, step_dir_name,
 )
-from megatrain.checkpoint.restore import restore_checkpoint
+from megatrain.checkpoint.restore import RunIdentity, restore_checkpoint
 from megatrain.checkpoint.retention import apply_retention, clean_staging
 from megatrain.checkpoint.snapshot import RankSnapshot, Snapshotter, SnapshotTiming
 from megatrain.checkpoint.upload import UploadError, mark_staged, upload_checkpoint
@@ -68,8 +68,11 @@ class Checkpointer:
     def __init__(self, cfg: Config, env: DistEnv, groups: ProcessGroups):
         self.cfg, self.env, self.groups = cfg, env, groups
         self.ckpt = cfg.checkpoint
-        self.fingerprint = cfg.fingerprint()
-        self.layout = {"dp": groups.dims.dp, "tp": groups.dims.tp, "pp": groups.dims.pp, "world_size": env.world_size}
+        self.identity = RunIdentity.of(cfg)
+        self.fingerprint = self.identity.fingerprint
+        self.layout = {"dp": groups.dims.dp, "tp": groups.dims.tp, "pp": groups.dims.pp, "world_size": env.world_size,
+                       "zero_stage": cfg.parallel.zero_stage}
+        self.history: list[dict] = []  # changes of schedule or layout this run's checkpoints went through
         self.snapshotter = Snapshotter(self.ckpt.staging_dir, env.device)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._jobs: list[Future] = []
@@ -87,14 +90,35 @@ class Checkpointer:
         self._discard_own_staging()
         if not self.ckpt.resume:
             return 0
-        step = restore_checkpoint(trainer, self.ckpt.durable_url, self.fingerprint, self.layout, self.groups)
-        if step is None and self.ckpt.init_from:
+        restored = restore_checkpoint(trainer, self.ckpt.durable_url, self.identity, self.layout, self.groups)
+        if restored is None and self.ckpt.init_from:
             found = restore_checkpoint(trainer, self.ckpt.init_from, None, self.layout, self.groups, full=False)
             if found is None:
                 log.warning("checkpoint.init_from=%s holds no committed checkpoint: starting from scratch",
                             self.ckpt.init_from)
-        self.last_saved_step = step
-        return step or 0
+        self._drop_abandoned_steps(restored.step if restored is not None else 0)
+        if restored is None:
+            return 0
+        self.history = restored.history
+        if restored.history and restored.history[-1]["step"] == restored.step:
+            log.warning("resumed step %d with changes: %s", restored.step, restored.history[-1])
+        self.last_saved_step = restored.step
+        return restored.step
+
+    def _drop_abandoned_steps(self, resumed: int) -> None:
+        """Uncommitted steps after the one resumed from were left by an attempt that died before
+        committing them. This attempt redoes them, and the committer must not take their stale
+        rank markers (an older timeline's, maybe another layout's) for the new ones."""
+        if self.groups.rank == 0:
+            for info in catalog.list_checkpoints(self.ckpt.durable_url):
+                if not info.committed and not info.problem and info.step > resumed:
+                    try:
+                        storage.rm(info.url, recursive=True)
+                        log.info("removed uncommitted step %d of an earlier attempt: %s", info.step, info.url)
+                    except OSError as exc:
+                        log.warning("could not remove uncommitted step %s: %s", info.url, exc)
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.barrier()  # nobody uploads into a step dir before it is gone
 
     def _discard_own_staging(self) -> None:
         """Staged files of an earlier attempt are either committed already or from a timeline that
@@ -160,6 +184,8 @@ class Checkpointer:
             "step": trainer.step, "rank": rank, "coords": coords, "fingerprint": self.fingerprint,
             "layout": self.layout, "optimizer": optim_meta, "scheduler": state.scheduler_state(engine.lr_scheduler),
             "engine": state.engine_counters(engine), "loader": loader_state, "rng": rng_meta,
+            "shards": reshard.param_map(engine.module, engine.optimizer, g.dp_rank),
+            "state_fields": self.identity.state, "schedule_fields": self.identity.schedule, "history": self.history,
         }
         marker = {"fingerprint": self.fingerprint, "layout": self.layout, "coords": coords,
                   "data_position": loader_state, "versions": self._versions}

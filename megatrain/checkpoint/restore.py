@@ -1,8 +1,11 @@
 """Restore: the newest committed checkpoint whose files verify, read once per group, broadcast.
 
-1. Global rank 0 lists the committed checkpoints (newest first) and checks that their config
-   fingerprint and parallel layout match this run; a mismatch is an error, not a fallback (the
-   durable URL belongs to another run). It broadcasts the candidates to all ranks.
+1. Global rank 0 lists the committed checkpoints (newest first) and checks that this run can
+   continue them: the fields that define the model, optimizer, data and seed must match
+   (``Config.state_fields``), the batch size and LR schedule too unless
+   ``checkpoint.allow_schedule_change`` (``Config.schedule_fields``). A mismatch is an error naming
+   each field, not a fallback. It broadcasts the candidates to all ranks. A checkpoint written at
+   another parallel layout is resharded (reshard.py) instead of read as below.
 2. For a candidate, every rank reads the files it needs and checks each file's size and sha256
    against the manifest while it is in memory (a checkpoint is data: safetensors + JSON, never
    pickle). The union of those reads is every file of the checkpoint, so every file is verified,
@@ -26,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatrain import storage
-from megatrain.checkpoint import catalog, state
+from megatrain import errors, storage
+from megatrain.checkpoint import catalog, reshard, state
 from megatrain.checkpoint.files import (
     ChecksumError, check_bytes, check_parses, model_file, parse_json, parse_safetensors, rank_meta_file,
     rank_tensor_file, sha256_stream,
@@ -41,19 +44,75 @@ class CheckpointError(RuntimeError):
     """No checkpoint can be restored although committed ones exist, or they belong to another run."""
 
 
-class CheckpointMismatch(CheckpointError):
-    """A committed checkpoint was written by a different config or parallel layout."""
+class CheckpointMismatch(CheckpointError, errors.CheckpointMismatch):
+    """A committed checkpoint that this run cannot continue: a model-defining field differs, or a
+    schedule field without ``checkpoint.allow_schedule_change`` (deterministic: no restart)."""
 
 
-def check_compatible(manifest: dict[str, Any], fingerprint: str, layout: dict[str, int], url: str) -> None:
-    if manifest.get("fingerprint") != fingerprint:
+@dataclass(frozen=True)
+class RunIdentity:
+    """What this run must share with a checkpoint to continue it (see ``Config.state_fields``)."""
+
+    fingerprint: str
+    state: dict[str, Any]
+    schedule: dict[str, Any]
+    allow_schedule_change: bool = False
+
+    @classmethod
+    def of(cls, cfg: Any) -> RunIdentity:
+        return cls(cfg.fingerprint(), cfg.state_fields(), cfg.schedule_fields(), cfg.checkpoint.allow_schedule_change)
+
+
+def _differences(saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, list]:
+    return {k: [saved.get(k), mine.get(k)] for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)}
+
+
+def _describe(diff: dict[str, list]) -> str:
+    return ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in diff.items())
+
+
+def check_compatible(manifest: dict[str, Any], meta0: dict[str, Any] | None, identity: RunIdentity,
+                     url: str) -> dict[str, list]:
+    """Raise CheckpointMismatch when this run cannot continue the checkpoint; returns the schedule
+    fields that change (allowed by the flag). ``meta0`` is the checkpoint's rank-0 JSON (needed
+    only when the fingerprints differ). The parallel layout never blocks: restore reshards."""
+    if manifest.get("fingerprint") == identity.fingerprint:
+        return {}
+    if meta0 is None or "state_fields" not in meta0:
         raise CheckpointMismatch(
             f"{url}: written by a different config (fingerprint {manifest.get('fingerprint')} != this run's "
-            f"{fingerprint}); use another checkpoint.durable_url, or checkpoint.resume=false to start over"
+            f"{identity.fingerprint}) before checkpoints recorded their fields; use another "
+            "checkpoint.durable_url, or checkpoint.resume=false to start over"
         )
-    saved = {k: manifest.get("layout", {}).get(k) for k in layout}
-    if saved != layout:
-        raise CheckpointMismatch(f"{url}: saved with layout {saved}, this run is {layout}; resharding is not supported")
+    model = _differences(meta0["state_fields"], identity.state)
+    if model:
+        raise CheckpointMismatch(
+            f"{url}: written by a config that differs in fields that define the model, optimizer, data or seed: "
+            f"{_describe(model)} (checkpoint -> this run); use another checkpoint.durable_url, or "
+            "checkpoint.resume=false to start over"
+        )
+    schedule = _differences(meta0.get("schedule_fields", {}), identity.schedule)
+    if schedule and not identity.allow_schedule_change:
+        raise CheckpointMismatch(
+            f"{url}: the batch size or learning-rate schedule differs: {_describe(schedule)} (checkpoint -> this "
+            "run); set checkpoint.allow_schedule_change=true to continue with the new values (recorded in the "
+            "checkpoint history), or keep the old ones (e.g. set optim.decay_steps when extending train.steps)"
+        )
+    return schedule
+
+
+def same_layout(saved: dict[str, Any], mine: dict[str, Any]) -> bool:
+    """True when every rank's files fit this run as they are (no resharding)."""
+    keys = ("dp", "tp", "pp", "world_size")
+    if any(saved.get(k) != mine.get(k) for k in keys):
+        return False
+    if "zero_stage" in saved and "zero_stage" in mine:  # ZeRO 1 and 2 share a partition layout; 0 and 3 do not
+        return _partitioning(saved["zero_stage"]) == _partitioning(mine["zero_stage"])
+    return True
+
+
+def _partitioning(zero_stage: int) -> str:
+    return {0: "none", 1: "flat", 2: "flat", 3: "per-parameter"}[zero_stage]
 
 
 def read_verified(step_url: str, name: str, manifest: dict[str, Any]) -> bytes:
@@ -132,54 +191,116 @@ def _gather(value: Any) -> list[Any]:
     return out
 
 
-def _candidates(durable_url: str, fingerprint: str | None, layout: dict[str, int]) -> list[tuple[int, str, dict]]:
+@dataclass
+class Candidate:
+    step: int
+    url: str
+    manifest: dict[str, Any]
+    schedule_changes: dict[str, list]  # field -> [checkpoint's, this run's] (allowed by the flag)
+    history: list[dict]  # the checkpoint's record of earlier changes
+
+
+def _candidates(durable_url: str, identity: RunIdentity | None) -> list[Candidate]:
+    """Committed checkpoints, newest first, after checking that this run can continue each one."""
     infos = list(reversed(catalog.list_checkpoints(durable_url)))
     for info in infos:
         if info.problem:
             log.warning("checkpoint %s ignored: %s", info.url, info.problem)
-    found = [(info.step, info.url, info.manifest) for info in infos if info.committed]
-    for _, url, manifest in found:
-        check_compatible(manifest, fingerprint or manifest.get("fingerprint"), layout, url)
+    found = []
+    for info in (i for i in infos if i.committed):
+        meta0 = None
+        if identity is None or info.manifest.get("fingerprint") != identity.fingerprint:
+            try:  # a small JSON, verified; unreadable means "cannot tell", a mismatch for old files
+                meta0 = json.loads(read_verified(info.url, rank_meta_file(0), info.manifest))
+            except (ChecksumError, OSError, ValueError) as exc:
+                log.warning("checkpoint %s: rank 0's JSON unreadable (%s)", info.url, exc)
+        changes = {} if identity is None else check_compatible(info.manifest, meta0, identity, info.url)
+        history = (meta0 or {}).get("history", [])
+        found.append(Candidate(info.step, info.url, info.manifest, changes, history))
     return found
 
 
-def restore_checkpoint(trainer: Any, durable_url: str, fingerprint: str | None, layout: dict[str, int],
-                       groups: ProcessGroups, full: bool = True) -> int | None:
+@dataclass
+class Restored:
+    step: int
+    history: list[dict]  # the checkpoint's history plus what this restore changed
+
+
+def restore_checkpoint(trainer: Any, durable_url: str, identity: RunIdentity | None, layout: dict[str, int],
+                       groups: ProcessGroups, full: bool = True) -> Restored | None:
     """Put the newest verified committed checkpoint under ``durable_url`` into ``trainer``.
 
-    Returns its step, or None when the URL holds no committed checkpoint. ``fingerprint=None``
-    accepts any config of the same layout (a campaign stage starting from the previous stage);
-    ``full=False`` puts back only model and optimizer tensors (see ``apply_rank_state``).
+    Returns its step and history, or None when the URL holds no committed checkpoint.
+    ``identity=None`` accepts any config (a campaign stage starting from the previous stage);
+    ``full=False`` puts back only model and optimizer tensors (see ``apply_rank_state``). A
+    checkpoint written at another layout (dp, tp, pp, ZeRO or not) is resharded (reshard.py).
     """
     found: Any = None
     if groups.rank == 0:
         try:
-            found = ("ok", _candidates(durable_url, fingerprint, layout))
+            found = ("ok", _candidates(durable_url, identity))
         except Exception as exc:  # every rank must learn of the failure, or they wait forever below
-            found = ("error", f"{type(exc).__name__}: {exc}", isinstance(exc, CheckpointMismatch))
+            mismatch = isinstance(exc, CheckpointMismatch)
+            found = ("error", str(exc) if mismatch else f"{type(exc).__name__}: {exc}", mismatch)
     found = _broadcast_from_rank0(found)
     if found[0] == "error":
         raise (CheckpointMismatch if found[2] else CheckpointError)(found[1])
-    candidates = found[1]
-    for step, url, manifest in candidates:
+    candidates: list[Candidate] = found[1]
+    for c in candidates:
+        apply = _read_same_layout if same_layout(c.manifest["layout"], layout) else _read_other_layout
         try:
-            rank_state, problem = read_rank_state(url, manifest, groups), None
+            put_back, problem = apply(trainer, c, groups), None
         except (ChecksumError, OSError, ValueError, KeyError) as exc:
-            rank_state, problem = None, f"{type(exc).__name__}: {exc}"
+            put_back, problem = None, f"{type(exc).__name__}: {exc}"
         problems = [(r, p) for r, p in enumerate(_gather(problem)) if p]
         if problems:
             reasons = "; ".join(f"rank {r}: {p}" for r, p in problems)
-            log.warning("checkpoint %s rejected, falling back to the one before: %s", url, reasons)
+            log.warning("checkpoint %s rejected, falling back to the one before: %s", c.url, reasons)
             continue
-        apply_rank_state(trainer, rank_state, groups, full=full)
-        log.info("restored checkpoint %s (step %d%s)", url, step, "" if full else ", weights and optimizer only")
-        return step
+        put_back(full, bool(c.schedule_changes))
+        log.info("restored checkpoint %s (step %d%s)", c.url, c.step, "" if full else ", weights and optimizer only")
+        return Restored(c.step, c.history + _changes(c, layout))
     if candidates:
         raise CheckpointError(
             f"{durable_url}: {len(candidates)} committed checkpoint(s), none verified (reasons above); "
             "repair or remove them, or set checkpoint.resume=false"
         )
     return None
+
+
+def _changes(c: Candidate, layout: dict[str, int]) -> list[dict]:
+    """This restore's entry of the checkpoint history (none when nothing changed)."""
+    entry: dict[str, Any] = {}
+    if c.schedule_changes:
+        entry["schedule"] = c.schedule_changes
+    saved = c.manifest["layout"]
+    if not same_layout(saved, layout) or saved.get("zero_stage", layout.get("zero_stage")) != layout.get("zero_stage"):
+        entry["layout"] = [saved, layout]
+    return [{"step": c.step, **entry}] if entry else []
+
+
+def _read_same_layout(trainer: Any, c: Candidate, groups: ProcessGroups):
+    """Read this rank's own files; returns the function that puts them in place."""
+    rank_state = read_rank_state(c.url, c.manifest, groups)
+    return lambda full, schedule_changed: apply_rank_state(trainer, rank_state, groups, full, schedule_changed)
+
+
+def _read_other_layout(trainer: Any, c: Candidate, groups: ProcessGroups):
+    """Read what this rank needs of a checkpoint written at another layout (reshard.py)."""
+    def read(name: str) -> bytes:
+        return read_verified(c.url, name, c.manifest)
+
+    metas = reshard.read_metas(read, c.manifest, groups)
+    loaded = reshard.read_resharded(trainer.engine, read, metas, c.manifest, groups)
+
+    def put_back(full: bool, schedule_changed: bool) -> None:
+        reshard.apply_resharded(trainer.engine, loaded, groups)
+        meta0 = metas[0]
+        if full and not schedule_changed:
+            state.load_hyperparameters(trainer.engine.optimizer, meta0["optimizer"]["param_groups"])
+        if full:
+            _apply_run_state(trainer, meta0, schedule_changed, loaded.rng)
+    return put_back
 
 
 def newest_restorable_step(durable_url: str) -> int | None:
@@ -193,30 +314,40 @@ def newest_restorable_step(durable_url: str) -> int | None:
     return None
 
 
-def _broadcast_model(module: torch.nn.Module, groups: ProcessGroups) -> None:
-    """dp_rank 0 of this (pp, tp) shard sends its weights to the other DP replicas."""
-    if groups.dims.dp == 1 or not dist.is_initialized():
-        return
-    src = groups.dims.rank_of(groups.pp_rank, 0, groups.tp_rank)
-    with torch.no_grad():
-        for tensor in state.model_tensors(module).values():
-            dist.broadcast(tensor, src=src, group=groups.dp_group)
-
-
-def apply_rank_state(trainer: Any, rank_state: RankState, groups: ProcessGroups, full: bool = True) -> None:
+def apply_rank_state(trainer: Any, rank_state: RankState, groups: ProcessGroups, full: bool = True,
+                     schedule_changed: bool = False) -> None:
     """Put what a rank read back in place. ``full=False`` (a new campaign stage): model weights and
     optimizer tensors only; the stage keeps its own LR schedule, hyper-parameters, step count,
-    data position and seeds."""
+    data position and seeds. ``schedule_changed``: keep this run's LR schedule and hyper-parameters
+    (only the step count of the schedule comes from the checkpoint)."""
     engine, meta = trainer.engine, rank_state.meta
     if rank_state.model is not None:
-        state.load_model_tensors(engine.module, rank_state.model)
-    _broadcast_model(engine.module, groups)
-    state.load_optimizer_state(engine.optimizer, rank_state.tensors, meta["optimizer"], hyperparameters=full)
-    if not full:
-        return
-    if meta.get("scheduler") is not None and getattr(engine, "lr_scheduler", None) is not None:
-        engine.lr_scheduler.load_state_dict(meta["scheduler"])
+        state.load_model_tensors(engine.module, reshard.live_names(rank_state.model, meta, engine.module))
+    reshard.broadcast_weights(engine.module, groups)
+    state.load_optimizer_state(engine.optimizer, rank_state.tensors, meta["optimizer"],
+                               hyperparameters=full and not schedule_changed)
+    if full:
+        _apply_run_state(trainer, meta, schedule_changed, (rank_state.tensors, meta["rng"]))
+
+
+def _apply_run_state(trainer: Any, meta: dict[str, Any], schedule_changed: bool, rng: tuple | None) -> None:
+    """Schedule, DeepSpeed's counters, data position and (last: nothing may draw after it) RNG."""
+    engine = trainer.engine
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if meta.get("scheduler") is not None and scheduler is not None:
+        if schedule_changed:  # this run's schedule, at the checkpoint's step
+            scheduler.last_epoch = meta["scheduler"]["last_epoch"]
+            scheduler._step_count = meta["scheduler"].get("_step_count", scheduler.last_epoch + 1)
+            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
+        else:
+            scheduler.load_state_dict(meta["scheduler"])
     state.load_engine_counters(engine, meta.get("engine", {}))
+    if hasattr(engine, "gradient_accumulation_steps"):  # the micro-batch split may have changed
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     if meta.get("loader") is not None:
         trainer.loader.load_state_dict(meta["loader"])
-    state.load_rng_state(trainer.env.device, rank_state.tensors, meta["rng"])  # last: nothing may draw after it
+    if rng is not None:
+        state.load_rng_state(trainer.env.device, *rng)

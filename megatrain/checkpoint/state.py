@@ -41,15 +41,33 @@ def model_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, int]] = set()
     for name, tensor in module.state_dict(keep_vars=True).items():
         tensor = tensor.detach()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        # (ZeRO-3 leaves empty placeholders, all at one address: those are told apart by name)
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset()) if tensor.numel() else name
         if key not in seen:
             seen.add(key)
             out[name] = tensor
     return out
 
 
+def _is_zero3(optimizer: Any) -> bool:
+    return hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "optimizer")
+
+
 def _is_zero(optimizer: Any) -> bool:
-    return hasattr(optimizer, "single_partition_of_fp32_groups") and hasattr(optimizer, "optimizer")
+    """DeepSpeed's ZeRO optimizer, stage 1/2 or 3: fp32 master partitions, one per (sub-)group."""
+    return (hasattr(optimizer, "single_partition_of_fp32_groups") and hasattr(optimizer, "optimizer")) or _is_zero3(optimizer)
+
+
+def kind_of(optimizer: Any) -> str:
+    return "zero3" if _is_zero3(optimizer) else "zero" if _is_zero(optimizer) else "torch"
+
+
+def fp32_partitions(optimizer: Any) -> list[torch.Tensor]:
+    """This rank's fp32 master-weight partitions under ZeRO (stage 3: each parameter's own
+    slice, concatenated per sub-group; stage 1/2: a slice of the group's flat buffer)."""
+    if _is_zero3(optimizer):
+        return list(optimizer.fp32_partitioned_groups_flat)
+    return list(optimizer.single_partition_of_fp32_groups)
 
 
 def _json_value(value: Any) -> Any | None:
@@ -67,13 +85,16 @@ def _hyperparameters(param_groups: list[dict]) -> list[dict[str, Any]]:
 
 def _state_entries(optimizer: Any) -> list[tuple[str, torch.Tensor, dict]]:
     """(name prefix, parameter, its state dict) for every parameter the optimizer updates."""
+    if _is_zero3(optimizer):
+        base = optimizer.optimizer
+        return [(f"zero.{i}", flat, base.state[flat]) for i, flat in enumerate(fp32_partitions(optimizer))]
     if _is_zero(optimizer):
         base = optimizer.optimizer
         return [(f"zero.{i}", g["params"][0], base.state[g["params"][0]]) for i, g in enumerate(base.param_groups)]
     if isinstance(optimizer, torch.optim.Optimizer):
         return [(f"torch.{i}.{j}", p, optimizer.state[p]) for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])]
     raise NotImplementedError(
-        f"checkpointing {type(optimizer).__name__} is not supported: expected DeepSpeed's ZeRO stage 1/2 "
+        f"checkpointing {type(optimizer).__name__} is not supported: expected DeepSpeed's ZeRO stage 1/2/3 "
         "optimizer or a torch.optim.Optimizer (zero_stage 0 with fp32)"
     )
 
@@ -93,12 +114,12 @@ def optimizer_state(optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, 
             elif _json_value(value) is not None:
                 scalars[name] = _json_value(value)
     if _is_zero(optimizer):
-        for i, flat in enumerate(optimizer.single_partition_of_fp32_groups):
+        for i, flat in enumerate(fp32_partitions(optimizer)):
             tensors[f"zero.{i}.fp32"] = flat.detach()
         groups = optimizer.optimizer.param_groups
     else:
         groups = optimizer.param_groups
-    meta = {"kind": "zero" if _is_zero(optimizer) else "torch", "param_groups": _hyperparameters(groups),
+    meta = {"kind": kind_of(optimizer), "param_groups": _hyperparameters(groups),
             "scalars": scalars, "state_on_cpu": on_cpu}
     return tensors, meta
 
@@ -108,7 +129,7 @@ def load_optimizer_state(optimizer: Any, tensors: dict[str, torch.Tensor], meta:
     """Put saved optimizer state back in place; state the optimizer has not created yet (it is
     created lazily at the first step) is created on the device it was saved from. With
     ``hyperparameters`` the param groups' lr (set by the schedule), betas, ... come back too."""
-    kind = "zero" if _is_zero(optimizer) else "torch"
+    kind = kind_of(optimizer)
     if meta["kind"] != kind:
         raise ValueError(f"checkpoint holds a {meta['kind']} optimizer state, this run uses {kind}")
     on_cpu = set(meta["state_on_cpu"])
@@ -127,18 +148,31 @@ def load_optimizer_state(optimizer: Any, tensors: dict[str, torch.Tensor], meta:
                 state[name[len(prefix) + len(".state."):]] = value
     if expected:
         raise ValueError(f"optimizer state for parameters this run does not have: {sorted(expected)[:3]}")
-    if kind == "zero":
-        for i, flat in enumerate(optimizer.single_partition_of_fp32_groups):
+    if kind != "torch":
+        for i, flat in enumerate(fp32_partitions(optimizer)):
             _copy_exact(flat, tensors[f"zero.{i}.fp32"], f"zero.{i}.fp32")
-        groups = optimizer.optimizer.param_groups
-    else:
-        groups = optimizer.param_groups
+    if kind == "zero3":
+        sync_zero3_weights(optimizer)
     if hyperparameters:
-        for group, saved in zip(groups, meta["param_groups"], strict=True):
-            for key, value in saved.items():
-                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        load_hyperparameters(optimizer, meta["param_groups"])
     if kind == "zero" and hasattr(optimizer, "_link_all_hp_params"):
         optimizer._link_all_hp_params()  # DeepSpeed's own load does this: re-point fragment views
+
+
+def sync_zero3_weights(optimizer: Any) -> None:
+    """ZeRO-3: the model's parameter partitions (views into one flat buffer per sub-group) from
+    the fp32 master partitions, as DeepSpeed's optimizer step leaves them."""
+    with torch.no_grad():
+        for flat16, flat32 in zip(optimizer.fp16_partitioned_groups_flat, fp32_partitions(optimizer), strict=True):
+            flat16.copy_(flat32)
+
+
+def load_hyperparameters(optimizer: Any, saved_groups: list[dict[str, Any]]) -> None:
+    """The param groups' lr (set by the schedule), betas, weight decay... as saved."""
+    groups = optimizer.optimizer.param_groups if _is_zero(optimizer) else optimizer.param_groups
+    for group, saved in zip(groups, saved_groups, strict=True):
+        for key, value in saved.items():
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
 
 
 def _copy_exact(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

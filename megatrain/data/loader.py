@@ -320,6 +320,10 @@ class ShardLoader(PositionedLoader):
             self._prefetcher = None
         super().seek(pos)
 
+    def _set_epoch_len(self, epoch_len: int) -> None:
+        super()._set_epoch_len(epoch_len)
+        self.stream.epoch_len = epoch_len
+
     @property
     def bad_shards(self) -> int:
         return len(self.cache.bad)

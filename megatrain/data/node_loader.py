@@ -253,6 +253,10 @@ class NodeServer(NodeLoader):
                 self._bad_shards = self.loader.bad_shards
                 return window
 
+    def _set_epoch_len(self, epoch_len: int) -> None:
+        super()._set_epoch_len(epoch_len)
+        self.loader._set_epoch_len(epoch_len)
+
     def seek(self, pos: int) -> None:
         """Restart the producer at ``pos``; batches it made for other positions are released."""
         with self.cond:

@@ -16,8 +16,10 @@ from megatrain.data.index import DataError, ShardIndex
 
 STATE_FORMAT = 1
 
-# What fixes the sample order: a state saved under other values would mean other samples.
-ORDER_KEYS = ("format", "version", "seed", "dp_size", "micro_batch_size", "shuffle_shards")
+# What fixes the sample order: a state saved under other values would mean other samples. The
+# split of a global batch over DP ranks and micro-batches does not: sample ``p`` of the stream is
+# the same for every (dp_size, micro_batch_size), once the epoch length is the saver's.
+ORDER_KEYS = ("format", "version", "seed", "shuffle_shards")
 
 
 def epoch_length(index: ShardIndex, micro_batch_size: int, dp_size: int) -> int:
@@ -73,6 +75,10 @@ class PositionedLoader:
         """Move to stream position ``pos`` (global samples)."""
         self._pos = pos
 
+    def _set_epoch_len(self, epoch_len: int) -> None:
+        """Adopt a restored run's epoch length (subclasses pass it to their batch streams)."""
+        self.epoch_len = epoch_len
+
     def skip(self, n_samples: int) -> None:
         """Jump over ``n_samples`` global samples (anomaly rollback skips the offending window)."""
         if n_samples < 0:
@@ -85,14 +91,19 @@ class PositionedLoader:
         return {"format": STATE_FORMAT, "version": self.index.version, "seed": self.seed, "dp_size": self.dp_size,
                 "micro_batch_size": self.micro_batch_size, "shuffle_shards": self.shuffle_shards,
                 "samples_consumed": self._pos, "samples_skipped": self._skipped, "epoch": self.epoch,
-                "bad_shards": self.bad_shards}
+                "epoch_len": self.epoch_len, "bad_shards": self.bad_shards}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where the saver stopped. A state of another shard version, seed or
-        batch layout is refused rather than reinterpreted as other samples."""
+        """Continue exactly where the saver stopped, whatever its DP size and micro-batch: the
+        position is global, and each DP rank takes its slice of the next global batch. The epoch
+        length stays the saver's (the first run's), so every later position means the same sample.
+        A state of another shard version, seed or shuffle window is refused rather than
+        reinterpreted as other samples."""
         mine = self.state_dict()
         for key in ORDER_KEYS:
             if state.get(key) != mine[key]:
                 raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {key}={mine[key]!r}")
+        saved_len = state.get("epoch_len") or epoch_length(self.index, state["micro_batch_size"], state["dp_size"])
+        self._set_epoch_len(int(saved_len))
         self._skipped = int(state["samples_skipped"])
         self.seek(int(state["samples_consumed"]))
