@@ -15,7 +15,7 @@ from megatrain.kernels import resolve
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 for 16-bit inputs
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 

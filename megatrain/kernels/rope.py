@@ -48,7 +48,7 @@ def rope_tables(inv_freq: torch.Tensor, seq_len: int, offset: int = 0) -> tuple[
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, hd] rotated by the angles of cos, sin [T, hd/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # [B, H, T, hd/2] each
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # [B, H, T, hd/2] each, >= fp32
     y = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return y.to(x.dtype)
 
