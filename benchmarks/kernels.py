@@ -335,6 +335,25 @@ def bench_llama() -> list[dict]:
     for impl, fn in _impls(lambda q, impl: rope(q, cos, sin, impl)):
         rows.append(timed("rope (q)", impl, fwd_bwd(fn, [q], dy), 4 * dy.numel() * 2))
     profile("rope fused", fwd_bwd(lambda q: rope(q, cos, sin, "fused"), [q], dy))
+    del q, dy
+
+    # grouped-query attention: SDPA reading the 8 shared KV heads (enable_gqa; cuDNN's kernel takes
+    # no GQA, so flash runs) against repeating them to 32 heads first (cuDNN's kernel, plus copies)
+    import torch.nn.functional as F
+
+    from megatrain.kernels.attention import repeat_kv
+
+    shape, kv_shape = (BATCH, LLAMA_HEADS, SEQ, LLAMA_HEAD_DIM), (BATCH, LLAMA_KV_HEADS, SEQ, LLAMA_HEAD_DIM)
+    q = torch.randn(shape, device="cuda", dtype=BF16, requires_grad=True)
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
+    dy = torch.randn(shape, device="cuda", dtype=BF16)
+    flops = _attention_flops(SEQ, None, BATCH) * LLAMA_HEADS * LLAMA_HEAD_DIM / (HEADS * HEAD_DIM)
+    variants = {"sdpa enable_gqa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                "repeat_kv + sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+                    q, repeat_kv(k, LLAMA_HEADS), repeat_kv(v, LLAMA_HEADS), is_causal=True)}
+    for name, fn in variants.items():
+        rows.append(timed("gqa attention", name, fwd_bwd(fn, [q, k, v], dy), flops=flops))
+        profile(f"gqa attention {name}", fwd_bwd(fn, [q, k, v], dy))
     return rows
 
 
