@@ -449,6 +449,7 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "nobias": (["model.bias=false"], None),
     "parallel-block": (["model.block=parallel"], None),  # Llama recipes: MegaScale's block with the same parts
     "llama-fused": (["model.kernels.rmsnorm=fused", "model.kernels.swiglu=fused", "model.kernels.rope=fused"], None),
+    "swiglu-fused": (["model.kernels.swiglu=fused"], None),
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".

@@ -97,7 +97,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
-        y, _, rstd = _forward(x2d, None, weight, eps, output_dtype(x, torch.result_type(x, weight)))
+        y, _, rstd = _forward(x2d, None, weight, eps, output_dtype(x, torch.promote_types(x.dtype, weight.dtype)))
         ctx.save_for_backward(x2d, weight, rstd)
         return y.view(x.shape)
 
@@ -113,7 +113,7 @@ class _AddRMSNormFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         shape = x.shape
         x2d, r2d = x.reshape(-1, shape[-1]).contiguous(), residual.reshape(-1, shape[-1]).contiguous()
-        out_dtype = output_dtype(x, torch.result_type(torch.result_type(x, residual), weight))
+        out_dtype = output_dtype(x, torch.promote_types(torch.promote_types(x.dtype, residual.dtype), weight.dtype))
         y, summed, rstd = _forward(x2d, r2d, weight, eps, out_dtype)
         ctx.save_for_backward(summed, weight, rstd)
         ctx.x_dtype, ctx.r_dtype = x.dtype, residual.dtype

@@ -154,3 +154,25 @@ def test_builds_on_the_meta_device_and_initialises_after():
     init_weights(model, cfg)
     assert torch.isfinite(model(torch.randint(0, 256, (1, 8)))).all()
     assert torch.all(model.head.ln_f.weight == 1)
+
+
+def test_rope_tables_stay_exact_fp32_through_casts_and_are_not_state():
+    model = GPT(ModelConfig(**LLAMA))
+    rope = model.blocks[0].attn.rope
+    exact = rope.cos.clone()
+    model.to(torch.bfloat16)
+    assert rope.cos.dtype == torch.float32 and torch.equal(rope.cos, exact)
+    assert not any("cos" in name or "sin" in name for name in model.state_dict())
+
+
+def test_decoding_past_the_trained_context_uses_positions_beyond_the_tables():
+    """RoPE has no table in the state dict: a model with seq_len 8 decoding 14 tokens equals the
+    same weights in a model built for seq_len 16."""
+    torch.manual_seed(0)
+    short = GPT(ModelConfig(**{**LLAMA, "seq_len": 8})).eval()
+    long = GPT(ModelConfig(**{**LLAMA, "seq_len": 16})).eval()
+    long.load_state_dict(short.state_dict())
+    idx = torch.randint(0, 256, (1, 14))
+    cache = KVCache(2)
+    pieces = [short(idx[:, :6], cache=cache)] + [short(idx[:, t : t + 1], cache=cache) for t in range(6, 14)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), long(idx), atol=1e-5, rtol=1e-5)
