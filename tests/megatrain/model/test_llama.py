@@ -176,3 +176,22 @@ def test_decoding_past_the_trained_context_uses_positions_beyond_the_tables():
     cache = KVCache(2)
     pieces = [short(idx[:, :6], cache=cache)] + [short(idx[:, t : t + 1], cache=cache) for t in range(6, 14)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), long(idx), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_projections_of_the_parallel_block_hold_for_gqa_and_swiglu(monkeypatch):
+    """PaLM's two-matmul form ([qkv | gate | up] in, [attn | mlp] out) with GQA's narrower qkv and
+    SwiGLU's doubled fc: same output and gradients as the four projections."""
+    from megatrain.model import block as block_module
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**LLAMA, block="parallel"))
+    idx = torch.randint(0, 256, (2, 16))
+    plain = model(idx, idx)
+    plain_grads = torch.autograd.grad(plain, list(model.parameters()))
+    monkeypatch.setattr(block_module, "FUSE_PROJECTIONS", "always")
+    assert model.blocks[0]._fuse_projections()
+    fused = model(idx, idx)
+    fused_grads = torch.autograd.grad(fused, list(model.parameters()))
+    torch.testing.assert_close(fused, plain)
+    for a, b in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(a, b)
