@@ -150,9 +150,13 @@ class ModelConfig(_Section):
         return self
 
 
-_LATER_MODEL_KNOBS = ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling",
-                      "norm", "mlp")
-_LATER_KERNEL_KNOBS = ("rmsnorm", "swiglu", "rope")
+# Fields added after checkpoints were first written, by dotted section: the fingerprint counts
+# each only when it is set away from its default, so older recipes keep their fingerprints (and
+# resume their checkpoints). A branch adding fields to a section lists them here too.
+_LATER_KNOBS: dict[str, tuple[str, ...]] = {
+    "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp"),
+    "model.kernels": ("rmsnorm", "swiglu", "rope"),
+}
 
 
 class OverlapConfig(_Section):
@@ -431,11 +435,12 @@ class Config(_Section):
         keep = self.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "checkpoint": True, "reliability": True})
         # Knobs added after the first checkpoints were written count only when set away from their
         # defaults, so a GPT recipe keeps its fingerprint (and resumes its checkpoints).
-        defaults = ModelConfig()
-        for knob in _LATER_MODEL_KNOBS:
-            if getattr(self.model, knob) == getattr(defaults, knob):
-                keep["model"].pop(knob)
-        for op in _LATER_KERNEL_KNOBS:
-            if getattr(self.model.kernels, op) == getattr(defaults.kernels, op):
-                keep["model"]["kernels"].pop(op)
+        for dotted, knobs in _LATER_KNOBS.items():
+            section, dumped = self, keep
+            for part in dotted.split("."):
+                section, dumped = getattr(section, part), dumped.get(part, {})
+            defaults = type(section)()
+            for knob in knobs:
+                if knob in dumped and getattr(section, knob) == getattr(defaults, knob):
+                    dumped.pop(knob)
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
