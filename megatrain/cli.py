@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoints": ("megatrain.checkpoint.cli:cli", "list, verify or inspect committed checkpoints"),
     "plan": ("megatrain.parallel.plan:cli", "print the per-GPU memory plan of a recipe"),
     "report": ("megatrain.observe.report:cli", "summarise a run directory"),
+    "eval": ("megatrain.evaluate:cli", "validation loss of a committed checkpoint (any layout) on held-out data"),
 }
 
 

@@ -164,6 +164,19 @@ class TrainConfig(_Section):
     dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
     log_interval: int = Field(10, gt=0)
     run_dir: str = Field("runs/default", description="logs, metrics and reports of this run")
+    # held-out evaluation (megatrain/evaluate.py): needs a validation split (data.val_fraction > 0)
+    eval_interval: int = Field(
+        50, ge=0, description="validation loss and perplexity every this many steps and at the last step, on "
+        "the fixed held-out set; 0 = never (runs without a validation split skip it)",
+    )
+    eval_batches: int = Field(
+        2, gt=0, description="size of the fixed held-out set, in global batches (global_batch_size samples each)"
+    )
+    # tracking sinks of the metrics logger (megatrain/observe/metrics.py); metrics.jsonl is always written
+    tensorboard: bool = Field(True, description="TensorBoard event files for every run")
+    tensorboard_dir: str | None = Field(None, description="where the event files go; default <run_dir>/tb")
+    wandb_project: str | None = Field(None, description="also log to this Weights & Biases project (needs wandb)")
+    mlflow_tracking_uri: str | None = Field(None, description="also log to this MLflow tracking URI (needs mlflow)")
 
     def grad_accumulation_steps(self, dp: int) -> int:
         per_step = self.micro_batch_size * dp
@@ -209,6 +222,10 @@ class DataConfig(_Section):
     prefetch_batches: int = Field(4, ge=0, description="bounded queue of preprocessed batches; 0 = synchronous")
     on_bad_shard: Literal["error", "skip"] = "error"
     verify_checksums: bool = True
+    val_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="documents held out for validation, chosen by a hash of their text (so "
+        "a duplicate never lands on both sides), packed into their own shards; 0 = no validation split",
+    )
 
 
 class CheckpointConfig(_Section):
