@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("megatrain.parallel.plan:cli", "print the per-GPU memory plan of a recipe"),
     "report": ("megatrain.observe.report:cli", "summarise a run directory"),
     "eval": ("megatrain.evaluate:cli", "validation loss of a committed checkpoint (any layout) on held-out data"),
+    "export": ("megatrain.interop.hf:cli", "write a committed checkpoint as a Hugging Face transformers folder"),
+    "generate": ("megatrain.generate:cli", "sample text from a committed checkpoint (KV cache, greedy/top-k/top-p)"),
 }
 
 

@@ -247,7 +247,8 @@ class CheckpointConfig(_Section):
     resume: bool = Field(True, description="restore the newest verified checkpoint at start")
     init_from: str | None = Field(
         None, description="when this run has no checkpoint of its own, start from the newest committed one "
-        "here (weights and optimizer state only: a new stage of a campaign keeps its own step count and data)",
+        "here (weights and optimizer state only: a new stage of a campaign keeps its own step count and data); "
+        "'hf:<local dir>' starts from a transformers checkpoint instead (weights only, megatrain/interop/hf.py)",
     )
 
 

@@ -27,6 +27,7 @@ from megatrain.data.loader import build_loader
 from megatrain.data.shard import ShardIndex, load_index, shard_corpus
 from megatrain.evaluate import Evaluator
 from megatrain.interop.checkpoint import write_run_record
+from megatrain.interop.hf import init_from_hf
 from megatrain.model import GPT, count_parameters
 from megatrain.observe.metrics import MetricsLogger, StepMetrics, build_sinks
 from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
@@ -87,6 +88,7 @@ class Trainer:
         self.loader = self._build_loader()
 
         model = GPT(cfg.model).to(env.device)
+        init_from_hf(model, cfg.checkpoint.init_from)  # checkpoint.init_from: hf:<dir>, else nothing
         self.n_params = count_parameters(model)
         model = parallelize(model, cfg, self.groups)  # a DeepSpeed PipelineModule when pp > 1
         self.engine = self._build_engine(model)

@@ -149,6 +149,11 @@ def full_state_dict(step_url: str, manifest: dict[str, Any], model: torch.nn.Mod
     return {name: _merge_tp(name, by_name[name], expected[name].shape) for name in expected}
 
 
+def read_run_config(checkpoint: str, config: str | None = None) -> Config:
+    """The config of the run that wrote ``checkpoint`` (see ``load_run``), without reading tensors."""
+    return _locate(checkpoint, config)[0]
+
+
 @dataclass
 class LoadedRun:
     cfg: Config
