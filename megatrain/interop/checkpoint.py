@@ -37,8 +37,6 @@ log = logging.getLogger("megatrain.interop")
 
 RUN_RECORD = "run.json"
 _MODEL_FILE = re.compile(r"^model-pp(\d+)-tp(\d+)\.safetensors$")
-# tensor-parallel slices cut per block of this many (parallel/tensor_parallel.py: the fused q, k, v)
-TP_INTERLEAVE = {"attn.qkv.weight": 3, "attn.qkv.bias": 3}
 
 
 class RunNotFound(InputError):
@@ -108,17 +106,28 @@ def _layer_name(name: str, n_layer: int) -> str:
     raise ValueError(f"checkpoint tensor {name!r}: layer {layer} is not a block of a {n_layer}-layer model")
 
 
-def _merge_tp(name: str, slices: list[torch.Tensor], full_shape: torch.Size) -> torch.Tensor:
+def fused_blocks(name: str, cfg: Any, rows: int) -> list[int]:
+    """The whole-tensor sizes of the fused blocks tensor parallelism cuts one by one
+    (``parallel/tensor_parallel.py``): qkv's [q | k | v] (H hd, G hd, G hd), SwiGLU's [gate | up]."""
+    if ".attn.qkv." in name:
+        kv = (getattr(cfg, "n_kv_head", None) or cfg.n_head) * cfg.head_dim
+        return [cfg.n_head * cfg.head_dim, kv, kv]
+    if ".mlp.fc." in name and getattr(cfg, "mlp", "gelu") == "swiglu":
+        return [rows // 2, rows // 2]
+    return [rows]
+
+
+def _merge_tp(name: str, slices: list[torch.Tensor], full_shape: torch.Size, cfg: Any) -> torch.Tensor:
     """Reassemble a tensor cut over tp ranks (or return a replicated one)."""
     if len(slices) == 1 or slices[0].shape == full_shape:
         return slices[0]
     dims = [d for d in range(len(full_shape)) if slices[0].shape[d] != full_shape[d]]
     if len(dims) != 1 or slices[0].shape[dims[0]] * len(slices) != full_shape[dims[0]]:
         raise ValueError(f"{name}: tp slices of shape {list(slices[0].shape)} do not make {list(full_shape)}")
-    dim = dims[0]
-    interleave = next((k for suffix, k in TP_INTERLEAVE.items() if name.endswith(suffix)), 1)
-    blocks = [s.chunk(interleave, dim) for s in slices]
-    return torch.cat([torch.cat([b[i] for b in blocks], dim) for i in range(interleave)], dim)
+    dim, world = dims[0], len(slices)
+    sizes = fused_blocks(name, cfg, full_shape[dim]) if dim == 0 else [full_shape[dim]]
+    per_rank = [s.split([size // world for size in sizes], dim) for s in slices]  # rank r: [block_0_r, block_1_r, ...]
+    return torch.cat([torch.cat([blocks[i] for blocks in per_rank], dim) for i in range(len(sizes))], dim)
 
 
 def full_state_dict(step_url: str, manifest: dict[str, Any], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -146,7 +155,7 @@ def full_state_dict(step_url: str, manifest: dict[str, Any], model: torch.nn.Mod
     if missing or extra:
         raise ValueError(f"{step_url}: checkpoint tensors do not fit the config's model: missing {missing[:3]}, "
                          f"unexpected {extra[:3]}")
-    return {name: _merge_tp(name, by_name[name], expected[name].shape) for name in expected}
+    return {name: _merge_tp(name, by_name[name], expected[name].shape, model.cfg) for name in expected}
 
 
 def read_run_config(checkpoint: str, config: str | None = None) -> Config:

@@ -11,6 +11,12 @@ Families (``FAMILIES``), each a table of (megatrain name, Hugging Face name, how
 - ``gpt2`` -> ``GPT2LMHeadModel``: the serial pre-LN GPT with learned positions, LayerNorm, tanh
   GeLU and biases. GPT-2's ``Conv1D`` stores weights as [in, out]: every linear is transposed.
   The fused q/k/v projection has the same [q | k | v] layout on both sides.
+- ``llama`` -> ``LlamaForCausalLM``: the serial block with RoPE (the same rotate-half layout, so
+  no permutation), RMSNorm, SwiGLU and any n_kv_head; biases on every linear or none
+  (attention_bias = mlp_bias). megatrain's fused qkv rows are [q | k | v] (H hd, G hd, G hd) and
+  SwiGLU's fused fc rows [gate | up]: each is split into Hugging Face's separate projections.
+- ``mistral`` -> ``MistralForCausalLM``: the same with a sliding window (window < seq_len) and no
+  biases; Hugging Face's window w lets query i see keys i - w < j <= i, megatrain's convention.
 
 A family's ``refusal`` names the first field its architecture cannot express; ``family_for``
 tries every family and reports why each one refused.
@@ -52,6 +58,16 @@ class Rename:
     transpose: bool = False
 
 
+@dataclass(frozen=True)
+class Split:
+    """One fused megatrain tensor, several Hugging Face tensors: ``ours`` is ``theirs``
+    concatenated along dim 0 (rows), ``sizes(cfg)`` rows each (e.g. [q | k | v])."""
+
+    ours: str
+    theirs: tuple[str, ...]
+    sizes: Callable[[ModelConfig], tuple[int, ...]]
+
+
 def _field(cfg: ModelConfig, name: str, default: Any = None) -> Any:
     """A ModelConfig field that older configs may not have (the Llama knobs)."""
     return getattr(cfg, name, default)
@@ -68,33 +84,45 @@ class Family:
     architecture: str  # the transformers class export targets
     model_type: str  # config.json's model_type this family imports
     globals: tuple[Rename, ...]
-    per_block: tuple[Rename, ...]
+    per_block: tuple[Rename | Split, ...]
     refusal: Callable[[ModelConfig], str | None]  # "model.<field>=<value>: why" or None
     hf_config: Callable[[ModelConfig, int], dict[str, Any]]  # (cfg, eos id) -> config.json fields
     model_config: Callable[[dict[str, Any]], dict[str, Any]]  # config.json -> ModelConfig fields
 
-    def renames(self, cfg: ModelConfig) -> list[Rename]:
-        out = [r for r in self.globals if cfg.tie_embeddings is False or r.ours != "head.weight"]
+    def entries(self, cfg: ModelConfig) -> list[Rename | Split]:
+        """The table for one model: ``{i}`` filled in per block, absent tensors left out."""
+        out: list[Rename | Split] = [r for r in self.globals if not cfg.tie_embeddings or r.ours != "head.weight"]
         for i in range(cfg.n_layer):
-            out += [Rename(r.ours.format(i=i), r.theirs.format(i=i), r.transpose) for r in self.per_block]
+            for e in self.per_block:
+                if isinstance(e, Split):
+                    out.append(Split(e.ours.format(i=i), tuple(t.format(i=i) for t in e.theirs), e.sizes))
+                else:
+                    out.append(Rename(e.ours.format(i=i), e.theirs.format(i=i), e.transpose))
         if not cfg.bias:  # then no linear or norm has one
-            out = [r for r in out if not r.ours.endswith(".bias")]
+            out = [e for e in out if not e.ours.endswith(".bias")]
         return out
 
     def to_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         out = {}
-        for r in self.renames(cfg):
-            tensor = state[r.ours]
-            out[r.theirs] = (tensor.t() if r.transpose else tensor).contiguous()
+        for e in self.entries(cfg):
+            tensor = state[e.ours]
+            if isinstance(e, Split):
+                out.update(zip(e.theirs, (t.contiguous() for t in tensor.split(e.sizes(cfg), dim=0)), strict=True))
+            else:
+                out[e.theirs] = (tensor.t() if e.transpose else tensor).contiguous()
         return out
 
     def from_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         out = {}
-        for r in self.renames(cfg):
-            if r.theirs not in state:
-                raise ImportMismatch(f"the transformers checkpoint has no tensor {r.theirs!r} (needed for {r.ours})")
-            tensor = state[r.theirs]
-            out[r.ours] = (tensor.t() if r.transpose else tensor).contiguous()
+        for e in self.entries(cfg):
+            names = e.theirs if isinstance(e, Split) else (e.theirs,)
+            for name in names:
+                if name not in state:
+                    raise ImportMismatch(f"the transformers checkpoint has no tensor {name!r} (needed for {e.ours})")
+            if isinstance(e, Split):
+                out[e.ours] = torch.cat([state[n] for n in names], dim=0)
+            else:
+                out[e.ours] = (state[e.theirs].t() if e.transpose else state[e.theirs]).contiguous()
         return out
 
 
@@ -172,7 +200,133 @@ GPT2 = Family(
     refusal=_gpt2_refusal, hf_config=_gpt2_config, model_config=_gpt2_model_config,
 )
 
-FAMILIES: tuple[Family, ...] = (GPT2,)
+# ------------------------------------------------------------------------ Llama and Mistral
+
+
+def _kv_heads(cfg: ModelConfig) -> int:
+    return _field(cfg, "n_kv_head") or cfg.n_head
+
+
+def _qkv_rows(cfg: ModelConfig) -> tuple[int, int, int]:
+    """megatrain's fused qkv holds [q | k | v] rows: H hd, G hd, G hd (model/attention.py)."""
+    hd = cfg.head_dim
+    return cfg.n_head * hd, _kv_heads(cfg) * hd, _kv_heads(cfg) * hd
+
+
+def _gate_up_rows(cfg: ModelConfig) -> tuple[int, int]:
+    """SwiGLU's fused fc holds [gate | up] rows, ff each (model/mlp.py)."""
+    return cfg.ffn_dim, cfg.ffn_dim
+
+
+def _llama_like_refusal(cfg: ModelConfig, name: str, sliding: bool) -> str | None:
+    if cfg.block != "serial":
+        return f"model.block={cfg.block}: {name} is a serial pre-norm block"
+    for field, want in (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu")):
+        value = _field(cfg, field, "learned" if field == "position" else None)
+        if value != want:
+            return f"model.{field}={value}: {name} has {want}"
+    if sliding and cfg.bias:
+        return f"model.bias=true: {name} has no biases"
+    if not sliding and not _full_attention(cfg):
+        return f"model.attention=sliding (window {cfg.window} < seq_len {cfg.seq_len}): {name} has no sliding window"
+    if sliding and _full_attention(cfg):
+        return f"model.attention={cfg.attention}: {name} is the sliding-window variant"
+    return None
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    scaling = _field(cfg, "rope_scaling")
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position}
+
+
+def _llama_config(cfg: ModelConfig, eos_id: int) -> dict[str, Any]:
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": _kv_heads(cfg),
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps, "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": _rope_parameters(cfg), "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
+        "attention_dropout": 0.0, "bos_token_id": eos_id, "eos_token_id": eos_id,
+    }
+
+
+def _mistral_config(cfg: ModelConfig, eos_id: int) -> dict[str, Any]:
+    out = {k: v for k, v in _llama_config(cfg, eos_id).items() if k not in ("attention_bias", "mlp_bias")}
+    return {**out, "sliding_window": cfg.window}
+
+
+def _llama_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ImportMismatch(f"config.json hidden_act={hf['hidden_act']!r}: megatrain's SwiGLU uses silu")
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise ImportMismatch("config.json attention_bias != mlp_bias: megatrain has one model.bias for every linear")
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hidden // heads):
+        raise ImportMismatch(f"config.json head_dim={hf['head_dim']}: megatrain's head_dim is hidden_size / heads")
+    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+    fields: dict[str, Any] = {
+        "vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"], "n_head": heads,
+        "n_kv_head": hf.get("num_key_value_heads") or heads, "d_model": hidden, "d_ff": hf["intermediate_size"],
+        "seq_len": hf.get("max_position_embeddings", 2048), "block": "serial", "position": "rope",
+        "norm": "rmsnorm", "mlp": "swiglu", "bias": bool(hf.get("attention_bias", False)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope["rope_theta"], "attention": "full",
+    }
+    if rope["rope_type"] == "llama3":
+        fields["rope_scaling"] = {"factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
+                                  "high_freq_factor": rope["high_freq_factor"],
+                                  "original_max_position": rope["original_max_position_embeddings"]}
+    elif rope["rope_type"] != "default":
+        raise ImportMismatch(f"config.json rope_type={rope['rope_type']!r}: megatrain has plain RoPE and llama3 scaling")
+    return fields
+
+
+def _mistral_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    fields = _llama_model_config(hf)
+    if hf.get("sliding_window"):
+        fields.update(attention="sliding", window=min(hf["sliding_window"], fields["seq_len"]))
+    return fields
+
+
+_LLAMA_GLOBALS = (
+    Rename("embed.wte.weight", "model.embed_tokens.weight"),
+    Rename("head.ln_f.weight", "model.norm.weight"),
+    Rename("head.weight", "lm_head.weight"),
+)
+_LLAMA_BLOCK = (
+    Rename("blocks.{i}.ln1.weight", "model.layers.{i}.input_layernorm.weight"),
+    Split("blocks.{i}.attn.qkv.weight", ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+                                         "model.layers.{i}.self_attn.v_proj.weight"), _qkv_rows),
+    Split("blocks.{i}.attn.qkv.bias", ("model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
+                                       "model.layers.{i}.self_attn.v_proj.bias"), _qkv_rows),
+    Rename("blocks.{i}.attn.proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    Rename("blocks.{i}.attn.proj.bias", "model.layers.{i}.self_attn.o_proj.bias"),
+    Rename("blocks.{i}.ln2.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    Split("blocks.{i}.mlp.fc.weight", ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+          _gate_up_rows),
+    Split("blocks.{i}.mlp.fc.bias", ("model.layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.up_proj.bias"),
+          _gate_up_rows),
+    Rename("blocks.{i}.mlp.proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    Rename("blocks.{i}.mlp.proj.bias", "model.layers.{i}.mlp.down_proj.bias"),
+)
+
+LLAMA = Family(
+    name="llama", architecture="LlamaForCausalLM", model_type="llama", globals=_LLAMA_GLOBALS, per_block=_LLAMA_BLOCK,
+    refusal=lambda cfg: _llama_like_refusal(cfg, "Llama", sliding=False), hf_config=_llama_config,
+    model_config=_llama_model_config,
+)
+# Llama with a sliding window and no biases; the same tensor names
+MISTRAL = Family(
+    name="mistral", architecture="MistralForCausalLM", model_type="mistral", globals=_LLAMA_GLOBALS,
+    per_block=_LLAMA_BLOCK, refusal=lambda cfg: _llama_like_refusal(cfg, "Mistral", sliding=True),
+    hf_config=_mistral_config, model_config=_mistral_model_config,
+)
+
+FAMILIES: tuple[Family, ...] = (GPT2, LLAMA, MISTRAL)
 
 
 def family_for(cfg: ModelConfig) -> Family:
@@ -290,7 +444,7 @@ def import_hf_state(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Ten
         ours["attention"] = "full"  # a window as long as the context
     differing = [f"model.{k}: recipe {ours[k]!r}, {hf_dir} {v!r}" for k, v in wanted.items()
                  if k != "seq_len" and ours[k] != v]
-    if cfg.seq_len > wanted.get("seq_len", cfg.seq_len) and "embed.wpe.weight" in {r.ours for r in family.globals}:
+    if cfg.seq_len > wanted.get("seq_len", cfg.seq_len) and "embed.wpe.weight" in {e.ours for e in family.globals}:
         differing.append(f"model.seq_len: recipe {cfg.seq_len} > the {wanted['seq_len']} learned positions of {hf_dir}")
     if differing:
         raise ImportMismatch(f"{hf_dir} is not the recipe's model: " + "; ".join(differing))
