@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from megatrain.model.cache import KVCache
+
 log = logging.getLogger("megatrain")
 
 DEFAULT_PROMPTS = ("def ", "import ", "class ")  # the demo trains on Python source
@@ -70,12 +72,6 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _new_cache(model: torch.nn.Module, batch: int, max_len: int):
-    from megatrain.model import KVCache
-
-    return KVCache.for_model(model, batch, max_len)
-
-
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompt: torch.Tensor, sampling: Sampling, use_cache: bool = True,
              vocab_limit: int | None = None, stop_id: int | None = None) -> torch.Tensor:
@@ -88,7 +84,7 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, sampling: Sampling, u
     steps = min(sampling.max_new_tokens, seq_len - prompt.shape[1])
     device = prompt.device
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    cache = _new_cache(model, prompt.shape[0], seq_len) if use_cache else None
+    cache = KVCache(model.cfg.n_layer) if use_cache else None  # model/cache.py: keys and values per layer
     tokens, fresh = prompt, prompt  # fresh: what the model has not seen yet (all of it without a cache)
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
     for _ in range(steps):

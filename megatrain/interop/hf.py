@@ -164,6 +164,7 @@ def import_hf_state(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Ten
     family = family_of_hf(hf)
     wanted = family.model_config(hf)
     ours = {k: cfg.ffn_dim if k == "d_ff" else getattr(cfg, k, None) for k in wanted}  # d_ff None = its default
+    ours = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in ours.items()}  # rope_scaling
     if wanted.get("attention") == "full" and full_attention(cfg):
         ours["attention"] = "full"  # a window as long as the context
     differing = [f"model.{k}: recipe {ours[k]!r}, {hf_dir} {v!r}" for k, v in wanted.items()
