@@ -58,3 +58,24 @@ def test_a_run_starts_from_a_transformers_gpt2_and_exports_back(run_training, tm
                         "--out", str(tmp_path / "refused"))
     assert refused.returncode == 1 and "model.block=parallel" in refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_llama_checkpoint_exports_to_llama_for_causal_lm(run_training, tmp_path):
+    """GQA's qkv and SwiGLU's [gate | up] are cut block by block over TP ranks: gathered back, the
+    checkpoint's held-out loss is the one the TP2 run logged, and LlamaForCausalLM computes its logits."""
+    from megatrain.evaluate import evaluate_checkpoint
+
+    rows, _ = run_training(["parallel.tp=2", "data.max_source_bytes=300000", "data.val_fraction=0.1", "train.steps=1",
+                            "train.eval_interval=1", "checkpoint.interval=1", "model.kernels.cross_entropy=reference"],
+                           nproc=2, name="llama-tp2", config=ROOT / "configs" / "llama-tiny-cpu.yaml")
+    result = evaluate_checkpoint(str(tmp_path / "llama-tp2"))
+    assert result["loss"] == pytest.approx(rows[0]["val_loss"], abs=1e-5)
+
+    proc = megatrain("export", "--checkpoint", str(tmp_path / "llama-tp2" / "checkpoints"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()
+    assert type(exported).__name__ == "LlamaForCausalLM" and exported.config.num_key_value_heads == 2
+    idx = torch.randint(0, 2000, (2, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (exported(idx).logits - load_run(str(tmp_path / "llama-tp2")).model(idx)).abs().max().item() < 1e-4
