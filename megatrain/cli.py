@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("megatrain.observe.report:cli", "summarise a run directory"),
     "eval": ("megatrain.evaluate:cli", "validation loss of a committed checkpoint (any layout) on held-out data"),
     "export": ("megatrain.interop.hf:cli", "write a committed checkpoint as a Hugging Face transformers folder"),
+    "import": ("megatrain.interop.hf:import_cli", "write a recipe that starts from a local transformers checkpoint"),
     "generate": ("megatrain.generate:cli", "sample text from a committed checkpoint (KV cache, greedy/top-k/top-p)"),
 }
 

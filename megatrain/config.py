@@ -396,6 +396,10 @@ class ReliabilityConfig(_Section):
     faults: list[FaultConfig] = Field(default_factory=list)
 
 
+# Held-out evaluation and experiment tracking: they change what is measured, never the training math.
+_TRACKING_KNOBS = ("eval_interval", "eval_batches", "tensorboard", "tensorboard_dir", "wandb_project", "mlflow_tracking_uri")
+
+
 class Config(_Section):
     """One training run: the recipe every engine part is built from."""
 
@@ -446,7 +450,10 @@ class Config(_Section):
 
     def fingerprint(self) -> str:
         """A short hash of everything that changes the math (not logging or paths)."""
-        keep = self.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "checkpoint": True, "reliability": True})
+        not_math = {"log_interval", "run_dir", *_TRACKING_KNOBS}
+        keep = self.model_dump(mode="json", exclude={"train": not_math, "checkpoint": True, "reliability": True})
+        if self.data.val_fraction == 0.0:  # a later knob: counts only when a validation split is asked for
+            keep["data"].pop("val_fraction")
         # Knobs added after the first checkpoints were written count only when set away from their
         # defaults, so a GPT recipe keeps its fingerprint (and resumes its checkpoints).
         defaults = ModelConfig()

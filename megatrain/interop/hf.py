@@ -228,3 +228,35 @@ def cli(argv: list[str]) -> int:
         return 1
     print(f"wrote {path} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(path)!r}))")
     return 0
+
+
+def import_cli(argv: list[str]) -> int:
+    """``megatrain import --hf <dir> [--config base.yaml] --out recipe.yaml``: a recipe that
+    continues pretraining from a transformers checkpoint (its model section and
+    ``checkpoint.init_from: hf:<dir>``); the weights are read when the run starts."""
+    import argparse
+    import sys
+
+    import yaml
+
+    parser = argparse.ArgumentParser(prog="megatrain import", description="A recipe starting from a transformers model.")
+    parser.add_argument("--hf", required=True, help="a local transformers folder (config.json + safetensors)")
+    parser.add_argument("--config", help="the recipe to start from (data, optimizer, layout); default the defaults")
+    parser.add_argument("--out", required=True, help="the recipe YAML to write")
+    args = parser.parse_args(argv)
+    from megatrain.config_load import ConfigError, load_config, read_yaml
+
+    try:
+        fields = model_config_from_hf(args.hf)
+        read_hf_tensors(args.hf)  # fail now, not at the run's start, on a folder without weights
+        raw = read_yaml(args.config) if args.config else {}
+        raw.setdefault("model", {}).update(fields)
+        raw.setdefault("checkpoint", {})["init_from"] = f"{HF_PREFIX}{Path(args.hf).resolve()}"
+        Path(args.out).write_text(yaml.safe_dump(raw, sort_keys=False))
+        load_config(args.out, [])  # the written recipe validates
+    except (InputError, ConfigError) as exc:
+        print(f"megatrain import: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {family_of_hf(read_hf_config(args.hf)).architecture} -> megatrain "
+          f"(train it with: megatrain train --config {args.out})")
+    return 0

@@ -103,3 +103,15 @@ def test_megatrain_generate_samples_a_committed_checkpoint(run_training, tmp_pat
 
     samples = sample_texts(str(tmp_path / "run"), max_new_tokens=8)
     assert len(samples) == 3 and all(s["step"] == 2 and s["text"].startswith(s["prompt"]) for s in samples)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_name", MODELS)
+def test_on_one_gpu_the_kv_cache_gives_the_no_cache_tokens(model_name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = model_of(MODELS[model_name]).cuda()
+    for sampling in SAMPLINGS.values():
+        cached = generate(model, PROMPT.cuda(), sampling, use_cache=True)
+        assert torch.equal(cached, generate(model, PROMPT.cuda(), sampling, use_cache=False))
+        assert torch.equal(cached, generate(model, PROMPT.cuda(), sampling, use_cache=True))  # seeded on the device

@@ -101,22 +101,29 @@ def test_an_inexact_export_is_refused_naming_the_field(field, tmp_path, tokenize
     assert not (tmp_path / "hf").exists()  # nothing half-written
 
 
-def test_import_of_a_locally_built_gpt2_gives_its_logits(tmp_path):
-    torch.manual_seed(3)
-    hf_config = transformers.GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                        activation_function="gelu_new", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
-    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+def imported_matches(hf: torch.nn.Module, folder) -> dict:
+    """Save a (perturbed) transformers model, import it into the GPT its config describes, and
+    check the logits; returns the ModelConfig fields derived from the folder."""
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(tmp_path / "gpt2")
-    fields = model_config_from_hf(tmp_path / "gpt2")
-    assert fields["block"] == "serial" and fields["seq_len"] == 64
+    hf.eval().save_pretrained(folder)
+    fields = model_config_from_hf(folder)
     model = GPT(ModelConfig(**fields))
-    load_hf_weights(model, tmp_path / "gpt2")
+    load_hf_weights(model, folder)
     idx = tokens()
     with torch.no_grad():
         assert (model.eval()(idx) - hf(idx).logits).abs().max().item() < 1e-4
+    return fields
+
+
+def test_import_of_a_locally_built_gpt2_gives_its_logits(tmp_path):
+    torch.manual_seed(3)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new",
+        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    fields = imported_matches(hf, tmp_path / "gpt2")
+    assert fields["block"] == "serial" and fields["seq_len"] == 64
     # a recipe that is not this model is refused with the field named
     with pytest.raises(ImportMismatch, match="model.n_layer"):
         load_hf_weights(GPT(ModelConfig(**{**fields, "n_layer": 1})), tmp_path / "gpt2")
@@ -124,22 +131,12 @@ def test_import_of_a_locally_built_gpt2_gives_its_logits(tmp_path):
 
 def test_import_of_a_locally_built_llama_gives_its_logits(tmp_path):
     torch.manual_seed(4)
-    hf_config = transformers.LlamaConfig(
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=V, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-    hf = transformers.LlamaForCausalLM(hf_config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(tmp_path / "llama")
-    fields = model_config_from_hf(tmp_path / "llama")
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    fields = imported_matches(hf, tmp_path / "llama")
     assert (fields["position"], fields["norm"], fields["mlp"], fields["n_kv_head"]) == ("rope", "rmsnorm", "swiglu", 2)
-    model = GPT(ModelConfig(**fields))
-    load_hf_weights(model, tmp_path / "llama")
-    idx = tokens()
-    with torch.no_grad():
-        assert (model.eval()(idx) - hf(idx).logits).abs().max().item() < 1e-4
     with pytest.raises(ImportMismatch, match="model.n_kv_head"):
         load_hf_weights(GPT(ModelConfig(**{**fields, "n_kv_head": 4})), tmp_path / "llama")
 

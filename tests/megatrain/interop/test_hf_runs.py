@@ -14,9 +14,8 @@ from megatrain.evaluate import held_out_windows
 from megatrain.interop.checkpoint import load_run
 from tests.megatrain.conftest import ROOT, TINY, child_env
 
-SERIAL = ["model.block=serial", "model.attention=full", "model.window=null", "data.max_source_bytes=400000",
-          "data.val_fraction=0.1", "train.steps=1", "train.eval_interval=1", "checkpoint.interval=1",
-          "optim.lr=1e-12", "optim.min_lr=0", "model.kernels.cross_entropy=reference"]
+ONE_STEP = ["data.max_source_bytes=400000", "data.val_fraction=0.1", "train.steps=1", "train.eval_interval=1",
+            "checkpoint.interval=1", "optim.lr=1e-12", "optim.min_lr=0", "model.kernels.cross_entropy=reference"]
 
 
 def megatrain(*args: str) -> subprocess.CompletedProcess:
@@ -32,7 +31,10 @@ def test_a_run_starts_from_a_transformers_gpt2_and_exports_back(run_training, tm
         resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()
     hf.save_pretrained(tmp_path / "gpt2")
 
-    rows, _ = run_training(SERIAL + [f"checkpoint.init_from=hf:{tmp_path / 'gpt2'}"], name="from-hf")
+    recipe = tmp_path / "from-gpt2.yaml"  # tiny-cpu's data and optimizer, GPT-2's model, init_from hf:<dir>
+    proc = megatrain("import", "--hf", str(tmp_path / "gpt2"), "--config", str(TINY), "--out", str(recipe))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, _ = run_training(ONE_STEP, name="from-hf", config=recipe)
     record = json.loads((tmp_path / "from-hf" / "run.json").read_text())
     windows = held_out_windows(load_index(record["data_index"]), 16)
     with torch.no_grad():
