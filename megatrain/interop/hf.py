@@ -55,13 +55,14 @@ FAMILIES: tuple[Family, ...] = (GPT2, LLAMA, MISTRAL, NEOX_SERIAL, NEOX_PARALLEL
 
 def family_for(cfg: ModelConfig) -> Family:
     """The family that expresses ``cfg`` exactly, or ExportRefused naming the field."""
-    reasons = []
+    reasons: dict[str, str] = {}  # architecture -> its first reason (GPT-NeoX has two families)
     for family in FAMILIES:
         reason = family.refusal(cfg)
         if reason is None:
             return family
-        reasons.append(f"{family.architecture}: {reason}")
-    raise ExportRefused("no Hugging Face architecture computes this model exactly; " + "; ".join(reasons))
+        reasons.setdefault(family.architecture, reason)
+    raise ExportRefused("no Hugging Face architecture computes this model exactly; "
+                        + "; ".join(f"{arch}: {why}" for arch, why in reasons.items()))
 
 
 def family_of_hf(hf_config: dict[str, Any]) -> Family:
