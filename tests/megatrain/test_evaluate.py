@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from megatrain.config import DataConfig
 from megatrain.data.shard import is_held_out, shard_corpus
-from megatrain.evaluate import held_out_windows
+from megatrain.evaluate import evaluate_checkpoint, held_out_windows
 from megatrain.observe.tensorboard import read_scalars
 from tests.megatrain.conftest import ROOT, child_env
 
@@ -70,18 +70,23 @@ def test_validation_loss_is_the_same_in_one_process_dp2_tp2_pp2_and_from_each_ch
     assert [(s, pytest.approx(v, rel=1e-6)) for s, v in tb["val/loss"]] == reference
     assert len(tb["train/loss"]) == 2
 
-    runs = {"single": reference}
+    runs, losses = {"single": reference}, {}
     for name, overrides in LAYOUTS.items():
         rows, _ = run_training(COMMON + overrides, nproc=2, name=name)
-        runs[name] = [(m["step"], m["val_loss"]) for m in rows]
+        runs[name], losses[name] = [(m["step"], m["val_loss"]) for m in rows], [m["loss"] for m in rows]
         for (step, value), (ref_step, ref_value) in zip(runs[name], reference, strict=True):
             assert step == ref_step and value == pytest.approx(ref_value, abs=1e-5), (name, runs[name], reference)
 
+    # evaluating changes nothing in training: the same DP2 run without evaluation has the same losses
+    quiet, _ = run_training(COMMON + LAYOUTS["dp2"] + ["train.eval_interval=0"], nproc=2, name="dp2-no-eval")
+    assert [m["loss"] for m in quiet] == losses["dp2"] and all(m["val_loss"] is None for m in quiet)
+
     # a finished checkpoint of every layout, gathered into one process, gives the last value again
-    for name in ["single", *LAYOUTS]:
-        proc = subprocess.run([sys.executable, "-m", "megatrain.cli", "eval", "--checkpoint", str(tmp_path / name)],
-                              cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        result = json.loads(proc.stdout)
+    proc = subprocess.run([sys.executable, "-m", "megatrain.cli", "eval", "--checkpoint", str(tmp_path / "single")],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {"single": json.loads(proc.stdout)}
+    results.update({name: evaluate_checkpoint(str(tmp_path / name)) for name in LAYOUTS})  # the same, in-process
+    for name, result in results.items():
         assert result["step"] == 2 and result["samples"] == 16
         assert result["loss"] == pytest.approx(reference[-1][1], abs=1e-5), (name, result)
