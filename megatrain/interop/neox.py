@@ -72,21 +72,23 @@ _NEOX_ATTN_MLP = (
     Rename("blocks.{i}.mlp.proj.weight", "gpt_neox.layers.{i}.mlp.dense_4h_to_h.weight"),
     Rename("blocks.{i}.mlp.proj.bias", "gpt_neox.layers.{i}.mlp.dense_4h_to_h.bias"),
 )
-_NEOX_NORMS = ("gpt_neox.layers.{i}.input_layernorm", "gpt_neox.layers.{i}.post_attention_layernorm")
+_LN1, _LN2 = "gpt_neox.layers.{i}.input_layernorm", "gpt_neox.layers.{i}.post_attention_layernorm"
 
 # x + attn(ln(x)) + mlp(ln(x)): GPT-NeoX's parallel residual with both of its norms set to the one norm
 NEOX_PARALLEL = Family(
     name="gpt_neox-parallel", architecture="GPTNeoXForCausalLM", model_type="gpt_neox", globals=_NEOX_GLOBALS,
-    per_block=(Copies("blocks.{i}.ln.weight", tuple(f"{n}.weight" for n in _NEOX_NORMS)),
-               Copies("blocks.{i}.ln.bias", tuple(f"{n}.bias" for n in _NEOX_NORMS)), *_NEOX_ATTN_MLP),
+    per_block=(Copies("blocks.{i}.ln.weight", (f"{_LN1}.weight", f"{_LN2}.weight")),
+               Copies("blocks.{i}.ln.bias", (f"{_LN1}.bias", f"{_LN2}.bias")), *_NEOX_ATTN_MLP),
     refusal=lambda cfg: _neox_refusal(cfg) or (None if cfg.block == "parallel" else "model.block=serial"),
-    hf_config=_neox_config, model_config=_neox_model_config, imports=lambda hf: hf.get("use_parallel_residual", True),
+    hf_config=_neox_config, model_config=_neox_model_config,
+    imports=lambda hf: hf.get("use_parallel_residual", True),
 )
 NEOX_SERIAL = Family(
     name="gpt_neox-serial", architecture="GPTNeoXForCausalLM", model_type="gpt_neox", globals=_NEOX_GLOBALS,
-    per_block=(Rename("blocks.{i}.ln1.weight", f"{_NEOX_NORMS[0]}.weight"), Rename("blocks.{i}.ln1.bias", f"{_NEOX_NORMS[0]}.bias"),
-               Rename("blocks.{i}.ln2.weight", f"{_NEOX_NORMS[1]}.weight"), Rename("blocks.{i}.ln2.bias", f"{_NEOX_NORMS[1]}.bias"),
+    per_block=(Rename("blocks.{i}.ln1.weight", f"{_LN1}.weight"), Rename("blocks.{i}.ln1.bias", f"{_LN1}.bias"),
+               Rename("blocks.{i}.ln2.weight", f"{_LN2}.weight"), Rename("blocks.{i}.ln2.bias", f"{_LN2}.bias"),
                *_NEOX_ATTN_MLP),
     refusal=lambda cfg: _neox_refusal(cfg) or (None if cfg.block == "serial" else "model.block=parallel"),
-    hf_config=_neox_config, model_config=_neox_model_config, imports=lambda hf: not hf.get("use_parallel_residual", True),
+    hf_config=_neox_config, model_config=_neox_model_config,
+    imports=lambda hf: not hf.get("use_parallel_residual", True),
 )
