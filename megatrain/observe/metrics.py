@@ -30,10 +30,10 @@ class StepMetrics:
     tokens: int
     step_time_s: float
     tokens_per_s: float
-    mfu: float | None = None
-    phases_ms: dict[str, float] = field(default_factory=dict)
     val_loss: float | None = None  # held-out loss, on the steps the evaluator ran (megatrain/evaluate.py)
     val_perplexity: float | None = None
+    mfu: float | None = None
+    phases_ms: dict[str, float] = field(default_factory=dict)
 
 
 def scalars(metrics: StepMetrics) -> dict[str, float]:

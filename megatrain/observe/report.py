@@ -23,8 +23,6 @@ class RunSummary:
     mfu: float | None
     step_time_ms: float
     phases_ms: dict[str, float]
-    val_loss: float | None = None  # the last held-out loss (megatrain/evaluate.py), if the run evaluated
-    val_perplexity: float | None = None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -51,10 +49,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     for row in steady:
         for name, ms in row.get("phases_ms", {}).items():
             phases.setdefault(name, []).append(ms)
-    evaluated = [r for r in rows if r.get("val_loss") is not None]
     return RunSummary(
-        val_loss=evaluated[-1]["val_loss"] if evaluated else None,
-        val_perplexity=evaluated[-1].get("val_perplexity") if evaluated else None,
         run_dir=str(run_dir), steps=rows[-1]["step"], first_loss=rows[0]["loss"], final_loss=rows[-1]["loss"],
         tokens=rows[-1]["tokens"], tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
         mfu=statistics.median(mfus) if mfus else None,
@@ -64,8 +59,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
 
 
 def plot_loss(runs: dict[str, str | Path], path: str | Path) -> Path:
-    """One loss curve per named run (stages of a campaign continue each other's step axis), and
-    its held-out loss as markers of the same colour where the run evaluated."""
+    """One loss curve per named run (stages of a campaign continue each other's step axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,14 +70,10 @@ def plot_loss(runs: dict[str, str | Path], path: str | Path) -> Path:
     for name, run_dir in runs.items():
         rows = read_metrics(run_dir)
         if rows:
-            (line,) = ax.plot([offset + r["step"] for r in rows], [r["loss"] for r in rows], label=name)
-            evaluated = [r for r in rows if r.get("val_loss") is not None]
-            if evaluated:
-                ax.plot([offset + r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o--",
-                        color=line.get_color(), label=f"{name} (validation)")
+            ax.plot([offset + r["step"] for r in rows], [r["loss"] for r in rows], label=name)
             offset += rows[-1]["step"]
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     ax.legend()
     path = Path(path)
