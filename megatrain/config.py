@@ -450,10 +450,7 @@ class Config(_Section):
 
     def fingerprint(self) -> str:
         """A short hash of everything that changes the math (not logging or paths)."""
-        not_math = {"log_interval", "run_dir", *_TRACKING_KNOBS}
-        keep = self.model_dump(mode="json", exclude={"train": not_math, "checkpoint": True, "reliability": True})
-        if self.data.val_fraction == 0.0:  # a later knob: counts only when a validation split is asked for
-            keep["data"].pop("val_fraction")
+        keep = self.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "checkpoint": True, "reliability": True})
         # Knobs added after the first checkpoints were written count only when set away from their
         # defaults, so a GPT recipe keeps its fingerprint (and resumes its checkpoints).
         defaults = ModelConfig()
@@ -463,4 +460,8 @@ class Config(_Section):
         for op in _LATER_KERNEL_KNOBS:
             if getattr(self.model.kernels, op) == getattr(defaults.kernels, op):
                 keep["model"]["kernels"].pop(op)
+        for knob in _TRACKING_KNOBS:  # what is measured, not how the model trains
+            keep["train"].pop(knob)
+        if self.data.val_fraction == 0.0:  # counts only when a validation split is asked for
+            keep["data"].pop("val_fraction")
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
