@@ -159,30 +159,63 @@ def loss_on_windows(model: torch.nn.Module, windows: np.ndarray, batch_size: int
     return total / tokens
 
 
+def text_windows(run: Any, sources: list[str], count: int) -> np.ndarray:
+    """Text files (paths, globs, .txt/.jsonl/...: ``data.sources`` syntax) -> up to ``count``
+    windows [n, seq_len + 1] of the run's tokens, documents separated by EOS as in its shards."""
+    from megatrain.data.shard import collect_inputs, read_documents
+
+    tokenizer, window = run.tokenizer(), run.cfg.seq_len + 1
+    eos_id = tokenizer.token_to_id(run.cfg.data.eos_token)
+    ids: list[int] = []
+    for file in collect_inputs(sources, None):
+        for document in read_documents(file, run.cfg.data.text_field):
+            ids += tokenizer.encode(document).ids + [eos_id]
+            if len(ids) >= count * window:
+                break
+    n = min(count, len(ids) // window)
+    return np.asarray(ids[: n * window], dtype=np.int64).reshape(n, window)
+
+
+def _is_shard_version(url: str) -> bool:
+    from megatrain import storage
+    from megatrain.data.index import INDEX_NAME
+
+    try:
+        return storage.exists(storage.join_url(url, INDEX_NAME))
+    except storage.StorageError:  # e.g. a file: nothing lies below it
+        return False
+
+
 def evaluate_checkpoint(checkpoint: str, data: str | None = None, split: str = "val", samples: int | None = None,
                         batch_size: int = 8, config: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """The loss of a committed checkpoint (any layout, gathered into one process) on ``split``
-    of a shard version (``data``: its directory; default the run's own shards)."""
+    of a shard version (``data``: its directory; default the run's own shards), or on text files
+    (``data``: a path or glob without an index.json) tokenized with the run's tokenizer."""
     from megatrain.data.index import load_index
     from megatrain.interop.checkpoint import load_run
 
     run = load_run(checkpoint, config=config, device=device)
-    index = load_index(data) if data else run.index()
-    if index.seq_len > run.cfg.model.seq_len:
-        raise DataError(f"{index.url}: windows of {index.seq_len} tokens, the model takes at most {run.cfg.model.seq_len}")
     count = samples or run.cfg.train.eval_batches * run.cfg.train.global_batch_size
-    windows = held_out_windows(index, count, split)
+    if data and not _is_shard_version(data):
+        windows, where, split = text_windows(run, [data], count), data, "text"
+    else:
+        index = load_index(data) if data else run.index()
+        if index.seq_len > run.cfg.model.seq_len:
+            raise DataError(f"{index.url}: windows of {index.seq_len} tokens, the model takes {run.cfg.model.seq_len}")
+        windows, where = held_out_windows(index, count, split), index.url
     if len(windows) == 0:
-        raise DataError(f"{index.url}: no {split} samples (a validation split needs data.val_fraction > 0)")
+        raise DataError(f"{where}: no {split} samples (a validation split needs data.val_fraction > 0; text needs "
+                        f"more than {run.cfg.seq_len} tokens)")
     loss = loss_on_windows(run.model, windows, batch_size, run.device)
-    return {"checkpoint": run.step_url, "step": run.step, "data": index.url, "split": split,
+    return {"checkpoint": run.step_url, "step": run.step, "data": where, "split": split,
             "samples": int(len(windows)), "loss": loss, "perplexity": perplexity(loss)}
 
 
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatrain eval", description="Validation loss of a committed checkpoint.")
     parser.add_argument("--checkpoint", required=True, help="a run dir, a durable checkpoint URL or one step-* dir")
-    parser.add_argument("--data", help="a shard version directory (holding index.json); default the run's own")
+    parser.add_argument("--data", help="a shard version directory (holding index.json), or text files (a path or "
+                        "glob: .txt/.jsonl/.py/.md), tokenized with the run's tokenizer; default the run's own shards")
     parser.add_argument("--split", choices=["val", "train"], default="val")
     parser.add_argument("--samples", type=int, help="windows to evaluate; default train.eval_batches global batches")
     parser.add_argument("--batch-size", type=int, default=8)

@@ -12,7 +12,8 @@ from tokenizers import Tokenizer
 
 from megatrain.config import DataConfig
 from megatrain.data.shard import is_held_out, shard_corpus
-from megatrain.evaluate import evaluate_checkpoint, held_out_windows
+from megatrain.evaluate import evaluate_checkpoint, held_out_windows, text_windows
+from megatrain.interop.checkpoint import load_run
 from megatrain.observe.tensorboard import read_scalars
 from tests.megatrain.conftest import ROOT, child_env
 
@@ -90,3 +91,12 @@ def test_validation_loss_is_the_same_in_one_process_dp2_tp2_pp2_and_from_each_ch
     for name, result in results.items():
         assert result["step"] == 2 and result["samples"] == 16
         assert result["loss"] == pytest.approx(reference[-1][1], abs=1e-5), (name, result)
+
+    # or on a user's own text, cut into windows of the run's tokens as its shards are
+    text = (ROOT / "megatrain" / "evaluate.py").read_text()
+    (tmp_path / "code.py").write_text(text)
+    result = evaluate_checkpoint(str(tmp_path / "single"), data=str(tmp_path / "code.py"), samples=4)
+    assert result["split"] == "text" and result["samples"] == 4 and 0 < result["loss"] < 20
+    run = load_run(str(tmp_path / "single"))
+    windows = text_windows(run, [str(tmp_path / "code.py")], 4)
+    assert windows.shape == (4, 129) and windows.flatten().tolist() == run.tokenizer().encode(text).ids[: 4 * 129]
