@@ -239,6 +239,19 @@ class TrainConfig(_Section):
     dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
     log_interval: int = Field(10, gt=0)
     run_dir: str = Field("runs/default", description="logs, metrics and reports of this run")
+    # held-out evaluation (megatrain/evaluate.py): needs a validation split (data.val_fraction > 0)
+    eval_interval: int = Field(
+        50, ge=0, description="validation loss and perplexity every this many steps and at the last step, on "
+        "the fixed held-out set; 0 = never (runs without a validation split skip it)",
+    )
+    eval_batches: int = Field(
+        2, gt=0, description="size of the fixed held-out set, in global batches (global_batch_size samples each)"
+    )
+    # tracking sinks of the metrics logger (megatrain/observe/metrics.py); metrics.jsonl is always written
+    tensorboard: bool = Field(True, description="TensorBoard event files for every run")
+    tensorboard_dir: str | None = Field(None, description="where the event files go; default <run_dir>/tb")
+    wandb_project: str | None = Field(None, description="also log to this Weights & Biases project (needs wandb)")
+    mlflow_tracking_uri: str | None = Field(None, description="also log to this MLflow tracking URI (needs mlflow)")
 
     def grad_accumulation_steps(self, dp: int) -> int:
         per_step = self.micro_batch_size * dp
@@ -284,6 +297,10 @@ class DataConfig(_Section):
     prefetch_batches: int = Field(4, ge=0, description="bounded queue of preprocessed batches; 0 = synchronous")
     on_bad_shard: Literal["error", "skip"] = "error"
     verify_checksums: bool = True
+    val_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="documents held out for validation, chosen by a hash of their text (so "
+        "a duplicate never lands on both sides), packed into their own shards; 0 = no validation split",
+    )
 
 
 class CheckpointConfig(_Section):
@@ -305,7 +322,8 @@ class CheckpointConfig(_Section):
     resume: bool = Field(True, description="restore the newest verified checkpoint at start")
     init_from: str | None = Field(
         None, description="when this run has no checkpoint of its own, start from the newest committed one "
-        "here (weights and optimizer state only: a new stage of a campaign keeps its own step count and data)",
+        "here (weights and optimizer state only: a new stage of a campaign keeps its own step count and data); "
+        "'hf:<local dir>' starts from a transformers checkpoint instead (weights only, megatrain/interop/hf.py)",
     )
     allow_schedule_change: bool = Field(
         False, description="on resume, accept a checkpoint written with another global batch size, LR schedule or "
@@ -396,6 +414,10 @@ class ReliabilityConfig(_Section):
     faults: list[FaultConfig] = Field(default_factory=list)
 
 
+# Held-out evaluation and experiment tracking: they change what is measured, never the training math.
+_TRACKING_KNOBS = ("eval_interval", "eval_batches", "tensorboard", "tensorboard_dir", "wandb_project", "mlflow_tracking_uri")
+
+
 class Config(_Section):
     """One training run: the recipe every engine part is built from."""
 
@@ -459,6 +481,10 @@ class Config(_Section):
             for knob in knobs:
                 if knob in dumped and getattr(section, knob) == getattr(defaults, knob):
                     dumped.pop(knob)
+        for knob in _TRACKING_KNOBS:  # what is measured, not how the model trains
+            keep["train"].pop(knob)
+        if self.data.val_fraction == 0.0:  # counts only when a validation split is asked for
+            keep["data"].pop("val_fraction")
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
     def state_fields(self) -> dict[str, object]:
@@ -484,7 +510,7 @@ class Config(_Section):
 _NOT_STATE = {
     "name": True, "parallel": True, "checkpoint": True, "reliability": True,
     "model": {"kernels", "activation_checkpointing", "compile"},
-    "train": {"steps", "micro_batch_size", "device", "log_interval", "run_dir"},
+    "train": {"steps", "micro_batch_size", "device", "log_interval", "run_dir", *_TRACKING_KNOBS},
     "data": {"shard_url", "num_workers", "prefetch_batches", "on_bad_shard", "verify_checksums"},
 }
 

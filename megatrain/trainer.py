@@ -25,8 +25,11 @@ from megatrain.checkpoint.manager import Checkpointer
 from megatrain.config import Config
 from megatrain.data.loader import build_loader
 from megatrain.data.shard import ShardIndex, load_index, shard_corpus
+from megatrain.evaluate import Evaluator
+from megatrain.interop.checkpoint import write_run_record
+from megatrain.interop.hf import init_from_hf
 from megatrain.model import GPT, count_parameters
-from megatrain.observe.metrics import MetricsLogger, StepMetrics
+from megatrain.observe.metrics import MetricsLogger, StepMetrics, build_sinks
 from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
 from megatrain.observe.straggler import StragglerMonitor
 from megatrain.observe.timers import StepTimers
@@ -85,6 +88,7 @@ class Trainer:
         self.loader = self._build_loader()
 
         model = GPT(cfg.model).to(env.device)
+        init_from_hf(model, cfg.checkpoint.init_from)  # checkpoint.init_from: hf:<dir>, else nothing
         self.n_params = count_parameters(model)
         model = parallelize(model, cfg, self.groups)  # a DeepSpeed PipelineModule when pp > 1
         self.engine = self._build_engine(model)
@@ -99,7 +103,12 @@ class Trainer:
         peak = peak_flops(torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu")
         self.flops_per_token = flops_per_token(cfg.model.model_copy(update={"seq_len": cfg.seq_len}), self.n_params)
         self.peak_flops = peak * env.world_size if peak else None
-        self.metrics = MetricsLogger(cfg.train.run_dir, cfg.train.steps, cfg.train.log_interval, enabled=env.rank == 0)
+        sinks = build_sinks(cfg.train, cfg.run_id, cfg.model_dump(mode="json")) if env.rank == 0 else []
+        self.metrics = MetricsLogger(cfg.train.run_dir, cfg.train.steps, cfg.train.log_interval, enabled=env.rank == 0,
+                                     sinks=sinks)
+        self.evaluator = Evaluator(cfg, self.index, self.groups, env.device, self.grad_accumulation)
+        if env.rank == 0:  # what export, generate and eval need to rebuild the model from a checkpoint
+            write_run_record(cfg, self.index)
         self.heartbeat.beat(step=self.step, phase="data")
         self.anomaly = AnomalyDetector(cfg.reliability.anomaly)
         self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir)
@@ -227,6 +236,7 @@ class Trainer:
         try:
             while self.step < self.cfg.train.steps:
                 metrics = self.train_step()
+                self.evaluator.after_step(self.engine, metrics)  # held-out loss on its steps
                 self.metrics.log(metrics)
                 # forward time of the previous step (timers read one step late): a straggler's own
                 # compute; its peers' extra time shows up as waiting inside backward's reductions

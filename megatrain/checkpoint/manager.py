@@ -91,7 +91,7 @@ class Checkpointer:
         if not self.ckpt.resume:
             return 0
         restored = restore_checkpoint(trainer, self.ckpt.durable_url, self.identity, self.layout, self.groups)
-        if restored is None and self.ckpt.init_from:
+        if restored is None and self.ckpt.init_from and not self.ckpt.init_from.startswith("hf:"):  # hf: trainer.py
             found = restore_checkpoint(trainer, self.ckpt.init_from, None, self.layout, self.groups, full=False)
             if found is None:
                 log.warning("checkpoint.init_from=%s holds no committed checkpoint: starting from scratch",

@@ -61,6 +61,12 @@ class ShardIndex:
     tokenizer_sha256: str
     inputs: dict[str, Any] = field(default_factory=dict)  # the fingerprinted input description
     params: dict[str, Any] = field(default_factory=dict)  # the sharding parameters
+    # held-out documents (data.val_fraction), packed into their own shards: never in ``shards``
+    val_shards: list[ShardInfo] = field(default_factory=list)
+
+    @property
+    def val_num_samples(self) -> int:
+        return sum(s.num_samples for s in self.val_shards)
 
     @property
     def index_url(self) -> str:
@@ -107,6 +113,7 @@ def index_from_json(url: str, raw: dict[str, Any]) -> ShardIndex:
             raise DataError(f"{url}: index format {raw.get('format')!r}, this code reads format {FORMAT}")
         fields = {k: v for k, v in raw.items() if k != "format"}
         fields["shards"] = [ShardInfo(**s) for s in raw["shards"]]
+        fields["val_shards"] = [ShardInfo(**s) for s in raw.get("val_shards", [])]
         index = ShardIndex(url=url, **fields)
     except (KeyError, TypeError) as exc:
         raise DataError(f"{storage.join_url(url, INDEX_NAME)}: malformed index ({exc})") from exc

@@ -186,14 +186,25 @@ def _tokenizer_from_json(text: str) -> Tokenizer:
     return Tokenizer.from_str(text)  # cached per worker process: tasks reuse one parsed tokenizer
 
 
-def encode_files(tokenizer_text: str, eos_id: int, text_field: str, files: list[InputFile]) -> np.ndarray:
-    """Token ids of the documents of ``files``, each followed by EOS (runs in a pool worker)."""
+def is_held_out(document: str, val_fraction: float) -> bool:
+    """A document is validation data when a hash of its text falls in the first ``val_fraction``
+    of the hash range: the same text is on the same side in every run and every file order."""
+    if val_fraction <= 0:
+        return False
+    return int.from_bytes(hashlib.sha256(document.encode()).digest()[:8], "big") < val_fraction * 2**64
+
+
+def encode_files(tokenizer_text: str, eos_id: int, text_field: str, files: list[InputFile],
+                 val_fraction: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) token ids of the documents of ``files``, each document followed by
+    EOS (runs in a pool worker)."""
     tokenizer = _tokenizer_from_json(tokenizer_text)
-    parts = [np.empty(0, np.int64)]
+    parts: dict[bool, list[np.ndarray]] = {False: [np.empty(0, np.int64)], True: [np.empty(0, np.int64)]}
     for file in files:
-        for encoding in tokenizer.encode_batch(read_documents(file, text_field)):
-            parts.append(np.asarray(encoding.ids + [eos_id], dtype=np.int64))
-    return np.concatenate(parts)
+        documents = read_documents(file, text_field)
+        for document, encoding in zip(documents, tokenizer.encode_batch(documents)):
+            parts[is_held_out(document, val_fraction)].append(np.asarray(encoding.ids + [eos_id], dtype=np.int64))
+    return np.concatenate(parts[False]), np.concatenate(parts[True])
 
 
 def _tasks(files: list[InputFile]) -> list[list[InputFile]]:
@@ -319,7 +330,8 @@ def write_shard(url: str, windows: np.ndarray, first_key: int) -> ShardInfo:
     return ShardInfo(url.rsplit("/", 1)[-1], len(windows), stream.sha.hexdigest(), stream.count)
 
 
-def _pack_and_write(token_arrays: Iterator[np.ndarray], url: str, seq_len: int, per_shard: int, dtype: str) -> list[ShardInfo]:
+def _pack_and_write(token_arrays: Iterator[np.ndarray], url: str, seq_len: int, per_shard: int, dtype: str,
+                    prefix: str = "shard") -> list[ShardInfo]:
     """Cut windows from the token stream and write full shards as they fill (the last may be short).
 
     Threads write while processes tokenize: storage writes are I/O and hashing frees the GIL.
@@ -329,7 +341,7 @@ def _pack_and_write(token_arrays: Iterator[np.ndarray], url: str, seq_len: int, 
     with ThreadPoolExecutor(4) as writers:
         def flush(windows: np.ndarray) -> None:
             nonlocal written
-            shard = storage.join_url(url, f"shard-{len(futures):06d}.tar")
+            shard = storage.join_url(url, f"{prefix}-{len(futures):06d}.tar")
             futures.append(writers.submit(write_shard, shard, windows.astype(dtype), written))
             written += len(windows)
 
@@ -361,6 +373,8 @@ def shard_corpus(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardIn
         "tokenizer": data_cfg.tokenizer, "tokenizer_sha256": tokenizer_hash, "bpe_vocab_size": bpe_vocab,
         "eos_token": data_cfg.eos_token, "text_field": data_cfg.text_field, "max_source_bytes": data_cfg.max_source_bytes,
     }
+    if data_cfg.val_fraction:  # only then: versions without a validation split keep their names
+        params["val_fraction"] = data_cfg.val_fraction
     version = fingerprint(files, params)
     url = storage.join_url(data_cfg.shard_url, version)
     if storage.exists(storage.join_url(url, INDEX_NAME)):
@@ -379,8 +393,17 @@ def shard_corpus(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardIn
         tokenizer_bytes = tokenizer.to_str().encode()
         storage.write_bytes(storage.join_url(url, TOKENIZER_NAME), tokenizer_bytes)
         dtype = dtype_for_vocab(tokenizer.get_vocab_size())
-        encode = functools.partial(encode_files, tokenizer.to_str(), eos_id, data_cfg.text_field)
-        shards = _pack_and_write(workers.ordered(encode, tasks), url, seq_len, data_cfg.samples_per_shard, dtype)
+        encode = functools.partial(encode_files, tokenizer.to_str(), eos_id, data_cfg.text_field,
+                                   val_fraction=data_cfg.val_fraction)
+        held_out: list[np.ndarray] = []
+
+        def training_tokens() -> Iterator[np.ndarray]:
+            for train, val in workers.ordered(encode, tasks):
+                held_out.append(val)
+                yield train
+
+        shards = _pack_and_write(training_tokens(), url, seq_len, data_cfg.samples_per_shard, dtype)
+        val_shards = _pack_and_write(iter(held_out), url, seq_len, data_cfg.samples_per_shard, dtype, prefix="val-shard")
     if not shards:
         raise DataError(f"sources {data_cfg.sources}: the corpus has fewer than {seq_len + 1} tokens, not one sample")
 
@@ -390,10 +413,11 @@ def shard_corpus(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardIn
         dtype=dtype, num_samples=num_samples, num_tokens=num_samples * (seq_len + 1), shards=shards,
         tokenizer_file=TOKENIZER_NAME, tokenizer_sha256=hashlib.sha256(tokenizer_bytes).hexdigest(),
         inputs={"files": [[f.url, f.size, f.mtime, f.limit] for f in files], "bytes": sum(f.limit for f in files)},
-        params=params,
+        params=params, val_shards=val_shards,
     )
     write_index(index)
-    log.info("wrote %d samples in %d shards to %s", num_samples, len(shards), url)
+    log.info("wrote %d samples in %d shards (+ %d held-out samples) to %s", num_samples, len(shards),
+             index.val_num_samples, url)
     return index
 
 

@@ -1,0 +1,129 @@
+"""Llama and Mistral: the serial RoPE/RMSNorm/SwiGLU block <-> ``LlamaForCausalLM`` / ``MistralForCausalLM``
+(see ``hf.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatrain.config import ModelConfig
+from megatrain.interop.mapping import Family, ImportMismatch, Rename, Split, field, full_attention, kv_heads
+
+
+def _qkv_rows(cfg: ModelConfig) -> tuple[int, int, int]:
+    """megatrain's fused qkv holds [q | k | v] rows: H hd, G hd, G hd (model/attention.py)."""
+    hd = cfg.head_dim
+    return cfg.n_head * hd, kv_heads(cfg) * hd, kv_heads(cfg) * hd
+
+
+def _gate_up_rows(cfg: ModelConfig) -> tuple[int, int]:
+    """SwiGLU's fused fc holds [gate | up] rows, ff each (model/mlp.py)."""
+    return cfg.ffn_dim, cfg.ffn_dim
+
+
+def _llama_like_refusal(cfg: ModelConfig, name: str, sliding: bool) -> str | None:
+    if cfg.block != "serial":
+        return f"model.block={cfg.block}: {name} is a serial pre-norm block"
+    for knob, want in (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu")):
+        value = field(cfg, knob, "learned" if knob == "position" else None)
+        if value != want:
+            return f"model.{knob}={value}: {name} has {want}"
+    if sliding and cfg.bias:
+        return f"model.bias=true: {name} has no biases"
+    if not sliding and not full_attention(cfg):
+        return f"model.attention=sliding (window {cfg.window} < seq_len {cfg.seq_len}): {name} has no sliding window"
+    if sliding and full_attention(cfg):
+        return f"model.attention={cfg.attention}: {name} is the sliding-window variant"
+    return None
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    scaling = field(cfg, "rope_scaling")
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position}
+
+
+def _llama_config(cfg: ModelConfig, eos_id: int) -> dict[str, Any]:
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": kv_heads(cfg),
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps, "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": _rope_parameters(cfg), "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
+        "attention_dropout": 0.0, "bos_token_id": eos_id, "eos_token_id": eos_id,
+    }
+
+
+def _mistral_config(cfg: ModelConfig, eos_id: int) -> dict[str, Any]:
+    out = {k: v for k, v in _llama_config(cfg, eos_id).items() if k not in ("attention_bias", "mlp_bias")}
+    return {**out, "sliding_window": cfg.window}
+
+
+def _llama_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ImportMismatch(f"config.json hidden_act={hf['hidden_act']!r}: megatrain's SwiGLU uses silu")
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise ImportMismatch("config.json attention_bias != mlp_bias: megatrain has one model.bias for every linear")
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hidden // heads):
+        raise ImportMismatch(f"config.json head_dim={hf['head_dim']}: megatrain's head_dim is hidden_size / heads")
+    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+    fields: dict[str, Any] = {
+        "vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"], "n_head": heads,
+        "n_kv_head": hf.get("num_key_value_heads") or heads, "d_model": hidden, "d_ff": hf["intermediate_size"],
+        "seq_len": hf.get("max_position_embeddings", 2048), "block": "serial", "position": "rope",
+        "norm": "rmsnorm", "mlp": "swiglu", "bias": bool(hf.get("attention_bias", False)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope["rope_theta"], "attention": "full",
+    }
+    if rope["rope_type"] == "llama3":
+        fields["rope_scaling"] = {"factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
+                                  "high_freq_factor": rope["high_freq_factor"],
+                                  "original_max_position": rope["original_max_position_embeddings"]}
+    elif rope["rope_type"] != "default":
+        raise ImportMismatch(f"config.json rope_type={rope['rope_type']!r}: megatrain has plain RoPE and llama3 scaling")
+    return fields
+
+
+def _mistral_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    fields = _llama_model_config(hf)
+    if hf.get("sliding_window"):
+        fields.update(attention="sliding", window=min(hf["sliding_window"], fields["seq_len"]))
+    return fields
+
+
+_LLAMA_GLOBALS = (
+    Rename("embed.wte.weight", "model.embed_tokens.weight"),
+    Rename("head.ln_f.weight", "model.norm.weight"),
+    Rename("head.weight", "lm_head.weight"),
+)
+_LLAMA_BLOCK = (
+    Rename("blocks.{i}.ln1.weight", "model.layers.{i}.input_layernorm.weight"),
+    Split("blocks.{i}.attn.qkv.weight", ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+                                         "model.layers.{i}.self_attn.v_proj.weight"), _qkv_rows),
+    Split("blocks.{i}.attn.qkv.bias", ("model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
+                                       "model.layers.{i}.self_attn.v_proj.bias"), _qkv_rows),
+    Rename("blocks.{i}.attn.proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    Rename("blocks.{i}.attn.proj.bias", "model.layers.{i}.self_attn.o_proj.bias"),
+    Rename("blocks.{i}.ln2.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    Split("blocks.{i}.mlp.fc.weight", ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+          _gate_up_rows),
+    Split("blocks.{i}.mlp.fc.bias", ("model.layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.up_proj.bias"),
+          _gate_up_rows),
+    Rename("blocks.{i}.mlp.proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    Rename("blocks.{i}.mlp.proj.bias", "model.layers.{i}.mlp.down_proj.bias"),
+)
+
+LLAMA = Family(
+    name="llama", architecture="LlamaForCausalLM", model_type="llama", globals=_LLAMA_GLOBALS, per_block=_LLAMA_BLOCK,
+    refusal=lambda cfg: _llama_like_refusal(cfg, "Llama", sliding=False), hf_config=_llama_config,
+    model_config=_llama_model_config,
+)
+# Llama with a sliding window and no biases; the same tensor names
+MISTRAL = Family(
+    name="mistral", architecture="MistralForCausalLM", model_type="mistral", globals=_LLAMA_GLOBALS,
+    per_block=_LLAMA_BLOCK, refusal=lambda cfg: _llama_like_refusal(cfg, "Mistral", sliding=True),
+    hf_config=_mistral_config, model_config=_mistral_model_config,
+)
