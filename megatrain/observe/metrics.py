@@ -26,6 +26,7 @@ class StepMetrics:
     tokens_per_s: float
     mfu: float | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
+    fp8: dict[str, float] | None = None  # megatrain.precision.FP8Guard.stats() when measured this step
 
 
 class MetricsLogger:
