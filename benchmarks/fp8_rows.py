@@ -29,6 +29,8 @@ VARIANTS: dict[str, list[str]] = {
     "keep-ends": ["train.fp8.keep_first_block=true", "train.fp8.keep_last_block=true"],
     "pow2": ["train.fp8.round_scales_to_power_of_2=true"],
     "serial": ["model.block=serial"],
+    "gelu-ref": ["model.kernels.gelu=reference"],  # inductor's bias + GeLU, fused with the FP8 cast's amax
+    "ln-fused": ["model.kernels.layernorm=fused"],
 }
 
 
@@ -41,11 +43,14 @@ def torchao_tensorwise(model: nn.Module) -> None:
 
 
 def run(bench, *, baseline: Callable[..., Any], megatrain_row: Callable[[str, str, list[str], int], Any],
-        profile: Callable[[list[str]], Any], bound: Callable[[], Any], recipe_mb: int, variants: list[str]) -> None:
-    """Rows (b) and (d) (and the variants), then the profile of (d) and the FP8 GEMM bound."""
-    baseline(recipe_mb, convert=torchao_tensorwise, key="baseline-fp8",
-             label="baseline + torchao float8 tensorwise + compile",
-             precision="torchao float8 tensorwise (every Linear but lm_head), fp32 weights, bf16 autocast")
+        profile: Callable[[list[str]], Any], bound: Callable[[], Any], recipe_mb: int, variants: list[str],
+        with_baseline: bool = True) -> None:
+    """Rows (b) (with the baseline part) and (d) (and the variants), then the profile of (d) and
+    the FP8 GEMM bound."""
+    if with_baseline:
+        baseline(recipe_mb, convert=torchao_tensorwise, key="baseline-fp8",
+                 label="baseline + torchao float8 tensorwise + compile",
+                 precision="torchao float8 tensorwise (every Linear but lm_head), fp32 weights, bf16 autocast")
     megatrain_row(f"fp8-mb{recipe_mb}", f"megatrain FP8 (tensorwise), mb {recipe_mb}", ["train.precision=fp8"], recipe_mb)
     for name in variants:
         mb = int(name[2:]) if name.startswith("mb") else recipe_mb

@@ -861,6 +861,7 @@ def main(argv: list[str] | None = None) -> int:
         import fp8_rows
 
         fp8_rows.run(bench, baseline=baseline, recipe_mb=recipe_mb, variants=[v for v in args.fp8_variants.split(",") if v],
+                     with_baseline="baseline" in only,
                      megatrain_row=lambda key, label, overrides, mb: megatrain_row(Spec(key, label, overrides, "large"), mb, args.steps),
                      profile=lambda overrides: run_profile(
                          bench, build_config(args, [*overrides, *run_dirs("profile-fp8")], common, recipe_mb, 2 * recipe_mb),

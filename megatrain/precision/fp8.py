@@ -114,19 +114,33 @@ def fp8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, float8_linear)]
 
 
-def _mlp_forward_through_fc(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """MLP.forward with fc called as a module. The plain forward runs ``F.linear(x, fc.weight)``
-    so fc's bias goes into the bias-GeLU kernel; that would bypass the Float8Linear, so here fc
-    adds its own bias (fused with the GeLU under torch.compile) and the GeLU gets none."""
-    return mlp.proj(mlp.activate(mlp.fc(x), None))
+def fp8_matmul(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x @ linear.weight^T`` through a converted linear's FP8 GEMM, without its bias: the body
+    of ``Float8Linear.forward`` before the bias add."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    if torch.is_autocast_enabled():  # as Float8Linear.forward: the GEMM's inputs in the autocast dtype
+        x = x.to(torch.get_autocast_gpu_dtype())
+    return matmul_with_hp_or_float8_args.apply(x, linear.weight.t(), linear.linear_mm_config, linear.config)
+
+
+def _mlp_forward_fp8(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+    """MLP.forward with fc's GEMM in FP8. The plain forward runs ``F.linear(x, fc.weight)`` and
+    hands fc's bias to the bias-GeLU kernel, which would bypass the Float8Linear; calling the
+    Float8Linear instead would add the bias in a pass of its own over [tokens, ff] (and reduce
+    its gradient in another). So: the FP8 GEMM without bias, then bias + GeLU as in bf16.
+    Measured on an H200 (benchmarks/fp8_rows.py, 1.3B): see benchmarks/RESULTS.md."""
+    h = fp8_matmul(mlp.fc, x)  # [B, T, ff]
+    return mlp.proj(mlp.activate(h, mlp.fc.bias))
 
 
 def _route_through_converted(model: nn.Module, float8_linear: type) -> None:
-    """Modules whose forward reads a child linear's weight directly are pointed at the child."""
+    """Modules whose forward reads a child linear's weight directly are pointed at its FP8 GEMM
+    (megatrain's MLP: ``fc``, ``activate``, ``proj``)."""
     for module in model.modules():
         fc = getattr(module, "fc", None)
         if isinstance(fc, float8_linear) and hasattr(module, "activate") and hasattr(module, "proj"):
-            module.forward = types.MethodType(_mlp_forward_through_fc, module)
+            module.forward = types.MethodType(_mlp_forward_fp8, module)
 
 
 def apply_precision(model: nn.Module, cfg: Config) -> nn.Module:

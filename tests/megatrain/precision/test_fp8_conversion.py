@@ -3,6 +3,8 @@ convert and which stay, that every converted linear really runs in the forward, 
 model computes the bf16 model's function to FP8 accuracy, that checkpoints are interchangeable,
 and that asking for FP8 where it cannot run fails before any model is built."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -65,6 +67,28 @@ def test_bf16_precision_converts_nothing():
     assert fp8_linears(model) == []
 
 
+@contextlib.contextmanager
+def count_fp8_matmuls(model):
+    """How often each converted linear's weight goes through torchao's FP8 matmul."""
+    from torchao.float8 import float8_linear
+
+    names = {m.weight.data_ptr(): fqn for fqn, m in fp8_linears(model)}
+    function = float8_linear.matmul_with_hp_or_float8_args  # an autograd.Function: apply is inherited
+    assert "apply" not in vars(function)
+    calls, real = {}, function.apply
+
+    def counting(x, weight_t, *rest):
+        fqn = names[weight_t.data_ptr()]
+        calls[fqn] = calls.get(fqn, 0) + 1
+        return real(x, weight_t, *rest)
+
+    function.apply = counting
+    try:
+        yield calls
+    finally:
+        del function.apply
+
+
 @pytest.mark.parametrize("block", ["parallel", "serial"])
 def test_every_converted_linear_runs_and_the_model_keeps_its_function(block):
     """The MLP's forward reads fc.weight directly (bias into the GeLU kernel): precision must route
@@ -75,12 +99,10 @@ def test_every_converted_linear_runs_and_the_model_keeps_its_function(block):
     model = GPT(cfg.model)
     model.load_state_dict(reference.state_dict())
     apply_precision(model, cfg)
-    calls = {}
-    for fqn, module in fp8_linears(model):
-        module.register_forward_hook(lambda m, i, o, fqn=fqn: calls.__setitem__(fqn, calls.get(fqn, 0) + 1))
     idx = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_len))
     targets = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_len))
-    loss = model(idx, targets)
+    with count_fp8_matmuls(model) as calls:
+        loss = model(idx, targets)
     assert calls == {fqn: 1 for fqn, _ in fp8_linears(model)} and len(calls) == 12
     loss.backward()
     ref_loss = reference(idx, targets)
