@@ -7,7 +7,7 @@ Each run is megatrain's real Trainer (DeepSpeed engine, data loader, LR schedule
 stepped ``--steps`` times with ``train.precision`` bf16, then fp8 (no checkpoints). The final
 loss of each is the mean of its last ``--tail`` steps; the difference is stated relative to bf16
 (issue 16's target: within 1%). Writes ``<out>.json`` (every step's loss, and the FP8 guard's
-statistics) and ``<out>.png``.
+statistics) and ``<out>.png``, every 250 steps too: a run cut short compares the steps both made.
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 
-def train(cfg, env, steps: int, log) -> dict:
+def train(cfg, env, steps: int, run: dict, log, save) -> None:
+    """Step a Trainer, filling ``run`` (losses, FP8 guard statistics, step times) as it goes;
+    ``save()`` every 250 steps, so a run cut short still leaves its curve."""
     from megatrain.trainer import Trainer
 
     with torch.device(env.device):
         trainer = Trainer(cfg, env)
-    losses, fp8, times = [], [], []
+    losses, fp8, times = run.setdefault("losses", []), run.setdefault("fp8", []), run.setdefault("step_s", [])
+    run["tokens_per_step"] = cfg.train.global_batch_size * cfg.seq_len
     try:
         for _ in range(steps):
             metrics = trainer.train_step()
@@ -42,6 +45,7 @@ def train(cfg, env, steps: int, log) -> dict:
                 fp8.append({"step": metrics.step, **metrics.fp8})
             if metrics.step % 250 == 0:
                 log(f"  {cfg.train.precision} step {metrics.step}: loss {metrics.loss:.4f}, {metrics.tokens_per_s:,.0f} tok/s")
+                save()
     finally:
         trainer.checkpointer.close()
         trainer.loader.close()
@@ -50,8 +54,6 @@ def train(cfg, env, steps: int, log) -> dict:
         torch._dynamo.reset()
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"losses": losses, "fp8": fp8, "median_step_s": sorted(times)[len(times) // 2],
-            "tokens_per_step": cfg.train.global_batch_size * cfg.seq_len}
 
 
 def plot(results: dict, path: Path, title: str, window: int = 25) -> None:
@@ -101,25 +103,36 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     common = [f"train.steps={args.steps}", f"data.shard_url={args.work}/shards", "train.log_interval=1000000",
               "checkpoint.interval=1000000000", "checkpoint.resume=false", *args.override]
-    results = {}
+    results: dict[str, dict] = {}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> str:
+        """JSON + PNG of what has run so far; the comparison over the steps both runs have."""
+        common_steps = min((len(run["losses"]) for run in results.values()), default=0)
+        n = min(args.tail, common_steps)
+        tail = {name: sum(run["losses"][common_steps - n:common_steps]) / n for name, run in results.items()} if n else {}
+        diff = (tail["fp8"] - tail["bf16"]) / tail["bf16"] if "fp8" in tail and "bf16" in tail else None
+        report = {"device": device, "config": args.config, "overrides": args.override, "steps": args.steps,
+                  "compared_steps": common_steps, "tail_steps": n, "final_loss": tail, "relative_difference": diff,
+                  "within_1_percent": abs(diff) <= 0.01 if diff is not None else None, "runs": results,
+                  "wall_s": time.perf_counter() - t0}
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        title = f"{Path(args.config).stem}, same shards/seed/data order, {device}"
+        if diff is not None:
+            title += (f"\nloss over steps {common_steps - n + 1}-{common_steps}: bf16 {tail['bf16']:.4f}, "
+                      f"fp8 {tail['fp8']:.4f} ({100 * diff:+.2f}%)")
+        plot(results, out.with_suffix(".png"), title)
+        return title
+
     for precision in ("bf16", "fp8"):
         run_dir = f"{args.work}/{precision}"
         cfg = load_config(args.config, [*common, f"train.precision={precision}", f"train.run_dir={run_dir}",
                                         f"checkpoint.staging_dir={run_dir}/staging", f"checkpoint.durable_url={run_dir}/ckpt"])
         log(f"{precision}: {args.config}, {args.steps} steps of {cfg.train.global_batch_size} x {cfg.seq_len} tokens")
-        results[precision] = train(cfg, env, args.steps, log)
-    tail = {name: sum(run["losses"][-args.tail:]) / len(run["losses"][-args.tail:]) for name, run in results.items()}
-    diff = (tail["fp8"] - tail["bf16"]) / tail["bf16"]
-    report = {"device": device, "config": args.config, "overrides": args.override, "steps": args.steps,
-              "tail_steps": args.tail, "final_loss": tail, "relative_difference": diff, "within_1_percent": abs(diff) <= 0.01,
-              "runs": results, "wall_s": time.perf_counter() - t0}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    title = (f"{Path(args.config).stem}, {args.steps} steps, same shards/seed/order, {device}: final loss (last {args.tail}) "
-             f"bf16 {tail['bf16']:.4f}, fp8 {tail['fp8']:.4f} ({100 * diff:+.2f}%)")
-    plot(results, out.with_suffix(".png"), title)
-    log(title)
+        results[precision] = {}
+        train(cfg, env, args.steps, results[precision], log, save)
+    log(save())
     log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     shutdown_distributed()
     return 0

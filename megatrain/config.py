@@ -281,8 +281,9 @@ class AnomalyConfig(_Section):
         None, gt=0, description="also flag a grad norm this many robust z-scores above its running window"
     )
     min_history: int = Field(8, gt=1, description="losses in the window before spike verdicts are possible")
-    fp8_check_interval: int = Field(1, gt=0, description="train.precision=fp8: measure the FP8 weights' amax "
-                                    "and underflow every this many steps (megatrain/precision/guard.py)")
+    fp8_check_interval: int = Field(10, gt=0, description="train.precision=fp8: measure the FP8 weights' amax "
+                                    "and underflow every this many steps (megatrain/precision/guard.py; ~15 small "
+                                    "kernels per converted linear, so not every step)")
     fp8_max_underflow: float = Field(0.05, gt=0, le=1, description="fp8: an anomaly when more than this "
                                      "fraction of the non-zero FP8 weights flush to zero in their e4m3 cast")
 

@@ -62,7 +62,7 @@ def test_compiled_fp8_trainer_tracks_bf16(run_training):
     common = ["train.device=cuda", "model.compile=true", "train.steps=40", "checkpoint.interval=1000",
               "model.attention=full", "model.window=null", "data.max_source_bytes=600000"]
     bf16, _ = run_training(common, name="bf16")
-    fp8, _ = run_training([*common, "train.precision=fp8"], name="fp8")
+    fp8, _ = run_training([*common, "train.precision=fp8", "reliability.anomaly.fp8_check_interval=1"], name="fp8")
     assert len(fp8) == len(bf16) == 40
     tail = lambda rows: sum(r["loss"] for r in rows[-5:]) / 5  # noqa: E731
     assert tail(fp8) == pytest.approx(tail(bf16), rel=3e-2)

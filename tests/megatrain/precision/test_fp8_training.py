@@ -18,7 +18,7 @@ from megatrain.checkpoint.files import step_dir_name
 from megatrain.checkpoint.manager import KILL_AFTER_COMMIT_ENV
 
 REPO = Path(__file__).resolve().parents[3]
-FP8 = ["train.precision=fp8", "train.fp8.emulate=true"]
+FP8 = ["train.precision=fp8", "train.fp8.emulate=true", "reliability.anomaly.fp8_check_interval=1"]
 SMALL = ["model.n_layer=2", "data.max_source_bytes=300000", "checkpoint.interval=1000", "train.steps=4",
          "optim.warmup_steps=2", "data.prefetch_batches=0"]
 
