@@ -1,4 +1,4 @@
-"""How fast one training micro-batch of a GPT could possibly run on this device (issue 7).
+"""How fast one training micro-batch of a GPT or Llama could possibly run on this device (issues 7, 15).
 
     python benchmarks/bound.py --out runs/bound.json                          # 1.3B recipe, one GPU
     python benchmarks/bound.py --config configs/tiny-cpu.yaml --device cpu    # smoke test
@@ -6,7 +6,8 @@
 
 Every implementation of the model, megatrain's and the baseline's alike, must run:
 
-1. the matmuls: per layer the four projections (qkv, attention output, fc, MLP output), each
+1. the matmuls: per layer the four projections (qkv, attention output, fc, MLP output; GQA's
+   qkv is d -> d + 2 kv, SwiGLU's fc is d -> 2 ff), each
    forward and, in the backward, its input gradient and its weight gradient; the tied LM head
    the same way. Shapes are the model's own, at the micro-batch's token count;
 2. attention, forward and backward: SDPA (flash/cuDNN) for full causal attention,
@@ -63,9 +64,11 @@ TARGET_SPEEDUP, TARGET_MFU = 1.12, 0.66
 
 
 def projections(m: ModelConfig) -> list[tuple[str, int, int]]:
-    """(name, d_in, d_out) of one block's linears, in forward order."""
-    d, ff = m.d_model, m.ffn_dim
-    return [("qkv", d, 3 * d), ("attn_proj", d, d), ("fc", d, ff), ("mlp_proj", ff, d)]
+    """(name, d_in, d_out) of one block's linears, in forward order. GQA: qkv is d -> d + 2 kv;
+    SwiGLU: fc is d -> 2 ff (gate and up in one GEMM)."""
+    d, ff, kv = m.d_model, m.ffn_dim, m.kv_heads * m.head_dim
+    fc_out = 2 * ff if m.mlp == "swiglu" else ff
+    return [("qkv", d, d + 2 * kv), ("attn_proj", d, d), ("fc", d, fc_out), ("mlp_proj", ff, d)]
 
 
 def micro_batch_gemm_flops(m: ModelConfig, tokens: int) -> int:
@@ -92,7 +95,9 @@ class MicroBatchKernels:
         self.out_grads = {d_out: rand(M, d_out) for _, _, d_out in projections(m)}  # [M, d_out]
         self.head, self.head_grad = rand(m.vocab_size, d), rand(M, m.vocab_size)  # [V, d], [M, V]
         shape = (micro_batch, m.n_head, m.seq_len, m.head_dim)
-        self.q, self.k, self.v = (rand(*shape, grad=True) for _ in range(3))  # [B, H, T, hd]
+        kv_shape = (micro_batch, m.kv_heads, m.seq_len, m.head_dim)
+        self.q = rand(*shape, grad=True)  # [B, H, T, hd]
+        self.k, self.v = rand(*kv_shape, grad=True), rand(*kv_shape, grad=True)  # [B, G, T, hd]
         self.attn_grad = rand(*shape)
 
     def run(self, gemms: bool, attention: Attention | None) -> None:
@@ -122,20 +127,24 @@ def floor_bytes(m: ModelConfig, tokens: int, n_params: int, micro_batches_per_st
     """Bytes that must cross HBM between the GEMMs, per micro-batch, for each floor (bf16
     activations, fp32 master weights and moments). Each term: (reads + writes) x tensor size."""
     M, d, ff, V = tokens, m.d_model, m.ffn_dim, m.vocab_size
+    kv = m.kv_heads * m.head_dim
     act = 2  # bytes per bf16 element
-    norms = 2 if m.block == "serial" else 1  # LayerNorms per layer
+    norms = 2 if m.block == "serial" else 1  # norms (LayerNorm or RMSNorm) per layer
+    glu = m.mlp == "swiglu"  # SwiGLU reads [gate | up] (2 ff) where GeLU reads ff
     per_layer_separate = {
-        "LayerNorm fwd: read x, write LN(x)": norms * 2 * M * d * act,
-        "bias + GeLU fwd: read fc out, write GeLU": 2 * M * ff * act,
+        "norm fwd: read x, write norm(x)": norms * 2 * M * d * act,
+        "activation fwd: read fc out, write it activated": (3 if glu else 2) * M * ff * act,
         "residual sum fwd: read x + 2 projections, write": (4 if norms == 1 else 6) * M * d * act,
-        "GeLU bwd (+ its bias grad): read grad + fc out, write": 3 * M * ff * act,
-        "LayerNorm bwd (+ residual grad): read grad, x, dy; write dx": norms * 4 * M * d * act,
-        "qkv bias grad: read dqkv": M * 3 * d * act if m.bias else 0,
+        "activation bwd (+ GeLU's bias grad): read grad + fc out, write": (5 if glu else 3) * M * ff * act,
+        "norm bwd (+ residual grad): read grad, x, dy; write dx": norms * 4 * M * d * act,
+        "qkv bias grad: read dqkv": M * (d + 2 * kv) * act if m.bias else 0,
+        "RoPE on q and k, fwd + bwd: read, write each way": 4 * M * (d + kv) * act if m.position == "rope" else 0,
     }
     per_layer_epilogue = {
-        "LayerNorm fwd: read x, write LN(x)": norms * 2 * M * d * act,
-        "GeLU input kept for the bwd: written by the fc GEMM, read by the bwd GEMM": 2 * M * ff * act,
-        "LayerNorm bwd (+ residual grad): read grad, x, dy; write dx": norms * 4 * M * d * act,
+        "norm fwd: read x, write norm(x)": norms * 2 * M * d * act,
+        "activation input kept for the bwd: written by the fc GEMM, read by the bwd GEMM": 2 * M * (2 if glu else 1) * ff * act,
+        "norm bwd (+ residual grad): read grad, x, dy; write dx": norms * 4 * M * d * act,
+        "RoPE on q and k, fwd + bwd: read, write each way": 4 * M * (d + kv) * act if m.position == "rope" else 0,
     }
     once = {
         "embedding and final LayerNorm, fwd + bwd": 8 * M * d * act,
@@ -220,7 +229,8 @@ def copy_gbs(device: torch.device, iters: int = 20) -> float:
 def attention_choices(m: ModelConfig, windows: list[int], device: torch.device) -> dict[str, tuple[Attention, int]]:
     """name -> (attention call, attended context for the MFU formula)."""
     choices: dict[str, tuple[Attention, int]] = {
-        "full causal (SDPA)": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), m.seq_len)}
+        "full causal (SDPA)": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                              enable_gqa=m.kv_heads != m.n_head), m.seq_len)}
     for w in windows:
         if w < m.seq_len:  # megatrain's dispatch: FlexAttention on CUDA, SDPA with a mask on CPU
             name = f"window {w} ({'flex' if device.type == 'cuda' else 'SDPA + mask'})"

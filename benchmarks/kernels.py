@@ -1,8 +1,9 @@
 """Reference vs fused kernels at the 1.3B model's shapes, forward + backward, on one GPU.
 
-    python benchmarks/kernels.py --out kernels.json [--only layernorm,gelu,ce,attention,lamb]
+    python benchmarks/kernels.py --out kernels.json [--only layernorm,gelu,ce,attention,lamb,llama]
 
-Shapes: 8 x 2048 = 16384 tokens, d 2048, ff 8192, vocab 50304, 16 heads of 128, bf16.
+Shapes: 8 x 2048 = 16384 tokens, d 2048, ff 8192, vocab 50304, 16 heads of 128, bf16; the Llama
+ops (``llama``: RMSNorm, SwiGLU, RoPE) at Llama-3.2-1B's (32 heads of 64, SwiGLU ff 8192).
 Ceilings are measured here, not taken from datasheets: a device-to-device copy
 (``torch.empty_like(x).copy_(x)`` on 2 GiB, counting bytes read + written) for the
 memory-bound kernels, and an 8192^3 bf16 matmul for the matmul-bound ones.
@@ -282,17 +283,91 @@ def bench_lamb() -> list[dict]:
     return rows
 
 
+# Llama-3.2-1B's shapes (configs/llama-1b.yaml) for the Llama ops: 8 x 2048 tokens, d 2048,
+# SwiGLU ff 8192, 32 query / 8 KV heads of 64.
+LLAMA_FF, LLAMA_HEADS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM = 8192, 32, 8, 64
+
+
+def _impls(fn: Callable[..., object]) -> list[tuple[str, Callable[..., object]]]:
+    """The reference eager, the reference under torch.compile (what compiled blocks run), the Triton kernel."""
+    return [("reference", lambda *a: fn(*a, impl="reference")),
+            ("reference, torch.compile", torch.compile(lambda *a: fn(*a, impl="reference"))),
+            ("fused", lambda *a: fn(*a, impl="fused"))]
+
+
+def bench_llama() -> list[dict]:
+    """RMSNorm (+ residual add), SwiGLU and RoPE, forward + backward, against the copy ceiling.
+    Bytes: RMSNorm reads x and writes y, then reads x and dy and writes dx (5 passes of [T, d]);
+    with the add, 8 (as add+layernorm); SwiGLU reads h [T, 2ff] and writes y [T, ff], then reads h
+    and dy and writes dh (8 passes of [T, ff]); RoPE reads and writes q once each way (4 passes)."""
+    from megatrain.kernels.rmsnorm import add_rms_norm, rms_norm
+    from megatrain.kernels.rope import rope, rope_inv_freq, rope_tables
+    from megatrain.kernels.swiglu import swiglu
+
+    rows = []
+    x = torch.randn(TOKENS, D, device="cuda", dtype=BF16, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.ones(D, device="cuda", dtype=BF16, requires_grad=True)
+    dy = torch.randn_like(x)
+    size = x.numel() * 2
+    for impl, fn in _impls(lambda x, w, impl: rms_norm(x, w, 1e-5, impl)):
+        rows.append(timed("rmsnorm", impl, fwd_bwd(fn, [x, w], dy), 5 * size))
+    for impl, fn in _impls(lambda x, r, w, impl: add_rms_norm(x, r, w, 1e-5, impl)):
+        def run(fn=fn):
+            y, s = fn(x, r, w)
+            torch.autograd.grad([y, s], [x, r, w], [dy, dy])
+
+        rows.append(timed("add+rmsnorm", impl, run, 8 * size))
+    profile("rmsnorm fused", fwd_bwd(lambda x, w: rms_norm(x, w, 1e-5, "fused"), [x, w], dy))
+    del x, r, dy
+
+    h = torch.randn(TOKENS, 2 * LLAMA_FF, device="cuda", dtype=BF16, requires_grad=True)
+    dy = torch.randn(TOKENS, LLAMA_FF, device="cuda", dtype=BF16)
+    for impl, fn in _impls(lambda h, impl: swiglu(h, impl)):
+        rows.append(timed("swiglu", impl, fwd_bwd(fn, [h], dy), 8 * dy.numel() * 2))
+    profile("swiglu fused", fwd_bwd(lambda h: swiglu(h, "fused"), [h], dy))
+    del h, dy
+
+    # q as the model sees it: a [B, T, H, hd] slice of the qkv output, transposed to [B, H, T, hd]
+    q = torch.randn(BATCH, SEQ, LLAMA_HEADS, LLAMA_HEAD_DIM, device="cuda", dtype=BF16).transpose(1, 2).requires_grad_()
+    cos, sin = rope_tables(rope_inv_freq(LLAMA_HEAD_DIM, 500000.0, device=torch.device("cuda")), SEQ)
+    dy = torch.randn(BATCH, LLAMA_HEADS, SEQ, LLAMA_HEAD_DIM, device="cuda", dtype=BF16)
+    for impl, fn in _impls(lambda q, impl: rope(q, cos, sin, impl)):
+        rows.append(timed("rope (q)", impl, fwd_bwd(fn, [q], dy), 4 * dy.numel() * 2))
+    profile("rope fused", fwd_bwd(lambda q: rope(q, cos, sin, "fused"), [q], dy))
+    del q, dy
+
+    # grouped-query attention: SDPA reading the 8 shared KV heads (enable_gqa; cuDNN's kernel takes
+    # no GQA, so flash runs) against repeating them to 32 heads first (cuDNN's kernel, plus copies)
+    import torch.nn.functional as F
+
+    from megatrain.kernels.attention import repeat_kv
+
+    shape, kv_shape = (BATCH, LLAMA_HEADS, SEQ, LLAMA_HEAD_DIM), (BATCH, LLAMA_KV_HEADS, SEQ, LLAMA_HEAD_DIM)
+    q = torch.randn(shape, device="cuda", dtype=BF16, requires_grad=True)
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
+    dy = torch.randn(shape, device="cuda", dtype=BF16)
+    flops = _attention_flops(SEQ, None, BATCH) * LLAMA_HEADS * LLAMA_HEAD_DIM / (HEADS * HEAD_DIM)
+    variants = {"sdpa enable_gqa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                "repeat_kv + sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+                    q, repeat_kv(k, LLAMA_HEADS), repeat_kv(v, LLAMA_HEADS), is_causal=True)}
+    for name, fn in variants.items():
+        rows.append(timed("gqa attention", name, fwd_bwd(fn, [q, k, v], dy), flops=flops))
+        profile(f"gqa attention {name}", fwd_bwd(fn, [q, k, v], dy))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file for all results")
-    parser.add_argument("--only", default="layernorm,gelu,ce,attention,lamb")
+    parser.add_argument("--only", default="layernorm,gelu,ce,attention,lamb,llama")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     ceil = ceilings()
     suites = {"layernorm": bench_layernorm, "gelu": bench_gelu, "ce": bench_cross_entropy,
-              "attention": bench_attention, "lamb": bench_lamb}
+              "attention": bench_attention, "lamb": bench_lamb, "llama": bench_llama}
     rows: list[dict] = []
     for name in args.only.split(","):
         try:

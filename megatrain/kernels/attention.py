@@ -1,7 +1,12 @@
-"""Causal self-attention, full or sliding-window.
+"""Causal self-attention, full or sliding-window, multi-head or grouped-query.
 
 Convention: with window ``w``, query ``i`` attends to keys ``j`` with ``i - w < j <= i`` (itself
 and the ``w - 1`` tokens before it), so ``w >= seq_len`` is exactly full causal attention.
+
+Grouped-query attention (GQA): k and v may carry fewer heads than q ([B, H_kv, T, hd] with
+H % H_kv == 0); query head h reads key/value head h // (H / H_kv), as Llama's ``repeat_kv`` and
+SDPA's ``enable_gqa``. The reference repeats k and v explicitly; SDPA and FlexAttention read the
+shared heads without copying them.
 """
 
 from __future__ import annotations
@@ -12,20 +17,30 @@ import torch
 import torch.nn.functional as F
 
 
-def sliding_window_mask(seq_len: int, window: int | None, device: torch.device | None = None) -> torch.Tensor:
-    """Boolean [T, T] mask, True where query i may attend to key j."""
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
+def sliding_window_mask(seq_len: int, window: int | None, device: torch.device | None = None, offset: int = 0,
+                        kv_len: int | None = None) -> torch.Tensor:
+    """Boolean [T, kv_len] mask, True where query i (at absolute position offset + i) may attend to
+    key j. ``offset``/``kv_len`` describe decoding with a KV cache: T new queries after ``offset``
+    cached tokens, kv_len = offset + T keys."""
+    i = torch.arange(offset, offset + seq_len, device=device)[:, None]
+    j = torch.arange(kv_len or seq_len, device=device)[None, :]
     allowed = j <= i
     if window is not None:
         allowed &= (i - j) < window
     return allowed
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Explicit softmax(QK^T / sqrt(d)) V. q, k, v: [B, H, T, hd] -> [B, H, T, hd]."""
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [B, H, T, T]
-    mask = sliding_window_mask(q.shape[-2], window, q.device)
+def repeat_kv(kv: torch.Tensor, n_head: int) -> torch.Tensor:
+    """[B, H_kv, T, hd] -> [B, H, T, hd]: each KV head repeated for its H / H_kv query heads."""
+    return kv.repeat_interleave(n_head // kv.shape[1], dim=1)
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+                        offset: int = 0) -> torch.Tensor:
+    """Explicit softmax(QK^T / sqrt(d)) V. q: [B, H, T, hd]; k, v: [B, H_kv, offset + T, hd] -> [B, H, T, hd]."""
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [B, H, T, offset + T]
+    mask = sliding_window_mask(q.shape[-2], window, q.device, offset, k.shape[-2])
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     return probs.to(q.dtype) @ v
@@ -33,15 +48,22 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windo
 
 def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """SDPA: the flash/cuDNN kernel for full causal; a boolean mask for windows (CPU, short seqs)."""
-    seq_len = q.shape[-2]
+    seq_len, gqa = q.shape[-2], k.shape[1] != q.shape[1]
     if window is None or window >= seq_len:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     mask = sliding_window_mask(seq_len, window, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def attention_at_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, window: int | None = None) -> torch.Tensor:
+    """Decoding with a KV cache: q [B, H, T, hd] are the queries at positions offset .. offset + T - 1,
+    k, v [B, H_kv, offset + T, hd] every key so far. SDPA with an explicit mask (generation, not training)."""
+    mask = sliding_window_mask(q.shape[-2], window, q.device, offset, k.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None, impl: str = "auto") -> torch.Tensor:
-    """q, k, v: [B, H, T, hd] -> [B, H, T, hd]. ``impl``: auto, sdpa, flex or reference.
+    """q [B, H, T, hd], k, v [B, H_kv, T, hd] -> [B, H, T, hd]. ``impl``: auto, sdpa, flex or reference.
 
     A real window (w < T) on CUDA always runs FlexAttention (``auto`` and ``sdpa`` alike): SDPA
     has no sliding-window kernel, and its dense-mask path would compute every masked block and

@@ -65,11 +65,13 @@ def block_mask_for(seq_len: int, window: int | None, device: torch.device) -> Bl
 
 
 def attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
-    """q, k, v: [B, H, T, hd] -> [B, H, T, hd]; causal, restricted to the last ``window`` keys.
+    """q [B, H, T, hd], k, v [B, H_kv, T, hd] -> [B, H, T, hd]; causal, restricted to the last
+    ``window`` keys; grouped-query when H_kv < H (flex's ``enable_gqa``, no copies of k and v).
 
     On CUDA this runs the compiled FlexAttention kernel; elsewhere flex's eager path (dense math,
     fine for small test shapes only)."""
     mask = block_mask_for(q.shape[-2], window, q.device)
+    gqa = k.shape[1] != q.shape[1]
     if q.is_cuda:
-        return _flex()(q, k, v, block_mask=mask)
-    return flex_attention(q, k, v, block_mask=mask)
+        return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)

@@ -1,4 +1,13 @@
-"""Transformer blocks: MegaScale's parallel block and the classic serial pre-LN block.
+"""Transformer blocks: MegaScale's parallel block and the classic serial pre-norm block, each built
+from the configured parts (``norm.py``: LayerNorm or RMSNorm; ``attention.py``: MHA/GQA with
+learned positions or RoPE; ``mlp.py``: GeLU or SwiGLU). A plain Llama is the serial block with
+RMSNorm, RoPE, GQA and SwiGLU; the parallel block composes with the same parts.
+
+State-dict names: parallel ``ln``, ``attn.*``, ``mlp.*``; serial ``ln1``, ``attn.*``, ``ln2``,
+``mlp.*`` (Hugging Face Llama: ``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``,
+``mlp.*``; the part modules' docstrings map the rest).
+
+``forward(x, cache=None)``: ``cache`` is this layer's ``LayerKV`` when decoding incrementally.
 
 Each block has ``enter``/``exit`` slots (identity here). Tensor + sequence parallelism replaces
 them from outside with all-gather / reduce-scatter regions; the parallel block needs one of each
@@ -31,7 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatrain.config import ModelConfig
-from megatrain.model.layers import MLP, Attention, LayerNorm
+from megatrain.model.attention import Attention
+from megatrain.model.cache import LayerKV
+from megatrain.model.mlp import make_mlp
+from megatrain.model.norm import make_norm
 
 # When the parallel block fuses its projections: "never" (the default: measured slower, see the
 # module docstring), "compile" (inside torch.compile only) or "always" (eager too; for tests).
@@ -40,21 +52,21 @@ FUSE_PROJECTIONS: Literal["compile", "always", "never"] = "never"
 
 
 class ParallelBlock(nn.Module):
-    """y = x + attn(ln(x)) + mlp(ln(x)): one LayerNorm, attention and MLP side by side."""
+    """y = x + attn(norm(x)) + mlp(norm(x)): one norm, attention and MLP side by side."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln = LayerNorm(cfg.d_model, cfg)
+        self.ln = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = make_mlp(cfg)
         self.enter = nn.Identity()
         self.exit = nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
-        if self._fuse_projections():
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+        if cache is None and self._fuse_projections():
             return x + self.fused_projections(self.ln(x))
         h = self.enter(self.ln(x))
-        return x + self.exit(self.attn(h) + self.mlp(h))
+        return x + self.exit(self.attn(h, cache) + self.mlp(h))
 
     def _fuse_projections(self) -> bool:
         if FUSE_PROJECTIONS == "never" or (FUSE_PROJECTIONS == "compile" and not torch.compiler.is_compiling()):
@@ -66,6 +78,7 @@ class ParallelBlock(nn.Module):
 
     def fused_projections(self, h: torch.Tensor) -> torch.Tensor:
         """attn(h) + mlp(h) with two matmuls instead of four (see the module docstring)."""
+        # [3d + ff] below reads [(H + 2G) hd + ff] with GQA and [.. + 2 ff] with SwiGLU
         attn, mlp = self.attn, self.mlp
         w_in = torch.cat([attn.qkv.weight, mlp.fc.weight])  # [3d + ff, d]
         b_in = None if attn.qkv.bias is None else torch.cat([attn.qkv.bias, mlp.fc.bias])
@@ -77,19 +90,19 @@ class ParallelBlock(nn.Module):
 
 
 class SerialBlock(nn.Module):
-    """x = x + attn(ln1(x)); x = x + mlp(ln2(x)) (GPT-2 / nanoGPT pre-LN)."""
+    """x = x + attn(ln1(x)); x = x + mlp(ln2(x)) (GPT-2 / nanoGPT / Llama pre-norm)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln1 = LayerNorm(cfg.d_model, cfg)
+        self.ln1 = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.ln2 = LayerNorm(cfg.d_model, cfg)
-        self.mlp = MLP(cfg)
+        self.ln2 = make_norm(cfg)
+        self.mlp = make_mlp(cfg)
         self.enter_attn, self.exit_attn = nn.Identity(), nn.Identity()
         self.enter_mlp, self.exit_mlp = nn.Identity(), nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
-        x = x + self.exit_attn(self.attn(self.enter_attn(self.ln1(x))))
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+        x = x + self.exit_attn(self.attn(self.enter_attn(self.ln1(x)), cache))
         return x + self.exit_mlp(self.mlp(self.enter_mlp(self.ln2(x))))
 
 

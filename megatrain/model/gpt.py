@@ -1,7 +1,19 @@
-"""GPT: token + position embedding -> n_layer blocks -> final LayerNorm -> tied LM head.
+"""The decoder-only transformer: token (+ learned position) embedding -> n_layer blocks -> final
+norm -> LM head (tied to the token embedding or not). GPT-2 and Llama are choices of parts in
+``ModelConfig`` (position, norm, mlp, n_kv_head, bias, tie_embeddings, block), not two classes.
 
 ``GPT.layers()`` is the flat, ordered list [Embedding, Block x n_layer, Head] the pipeline slices;
 everything the forward does is in those layers, in that order.
+
+State-dict names: ``embed.wte.weight`` [V, d] (HF Llama ``model.embed_tokens.weight``),
+``embed.wpe.weight`` [seq_len, d] (learned positions only), ``blocks.{i}.*`` (``block.py``),
+``head.ln_f.*`` (HF ``model.norm``), and ``head.weight`` [V, d] when untied (HF ``lm_head.weight``).
+
+``model(idx, cache=KVCache(n_layer))`` decodes incrementally (``cache.py``): logits for the new
+tokens only, positions continuing after the cached ones.
+
+Construction allocates and initialises; ``init_weights`` is separate so a model built under
+``torch.device("meta")`` can be materialised (``to_empty``) and initialised later.
 """
 
 from __future__ import annotations
@@ -14,27 +26,31 @@ import torch.nn as nn
 from megatrain.config import ModelConfig
 from megatrain.kernels.cross_entropy import lm_head_cross_entropy
 from megatrain.model.block import make_block
-from megatrain.model.layers import LayerNorm
+from megatrain.model.cache import KVCache
+from megatrain.model.norm import NORMS, make_norm
 
 
 class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        # learned positions; with RoPE the positions enter inside attention instead
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # [B, T] int64 -> [B, T, d]
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(positions))
+    def forward(self, idx: torch.Tensor, offset: int = 0) -> torch.Tensor:  # [B, T] int64 -> [B, T, d]
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(offset, offset + idx.shape[1], device=idx.device))
+        return self.drop(x)
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the vocabulary projection (sharing the embedding matrix when tied)."""
+    """Final norm and the vocabulary projection (sharing the embedding matrix when tied)."""
 
     def __init__(self, cfg: ModelConfig, embedding: Embedding):
         super().__init__()
-        self.ln_f = LayerNorm(cfg.d_model, cfg)
+        self.ln_f = make_norm(cfg)
         self.tied = cfg.tie_embeddings
         # A tied head holds no weight of its own; it reads the embedding's at call time.
         self._embedding = [embedding]  # a list keeps it out of this module's parameters
@@ -64,16 +80,22 @@ class GPT(nn.Module):
     def layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx [B, T] -> logits [B, T, V], or the mean loss when targets [B, T] are given."""
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """idx [B, T] -> logits [B, T, V], or the mean loss when targets [B, T] are given.
+        With a ``cache``, idx are the tokens after the cached ones (see the module docstring)."""
+        if cache is None:
+            x = self.embed(idx)
+            for block in self.blocks:
+                x = block(x)
+        else:
+            x = self.embed(idx, cache.length)
+            for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
+                x = block(x, layer_cache)
         return self.head(x) if targets is None else self.head.loss(x, targets)
 
 
 def init_weights(model: GPT, cfg: ModelConfig) -> None:
-    """GPT-2 init: N(0, std) weights, zero biases, unit LayerNorm gain; the projections that
+    """GPT-2 init (Llama's too): N(0, std) weights, zero biases, unit norm gains; the projections that
     write into the residual stream are scaled by 1/sqrt(2 * n_layer) so its variance stays flat."""
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
     for name, module in model.named_modules():
@@ -84,9 +106,9 @@ def init_weights(model: GPT, cfg: ModelConfig) -> None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
-        elif isinstance(module, LayerNorm):
+        elif isinstance(module, NORMS):
             nn.init.ones_(module.weight)
-            if module.bias is not None:
+            if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
     if model.head.weight is not None:
         nn.init.normal_(model.head.weight, mean=0.0, std=cfg.init_std)
@@ -100,11 +122,13 @@ def expected_parameter_count(cfg: ModelConfig) -> int:
     """Parameters by formula (the tests hold the model to it)."""
     d, ff, L, V = cfg.d_model, cfg.ffn_dim, cfg.n_layer, cfg.vocab_size
     b = 1 if cfg.bias else 0
-    norm = d * (1 + b)
-    attention = 4 * d * d + b * 4 * d  # qkv [3d, d] + proj [d, d] and their biases
-    mlp = 2 * d * ff + b * (ff + d)
+    kv = cfg.kv_heads * cfg.head_dim  # width of k and of v: d with multi-head attention
+    norm = d * (1 + (b if cfg.norm == "layernorm" else 0))  # RMSNorm has a gain only
+    attention = d * (d + 2 * kv) + d * d + b * (d + 2 * kv + d)  # qkv [d + 2kv, d] + proj [d, d] and biases
+    mats = 3 if cfg.mlp == "swiglu" else 2  # gate, up, down / fc, proj
+    mlp = mats * d * ff + b * ((mats - 1) * ff + d)
     norms_per_block = 1 if cfg.block == "parallel" else 2
     per_block = attention + mlp + norms_per_block * norm
-    embeddings = V * d + cfg.seq_len * d
+    embeddings = V * d + (cfg.seq_len * d if cfg.position == "learned" else 0)
     head = norm + (0 if cfg.tie_embeddings else V * d)
     return embeddings + L * per_block + head

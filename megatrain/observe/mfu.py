@@ -4,13 +4,18 @@
 
 6N: each parameter does one multiply-add (2 FLOPs) per token in the forward and two in the
 backward (activation and weight gradients). N counts every parameter that takes part in a matmul
-per token: all parameters except the position embedding (a table lookup). The token embedding
+per token: all parameters except a learned position table (a lookup). The token embedding
 counts once: with tied embeddings it is the LM head's matrix (a real [d, V] matmul per token);
 untied, the input table is counted too, by the same convention as PaLM and nanoGPT (small next
 to the head). LayerNorm gains and biases are included; they are negligible.
 
+The Llama family needs no other term: N already holds SwiGLU's three matrices (gate, up, down)
+and GQA's smaller K/V projections ([n_kv_head * head_dim, d] each), so 6N counts exactly the
+projections that run; RoPE, RMSNorm and SwiGLU's pointwise product are not matmuls.
+
 12 L d s: the attention scores QK^T and the weighted sum AV, 2 * 2 * d * s FLOPs per token per
-layer forward, times 3 for forward + backward. s is the attended context: the sequence length,
+layer forward, times 3 for forward + backward. d = n_head * head_dim: every query head attends,
+so grouped-query attention (fewer K/V heads, shared) does not reduce this term. s is the attended context: the sequence length,
 or the window for sliding-window attention. By convention (PaLM, MegaScale) causal masking is
 not halved: the formula describes the model, not a kernel. Activation recomputation is not
 counted either: MFU counts the model's FLOPs, not the hardware's.
@@ -36,7 +41,10 @@ _PEAKS: tuple[tuple[str, float], ...] = (
 
 
 def non_embedding_params(model_cfg: ModelConfig, n_params: int) -> int:
-    """N of the formula: the model's parameter count minus the position embedding."""
+    """N of the formula: the model's parameter count minus the position table (learned
+    positions only: RoPE has none)."""
+    if model_cfg.position != "learned":
+        return n_params
     return n_params - model_cfg.seq_len * model_cfg.d_model
 
 
@@ -45,7 +53,7 @@ def flops_per_token(model_cfg: ModelConfig, n_params: int) -> float:
 
     ``n_params``: the whole model's parameter count, each tensor once (``count_parameters(model)``
     on an unsplit model; with tensor or pipeline parallelism pass the global count, not a
-    rank's). The position embedding is subtracted here."""
+    rank's). A learned position table is subtracted here."""
     n = non_embedding_params(model_cfg, n_params)
     return 6.0 * n + 12.0 * model_cfg.n_layer * model_cfg.d_model * model_cfg.attended_context
 

@@ -92,7 +92,7 @@ def build_pipeline_module(model: GPT, cfg: Config, groups: ProcessGroups) -> Pip
     model=pipe, mpu=None, config=deepspeed_config(...))`` and ``engine.train_batch(batches)``,
     where ``batches`` yields (inputs, targets) micro-batches."""
     dims = groups.dims
-    if cfg.model.tie_embeddings and groups.pp_rank == dims.pp - 1 and dims.pp > 1:
+    if cfg.model.tie_embeddings and groups.pp_rank == dims.pp - 1 and dims.pp > 1 and model.embed.wpe is not None:
         # The last stage holds the whole Embedding for its tied token table; its position table
         # is never used there and must not be trained (it would get no gradient).
         model.embed.wpe.weight.requires_grad_(False)

@@ -10,7 +10,8 @@ Model states (the ZeRO paper's accounting, Rajbhandari et al. 2020), P = paramet
   ZeRO-1 divides the optimizer term by dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters.
 
 Activations per layer and micro-batch (Korthikanti et al. 2022, Table 2; 16-bit activations,
-s = seq_len, b = micro-batch, h = d_model, a = heads, t = tp):
+s = seq_len, b = micro-batch, h = d_model, a = heads, t = tp; the GPT's 10 and 24 become the
+terms of ``activation_widths`` for GQA's smaller K/V and SwiGLU's gate and up):
   no recompute         TP: sbh (10 + 24/t + 5as/(ht))     TP+SP: sbh (34/t + 5as/(ht))
   selective recompute  TP: sbh (10 + 24/t)                TP+SP: sbh 34/t
   full recompute       each layer keeps only its input: 2sbh, or 2sbh/t when it is sequence-sharded
@@ -35,6 +36,20 @@ from megatrain.config_load import ConfigError, load_config
 GIB = 1024**3
 
 
+def activation_widths(cfg: Config) -> tuple[float, float]:
+    """Bytes per token of one layer's stored activations, as (replicated, tensor-parallel-sharded)
+    multiples of h, term by term (Korthikanti et al. 2022, generalised to GQA and SwiGLU):
+      replicated: norm inputs 4h (two norms' worth, both blocks: an upper bound), the qkv input 2h,
+                  the MLP input 2h, the attention and MLP dropout masks 1h + 1h           = 10h
+      sharded:    q and k 2h + 2kv, v 2kv, the attention projection's input 2h,
+                  MLP: GeLU 2ff (its input) + 2ff (proj input); SwiGLU 4ff (gate, up) + 2ff
+    kv = n_kv_head * head_dim (h for multi-head); a GPT (kv = h, ff = 4h) gives 10h + 24h = 34h."""
+    m = cfg.model
+    h, kv, ff = m.d_model, m.kv_heads * m.head_dim, m.ffn_dim
+    mlp_inner = 6 * ff if m.mlp == "swiglu" else 4 * ff
+    return 10 * h, 4 * h + 4 * kv + mlp_inner
+
+
 def activation_bytes_per_layer(cfg: Config, mode: str) -> float:
     """Korthikanti et al. (2022) bytes of one layer's activations for one micro-batch."""
     m, p = cfg.model, cfg.parallel
@@ -43,21 +58,29 @@ def activation_bytes_per_layer(cfg: Config, mode: str) -> float:
     attention_scores = 5 * a * s / (h * t)
     if mode == "full":
         return 2 * s * b * h / (t if sp else 1)
-    base = 34 / t if sp else 10 + 24 / t
+    replicated, sharded = activation_widths(cfg)
+    base = (replicated + sharded) / (h * t) if sp else replicated / h + sharded / (h * t)
     return s * b * h * (base + (attention_scores if mode == "none" else 0.0))
 
 
 def params_per_gpu(cfg: Config) -> int:
     """Parameters of one first-stage GPU: its share of L/pp layers, its 1/t of the token
-    embedding, and the whole position table. Column/row-parallel matrices and the qkv and fc
-    biases are split by t; LayerNorms and the row-parallel biases are replicated."""
+    embedding, the whole position table (learned positions), and with pp = 1 the head too (final
+    norm, an untied projection's 1/t). Column/row-parallel matrices and the qkv and fc biases are
+    split by t; norms and the row-parallel biases are replicated. GQA: qkv is [d + 2kv, d];
+    SwiGLU: fc is [2ff, d] (gate and up) beside proj [d, ff]."""
     m, t = cfg.model, cfg.parallel.tp
     d, ff, bias = m.d_model, m.ffn_dim, 1 if m.bias else 0
-    attention = 4 * d * d // t + bias * (3 * d // t + d)
-    mlp = 2 * d * ff // t + bias * (ff // t + d)
-    norms = (1 if m.block == "parallel" else 2) * d * (1 + bias)
+    kv = m.kv_heads * m.head_dim
+    attention = (d + 2 * kv) * d // t + d * d // t + bias * ((d + 2 * kv) // t + d)
+    fc_rows = 2 * ff if m.mlp == "swiglu" else ff
+    mlp = fc_rows * d // t + ff * d // t + bias * (fc_rows // t + d)
+    norm = d * (1 + (bias if m.norm == "layernorm" else 0))
+    norms = (1 if m.block == "parallel" else 2) * norm
     layers = math.ceil(m.n_layer / cfg.parallel.pp)
-    return layers * (attention + mlp + norms) + m.vocab_size * d // t + m.seq_len * d
+    embedding = m.vocab_size * d // t + (m.seq_len * d if m.position == "learned" else 0)
+    head = 0 if cfg.parallel.pp > 1 else norm + (0 if m.tie_embeddings else m.vocab_size * d // t)
+    return layers * (attention + mlp + norms) + embedding + head
 
 
 @dataclass

@@ -25,7 +25,10 @@ reduce-scatter: one all-gather and one reduce-scatter per layer (the serial bloc
 
 Sharded parameters carry ``tensor_model_parallel = True`` (DeepSpeed then counts them on every
 TP rank in the global gradient norm, replicated ones only on TP rank 0) plus ``partition_dim`` and
-``partition_interleave``, which ``full_tensor`` uses to reassemble the whole tensor.
+``partition_interleave`` (a count of equal fused blocks, or their sizes for a grouped-query qkv),
+which ``full_tensor`` uses to reassemble the whole tensor. Rule for grouped-query attention: KV
+heads are sharded like query heads (tp must divide n_kv_head; the config refuses otherwise), so a
+rank's query heads find their KV heads on the same rank and no KV head is replicated.
 """
 
 from __future__ import annotations
@@ -66,15 +69,27 @@ _eager = torch.compiler.disable
 # ---------------------------------------------------------------- layers
 
 
-def _shard(tensor: torch.Tensor, dim: int, rank: int, world: int, interleave: int = 1) -> torch.Tensor:
-    """This rank's 1/world of ``tensor`` along ``dim``. ``interleave=3`` treats the dim as three
-    equal blocks (a fused q, k, v) and slices each, so rank r holds q_r, k_r, v_r: the layout
-    Attention's ``view(B, T, 3, heads, head_dim)`` expects."""
-    blocks = tensor.detach().chunk(interleave, dim)
+Interleave = int | tuple[int, ...]
+
+
+def _blocks(tensor: torch.Tensor, dim: int, interleave: Interleave, world: int = 1) -> tuple[torch.Tensor, ...]:
+    """``tensor`` cut into its fused blocks: ``interleave`` equal ones (an int), or blocks of the
+    given whole-tensor sizes (a tuple), each divided by ``world`` when ``tensor`` is one shard."""
+    if isinstance(interleave, int):
+        return tensor.chunk(interleave, dim)
+    return tensor.split([size // world for size in interleave], dim)
+
+
+def _shard(tensor: torch.Tensor, dim: int, rank: int, world: int, interleave: Interleave = 1) -> torch.Tensor:
+    """This rank's 1/world of ``tensor`` along ``dim``. ``interleave`` treats the dim as fused
+    blocks and slices each: 3 for GPT's equal q, k, v; (H hd, G hd, G hd) for a grouped-query qkv
+    (rank r holds q_r, k_r, v_r: H/t query heads and the G/t KV heads they read, the layout
+    Attention's split expects); 2 for SwiGLU's [gate | up]."""
+    blocks = _blocks(tensor.detach(), dim, interleave)
     return torch.cat([block.chunk(world, dim)[rank] for block in blocks], dim).clone()
 
 
-def _mark_sharded(param: nn.Parameter, dim: int, interleave: int = 1) -> nn.Parameter:
+def _mark_sharded(param: nn.Parameter, dim: int, interleave: Interleave = 1) -> nn.Parameter:
     param.tensor_model_parallel = True
     param.partition_dim = dim
     param.partition_interleave = interleave
@@ -84,14 +99,14 @@ def _mark_sharded(param: nn.Parameter, dim: int, interleave: int = 1) -> nn.Para
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r: this rank's slice of the output features."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, interleave: int = 1):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, interleave: Interleave = 1):
         super().__init__()
         self.weight = _mark_sharded(nn.Parameter(weight), 0, interleave)
         self.bias = _mark_sharded(nn.Parameter(bias), 0, interleave) if bias is not None else None
         self._precomputed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, rank: int, world: int, interleave: int = 1) -> ColumnParallelLinear:
+    def from_linear(cls, linear: nn.Linear, rank: int, world: int, interleave: Interleave = 1) -> ColumnParallelLinear:
         bias = _shard(linear.bias, 0, rank, world, interleave) if linear.bias is not None else None
         return cls(_shard(linear.weight, 0, rank, world, interleave), bias, interleave)
 
@@ -255,7 +270,7 @@ def apply_tensor_parallel(model: GPT, groups: ProcessGroups, sequence_parallel: 
     run starts from the same weights as a single process with the same seed), fill the blocks'
     enter/exit slots and switch the head to the vocabulary-parallel loss."""
     cfg, group, rank, world = model.cfg, groups.tp_group, groups.tp_rank, groups.dims.tp
-    for what, size in (("n_head", cfg.n_head), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)):
+    for what, size in (("n_head", cfg.n_head), ("n_kv_head", cfg.kv_heads), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)):
         if size % world:
             raise ValueError(f"tensor parallelism: tp={world} must divide model.{what} ({size})")
     if sequence_parallel and cfg.seq_len % world:
@@ -265,16 +280,19 @@ def apply_tensor_parallel(model: GPT, groups: ProcessGroups, sequence_parallel: 
     embed = model.embed
     rows = cfg.vocab_size // world
     embed.wte = VocabParallelEmbedding(_shard(embed.wte.weight, 0, rank, world), rank * rows, group, sequence_parallel)
-    if sequence_parallel:
+    if sequence_parallel and embed.wpe is not None:  # RoPE has no table: it rotates the gathered q, k
         embed.wpe = SequenceShardPositionEmbedding(embed.wpe.weight.detach().clone(), rank, world)
 
+    kv_width = cfg.kv_heads * cfg.head_dim
+    qkv_blocks = (cfg.n_head * cfg.head_dim, kv_width, kv_width)
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, rank, world, interleave=3)
+        attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, rank, world, interleave=qkv_blocks)
         attn.proj = RowParallelLinear.from_linear(attn.proj, rank, world)
         # MLP calls F.linear(x, fc.weight) itself (its bias goes into the GeLU kernel), so the
-        # enter region cannot precompute fc's GEMM: only qkv is a consumer below.
-        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, rank, world)
+        # enter region cannot precompute fc's GEMM: only qkv is a consumer below. SwiGLU's fc
+        # holds [gate | up]: each rank takes matching halves of both.
+        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, rank, world, interleave=2 if cfg.mlp == "swiglu" else 1)
         mlp.proj = RowParallelLinear.from_linear(mlp.proj, rank, world)
         if isinstance(block, ParallelBlock):
             # attention and MLP read one gathered input; their partial outputs are summed before
@@ -311,6 +329,7 @@ def full_tensor(param: nn.Parameter, group: dist.ProcessGroup | None, tensor: to
         return tensor
     shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, tensor.contiguous(), group=group)
-    dim, interleave = param.partition_dim, param.partition_interleave
-    blocks = [shard.chunk(interleave, dim) for shard in shards]
+    dim, interleave, world = param.partition_dim, param.partition_interleave, len(shards)
+    blocks = [_blocks(shard, dim, interleave, world) for shard in shards]
+    interleave = interleave if isinstance(interleave, int) else len(interleave)
     return torch.cat([torch.cat([b[i] for b in blocks], dim) for i in range(interleave)], dim)

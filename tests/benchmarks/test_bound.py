@@ -17,20 +17,23 @@ from megatrain.config import ModelConfig  # noqa: E402
 from megatrain.model.gpt import GPT  # noqa: E402
 
 TINY = dict(vocab_size=96, n_layer=2, n_head=2, d_model=32, seq_len=16)
+LLAMA = dict(n_head=4, n_kv_head=2, position="rope", norm="rmsnorm", mlp="swiglu", bias=False, d_ff=48)
 
 
+@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt", "llama"])
 @pytest.mark.parametrize("block", ["parallel", "serial"])
-def test_gemm_flops_are_six_n_per_token_over_the_models_matrices(block):
+def test_gemm_flops_are_six_n_per_token_over_the_models_matrices(block, family):
     """6N of the MFU formula counts every matrix once per token (LayerNorm/bias vectors and the
     position table aside): the bound's GEMM list must cover exactly those matrices."""
-    m = ModelConfig(**TINY, block=block)
+    m = ModelConfig(**{**TINY, **family}, block=block)
     matrices = sum(p.numel() for name, p in GPT(m).named_parameters() if p.dim() == 2 and "wpe" not in name)
     tokens = 3 * m.seq_len
     assert bound.micro_batch_gemm_flops(m, tokens) == 6 * matrices * tokens
 
 
-def test_run_executes_exactly_the_counted_gemms():
-    m = ModelConfig(**TINY)
+@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt", "llama"])
+def test_run_executes_exactly_the_counted_gemms(family):
+    m = ModelConfig(**{**TINY, **family})
     kernels = bound.MicroBatchKernels(m, micro_batch=2, device=torch.device("cpu"), dtype=torch.float32)
     with FlopCounterMode(display=False) as counter:
         kernels.run(gemms=True, attention=None)
@@ -57,3 +60,13 @@ def test_script_writes_rows_for_full_attention_and_each_window(tmp_path):
     for r in result["rows"]:
         assert r["gemm_plus_attention_ms"] > 0 and r["separate_ms"] > r["epilogue_ms"] > r["gemm_plus_attention_ms"]
         assert r["targets_reachable"] == {"separate": False, "epilogue": False}  # 1e9 tokens/s is out of reach
+
+
+def test_script_runs_for_the_llama_family(tmp_path):
+    out = tmp_path / "bound.json"
+    assert bound.main(["--config", str(ROOT / "configs/llama-tiny-cpu.yaml"), "--device", "cpu", "--windows", "64",
+                       "--iters", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["attended_context"] for r in result["rows"]] == [128, 64]
+    rope = result["floor_bytes"]["separate"]["RoPE on q and k, fwd + bwd: read, write each way"]
+    assert rope == 4 * 8 * 128 * (128 + 64) * 2 * 2  # 4 passes x tokens (mb 8) x (d + kv) x bf16 x 2 layers

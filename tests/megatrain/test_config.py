@@ -12,7 +12,8 @@ RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
 
 def test_there_are_recipes():
     names = {p.name for p in RECIPES}
-    assert {"tiny-cpu.yaml", "gpt-125m.yaml", "gpt-1.3b.yaml", "gpt-175b.yaml"} <= names
+    assert {"tiny-cpu.yaml", "gpt-125m.yaml", "gpt-1.3b.yaml", "gpt-175b.yaml", "llama-tiny-cpu.yaml", "llama-1b.yaml",
+            "llama-8b.yaml", "campaign-llama-local.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -32,6 +33,30 @@ def test_shapes_of_the_reference_recipes():
     assert (big.model.n_layer, big.model.d_model, big.model.n_head, big.model.seq_len, big.model.vocab_size) == (
         96, 12288, 128, 2048, 64000)
     assert (big.parallel.tp, big.parallel.pp) == (8, 8)
+
+
+def test_shapes_of_the_llama_recipes():
+    small = load_config(ROOT / "configs/llama-1b.yaml").model
+    assert (small.n_layer, small.d_model, small.n_head, small.kv_heads, small.ffn_dim, small.vocab_size) == (
+        16, 2048, 32, 8, 8192, 128256)
+    assert (small.position, small.rope_theta, small.norm, small.mlp, small.bias, small.tie_embeddings) == (
+        "rope", 500000.0, "rmsnorm", "swiglu", False, True)
+    assert small.rope_scaling is not None and small.rope_scaling.factor == 32.0
+    big = load_config(ROOT / "configs/llama-8b.yaml")
+    assert (big.model.n_layer, big.model.d_model, big.model.n_head, big.model.kv_heads, big.model.ffn_dim) == (
+        32, 4096, 32, 8, 14336)
+    assert not big.model.tie_embeddings and big.model.kv_heads % big.parallel.tp == 0
+    tiny = load_config(ROOT / "configs/llama-tiny-cpu.yaml").model
+    assert (tiny.position, tiny.norm, tiny.mlp, tiny.kv_heads < tiny.n_head, tiny.ffn_dim) == ("rope", "rmsnorm", "swiglu", True, 384)
+    assert load_campaign(ROOT / "configs/campaign-llama-local.yaml").recipe.endswith("llama-tiny-cpu.yaml")
+
+
+def test_gpt_recipes_keep_their_fingerprints():
+    """Recorded before the Llama knobs existed: existing checkpoints and cached stages stay valid."""
+    recorded = {"gpt-1.3b": "cb6c01959c8be93c", "gpt-125m": "d02f6c28821a6db5", "gpt-175b": "780d9e82d7ce709f",
+                "tiny-cpu": "c532aadfd51abce9"}
+    assert {name: load_config(ROOT / f"configs/{name}.yaml").fingerprint() for name in recorded} == recorded
+    assert load_config(ROOT / "configs/tiny-cpu.yaml", ["model.norm=rmsnorm"]).fingerprint() != recorded["tiny-cpu"]
 
 
 def test_overrides_are_parsed_and_applied(tmp_path):
@@ -64,6 +89,15 @@ def _error(tmp_path, text, overrides=None):
         ("parallel: {dp: 4}\ntrain: {micro_batch_size: 2, global_batch_size: 4}", "(top level)", "micro_batch_size * dp"),
         ("optim: {lr: 1e-4, min_lr: 1e-3}", "optim", "min_lr"),
         ("optim: {name: sgd}", "optim.name", "'lamb' or 'adamw'"),
+        ("model: {n_head: 12, n_kv_head: 5}", "model", "n_head (12) must be divisible by n_kv_head (5)"),
+        ("model: {d_model: 36, n_head: 12, position: rope}", "model", "position rope needs an even head_dim"),
+        ("model: {rope_scaling: {factor: 8}}", "model", "rope_scaling: only with position 'rope'"),
+        ("model: {position: rope, rope_scaling: {low_freq_factor: 4, high_freq_factor: 1}}", "model.rope_scaling",
+         "high_freq_factor (1.0) must exceed low_freq_factor"),
+        ("model: {norm: batchnorm}", "model.norm", "'layernorm' or 'rmsnorm'"),
+        ("model: {mlp: relu}", "model.mlp", "'gelu' or 'swiglu'"),
+        ("model: {n_head: 16, d_model: 1024, n_kv_head: 2}\nparallel: {tp: 4}", "(top level)",
+         "parallel.tp (4) must divide model.n_kv_head (2): KV heads are sharded"),
     ],
 )
 def test_config_errors_name_file_field_and_reason(tmp_path, text, field, reason):

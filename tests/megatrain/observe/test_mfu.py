@@ -44,3 +44,23 @@ def test_mfu():
     # 66% of an H200 at the 1.3B model's 9.077 GFLOP/token is about 71,940 tokens/s
     assert mfu(71_940, 9_077_121_024, 989.4e12) == pytest.approx(0.66, rel=1e-4)
     assert mfu(1e5, 1e9, None) is None
+
+
+LLAMA_1B = ModelConfig(vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192, seq_len=2048,
+                       position="rope", norm="rmsnorm", mlp="swiglu", bias=False, block="serial")
+
+
+def test_llama_3_2_1b_by_hand():
+    """d=2048, 32 query heads of 64, 8 KV heads (kv width 512), SwiGLU ff=8192, 16 serial blocks,
+    no biases, tied vocab 128256, RoPE (no position table). Per block: q 2048*2048 = 4,194,304;
+    k and v 2 * 512*2048 = 2,097,152; o 4,194,304; gate, up, down 3 * 2048*8192 = 50,331,648;
+    two RMSNorm gains 4,096 -> 60,821,504; x 16 = 973,144,064. Token embedding (= the head's
+    matrix) 262,668,288 and the final norm 2,048: N = 1,235,814,400."""
+    n_params = expected_parameter_count(LLAMA_1B)
+    assert n_params == 1_235_814_400
+    assert non_embedding_params(LLAMA_1B, n_params) == n_params  # RoPE: nothing to subtract
+    # 6N = 7,414,886,400; attention 12 * 16 * 2048 * 2048 = 805,306,368 (all 32 query heads attend)
+    assert flops_per_token(LLAMA_1B, n_params) == 8_220_192_768
+    # GQA's smaller K/V show in N: multi-head would add 16 blocks x 2 x (2048 - 512) x 2048
+    mha = LLAMA_1B.model_copy(update={"n_kv_head": None})
+    assert flops_per_token(mha, expected_parameter_count(mha)) - 8_220_192_768 == 6 * 16 * 2 * 1536 * 2048

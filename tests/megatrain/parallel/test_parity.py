@@ -1,6 +1,8 @@
 """Parallel == serial: DP2, TP2, PP2, TP2xDP2, PP2xDP2 (and TP2xPP2) runs of 3 LAMB steps with
 ZeRO-1 and gradient clipping match one process on the same global batch, with every overlap on
-and off, both block kinds, sequence parallelism on and off.
+and off, both block kinds, sequence parallelism on and off; and the Llama family (RoPE, RMSNorm,
+SwiGLU, grouped-query attention with its KV heads split over TP ranks) in a lean set of layouts:
+ZeRO-3, TP+SP, TP without SP with a sliding window, PP untied, TP2xDP2 ZeRO-2, TP2xPP2.
 
 Each world size is one torchrun launch that trains all its variants (process start-up and
 imports cost ~10 s per launch on 2 cores; a variant costs about a second). The reference is
@@ -25,6 +27,9 @@ from conftest import reference_run, run_parity
 
 OFF = {"parallel.overlap.tp_chunks": 1, "parallel.overlap.dp_overlap_comm": False, "parallel.overlap.dp_prefetch": False}
 TP2, PP2, SERIAL, NO_SP = {"parallel.tp": 2}, {"parallel.pp": 2}, {"model.block": "serial"}, {"parallel.sequence_parallel": False}
+# The Llama family: RoPE, RMSNorm, SwiGLU, 4 query heads over 2 KV heads (one KV head per TP rank), no biases
+LLAMA = {"model.position": "rope", "model.norm": "rmsnorm", "model.mlp": "swiglu", "model.n_kv_head": 2,
+         "model.bias": False, "model.d_ff": 48}
 
 WORLD2 = {
     "dp2": {},
@@ -48,6 +53,10 @@ WORLD2 = {
     "pp2-overlap-off": {**PP2, **OFF},
     "pp2-serial-checkpointed": {**PP2, **SERIAL, "model.activation_checkpointing": True},
     "pp2-untied": {**PP2, "model.tie_embeddings": False},
+    "llama-dp2-zero3-adamw": {**LLAMA, **SERIAL, "parallel.zero_stage": 3, "optim.name": "adamw"},
+    "llama-tp2-serial-sp": {**LLAMA, **SERIAL, **TP2},
+    "llama-tp2-parallel-nosp-sliding": {**LLAMA, **TP2, **NO_SP, "model.attention": "sliding", "model.window": 6},
+    "llama-pp2-serial-untied": {**LLAMA, **SERIAL, **PP2, "model.tie_embeddings": False},
 }
 WORLD4 = {
     "tp2xdp2-parallel-sp": TP2,
@@ -59,6 +68,8 @@ WORLD4 = {
     "tp2xpp2-sp": {**TP2, **PP2},
     "tp2xpp2-nosp": {**TP2, **PP2, **NO_SP},  # DeepSpeed partitions activations between stages
     "tp2xpp2-sp-checkpointed": {**TP2, **PP2, "model.activation_checkpointing": True},
+    "llama-tp2xdp2-serial-sp-zero2": {**LLAMA, **SERIAL, **TP2, "parallel.zero_stage": 2},
+    "llama-tp2xpp2-parallel-sp": {**LLAMA, **TP2, **PP2},
 }
 TOLERANCE = 1e-5
 
@@ -142,6 +153,7 @@ def test_variants_really_differ_from_each_other(world2, reference):
     weights move well beyond the tolerance in 3 steps."""
     parallel, serial = reference({}), reference(SERIAL)
     assert abs(parallel["loss"][2] - serial["loss"][2]) > 1e-4
+    assert abs(reference({**LLAMA, **SERIAL})["loss"][2] - serial["loss"][2]) > 1e-4
     torch.manual_seed(1234)
     from parity_worker import GPT, build_config
 

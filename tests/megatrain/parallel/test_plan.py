@@ -83,3 +83,37 @@ def test_cli_prints_the_table(capsys):
 def test_cli_rejects_a_world_size_that_does_not_fit(capsys):
     assert cli([RECIPE, "--world-size", "100"]) == 2
     assert "not divisible by tp*pp = 64" in capsys.readouterr().out
+
+
+LLAMA_8B = str(Path(__file__).resolve().parents[3] / "configs" / "llama-8b.yaml")
+
+
+def test_llama_8b_plan_matches_the_hand_calculation():
+    """configs/llama-8b.yaml at 64 GPUs: d=4096, 32 query / 8 KV heads of 128 (kv width 1024),
+    SwiGLU ff=14336, V=128256 untied, s=8192, 32 serial blocks without biases, RoPE (no position
+    table), micro-batch 1, TP4 (SP) x DP16, ZeRO-1, full recompute."""
+    d, kv, ff, V, s, L, a, t, dp = 4096, 1024, 14336, 128256, 8192, 32, 32, 4, 16
+    qkv = (d + 2 * kv) * d // t  # GQA: q [d, d] + k, v [kv, d] each, column-parallel: 6,291,456
+    o = d * d // t  # 4,194,304
+    gate_up = 2 * ff * d // t  # 29,360,128
+    down = ff * d // t  # 14,680,064
+    norms = 2 * d  # two RMSNorm gains, no bias
+    per_layer = qkv + o + gate_up + down + norms  # 54,534,144
+    embedding = V * d // t  # 131,334,144
+    head = d + V * d // t  # pp = 1: this GPU is the last stage too (final norm + untied projection)
+    P = L * per_layer + embedding + head
+    assert P == 2_007_764_992  # = 8,030,261,248 / 4 + the replicated norms' 3/4 share
+    # stored: each layer's sequence-sharded input; working set: one layer's activations, term by term
+    stored = L * 1 * (2 * s * d / t)
+    replicated = 10 * d  # norm inputs 4h, qkv and MLP inputs 2h + 2h, dropout masks 2h
+    sharded = 2 * d + 2 * kv + 2 * kv + 2 * d + 4 * ff + 2 * ff  # q, k, v, o's input, gate + up, down's input
+    layer_none = s * (replicated + sharded) / t + 5 * a * s * s / t
+    working = layer_none - 2 * s * d / t
+    plan = memory_plan(load_config(LLAMA_8B), world_size=64)
+    assert (plan.tp, plan.dp, plan.params) == (t, dp, P)
+    assert plan.params_bytes == 2 * P and plan.grads_bytes == 2 * P
+    assert plan.optimizer_bytes == pytest.approx(12 * P / dp)
+    assert plan.activation_bytes["full"] == pytest.approx(stored)
+    assert plan.recompute_working_bytes == pytest.approx(working)
+    assert plan.total_bytes == pytest.approx(4 * P + 12 * P / dp + stored + working)
+    assert plan.total_bytes / GIB < 141 / 1.074  # fits an H200 (141 GB) with room to spare

@@ -50,3 +50,13 @@ def test_fp8_with_tensor_parallelism_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match="train.precision=fp8 with parallel.tp > 1 is not supported yet: .*column/row-parallel"):
         load_config(None, ["train.precision=fp8", "parallel.tp=2"])
     assert load_config(None, ["train.precision=bf16", "parallel.tp=2"]).parallel.tp == 2
+
+
+def test_precision_is_part_of_the_fingerprint_only_when_fp8():
+    """A bf16 run keeps the fingerprint it had before FP8 existed (its checkpoints resume); an FP8
+    run and each FP8 option are different math (a checkpoint resumes only into the same)."""
+    bf16 = load_config(None, [])
+    assert load_config(None, ["train.fp8.recipe=rowwise"]).fingerprint() == bf16.fingerprint()  # unused in bf16
+    fp8 = load_config(None, ["train.precision=fp8"])
+    assert fp8.fingerprint() != bf16.fingerprint()
+    assert load_config(None, ["train.precision=fp8", "train.fp8.keep_first_block=true"]).fingerprint() != fp8.fingerprint()

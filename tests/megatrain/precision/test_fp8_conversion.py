@@ -4,6 +4,7 @@ model computes the bf16 model's function to FP8 accuracy, that checkpoints are i
 and that asking for FP8 where it cannot run fails before any model is built."""
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,12 +15,17 @@ from megatrain.model.gpt import GPT
 from megatrain.parallel.init import DistEnv
 from megatrain.precision import apply_precision, check_precision_supported, fp8_linears, fp8_plan
 
+REPO = Path(__file__).resolve().parents[3]
 SMALL = ["model.vocab_size=256", "model.n_layer=3", "model.n_head=2", "model.d_model=64", "model.seq_len=32",
          "model.attention=full", "model.kernels.attention=reference"]
 
 
-def _config(*overrides: str):
-    return load_config(None, [*SMALL, "train.precision=fp8", "train.fp8.emulate=true", *overrides])
+LLAMA = REPO / "configs" / "llama-tiny-cpu.yaml"  # RoPE, RMSNorm, SwiGLU, grouped-query attention
+
+
+def _config(*overrides: str, recipe: Path | None = None):
+    shape = SMALL if recipe is None else ["model.n_layer=3", "model.seq_len=32"]
+    return load_config(recipe, [*shape, "train.precision=fp8", "train.fp8.emulate=true", *overrides])
 
 
 def _float8_linear() -> type:
@@ -28,9 +34,12 @@ def _float8_linear() -> type:
     return Float8Linear
 
 
-@pytest.mark.parametrize("block", ["parallel", "serial"])
-def test_block_linears_convert_embeddings_and_head_stay(block):
-    cfg = _config(f"model.block={block}", "model.tie_embeddings=false")
+@pytest.mark.parametrize("family", ["gpt-parallel", "gpt-serial", "llama"])
+def test_block_linears_convert_embeddings_and_head_stay(family):
+    if family == "llama":
+        cfg = _config("model.tie_embeddings=false", recipe=LLAMA)
+    else:
+        cfg = _config(f"model.block={family.split('-')[1]}", "model.tie_embeddings=false")
     model = apply_precision(GPT(cfg.model), cfg)
     converted = {fqn for fqn, _ in fp8_linears(model)}
     expected = {f"blocks.{i}.{name}" for i in range(3) for name in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
@@ -89,11 +98,12 @@ def count_fp8_matmuls(model):
         del function.apply
 
 
-@pytest.mark.parametrize("block", ["parallel", "serial"])
-def test_every_converted_linear_runs_and_the_model_keeps_its_function(block):
-    """The MLP's forward reads fc.weight directly (bias into the GeLU kernel): precision must route
-    it through the converted fc, or the biggest GEMM would silently stay in high precision."""
-    cfg = _config(f"model.block={block}")
+@pytest.mark.parametrize("family", ["gpt-parallel", "gpt-serial", "llama"])
+def test_every_converted_linear_runs_and_the_model_keeps_its_function(family):
+    """The GeLU MLP's forward reads fc.weight directly (bias into the GeLU kernel): precision must
+    route it through the converted fc, or the biggest GEMM would silently stay in high precision.
+    Llama: SwiGLU's fc holds gate and up (one FP8 GEMM), grouped-query qkv, RoPE between."""
+    cfg = _config(recipe=LLAMA) if family == "llama" else _config(f"model.block={family.split('-')[1]}")
     torch.manual_seed(0)
     reference = GPT(cfg.model)
     model = GPT(cfg.model)

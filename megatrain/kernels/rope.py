@@ -1,0 +1,61 @@
+"""Rotary position embedding (Su et al. 2021), Hugging Face's "rotate half" layout.
+
+Feature i of a head is paired with feature i + hd/2, and the pair is rotated by the angle
+position * inv_freq[i]:
+
+    y[i]        = x[i] cos - x[i + hd/2] sin
+    y[i + hd/2] = x[i + hd/2] cos + x[i] sin
+
+which is the complex product (x[i] + j x[i + hd/2]) * e^(j angle). (Meta's original code pairs
+adjacent features 2i, 2i+1; a checkpoint converts between the two by permuting the rows of the
+q and k projections, which Hugging Face's conversion does.) The rotation is computed in fp32 and
+rounded once. Its backward is the rotation by the opposite angle.
+
+``rope_tables`` builds cos and sin [T, hd/2] (fp32) for positions offset .. offset + T - 1;
+``rope_inv_freq`` gives the frequencies, with Llama 3's scaling when the config asks for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatrain.kernels import resolve
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling=None, device: torch.device | None = None) -> torch.Tensor:
+    """[hd/2] fp32 angular frequencies theta^(-2i/hd); ``scaling`` (config.RopeScaling) applies Llama 3's
+    rule: keep high frequencies, divide low ones by ``factor``, interpolate the band between."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    old = scaling.original_max_position
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen, high_freq_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+
+
+def rope_tables(inv_freq: torch.Tensor, seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, hd/2] fp32 for positions offset .. offset + T - 1."""
+    positions = torch.arange(offset, offset + seq_len, device=inv_freq.device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # [T, hd/2]
+    return angles.cos(), angles.sin()
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, hd] rotated by the angles of cos, sin [T, hd/2]."""
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # [B, H, T, hd/2] each, >= fp32
+    y = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return y.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    if resolve(impl, x) == "fused":
+        from megatrain.kernels.rope_triton import rope_fused
+
+        return rope_fused(x, cos, sin)
+    return rope_reference(x, cos, sin)

@@ -1,0 +1,28 @@
+"""SwiGLU's pointwise part (Shazeer 2020; Llama): silu(gate) * up.
+
+The MLP computes gate and up with one matmul into one tensor ``h = [gate | up]`` of width 2 ff
+(``model/mlp.py``); this op halves it. The Triton kernel (``swiglu_triton.py``) reads h once and
+writes y; its backward writes d[gate | up] into one buffer, which is the fused matmul's output
+gradient as it is (no concatenation).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.kernels import resolve
+
+
+def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
+    """h [..., 2 ff] = [gate | up] -> [..., ff]."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu(h: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    if resolve(impl, h) == "fused":
+        from megatrain.kernels.swiglu_triton import swiglu_fused
+
+        return swiglu_fused(h)
+    return swiglu_reference(h)

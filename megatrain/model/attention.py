@@ -1,0 +1,61 @@
+"""Causal self-attention: multi-head, grouped-query (n_kv_head < n_head) or multi-query
+(n_kv_head = 1); full or sliding window; learned positions (nothing to do here) or RoPE on q and k.
+
+State-dict names (H = n_head, G = n_kv_head, hd = head_dim, d = d_model):
+- ``qkv.weight`` [(H + 2G) hd, d]: rows [0, H hd) are q (head h in rows h hd .. (h+1) hd - 1),
+  rows [H hd, (H + G) hd) are k, the last G hd rows are v (KV head g likewise). Hugging Face
+  Llama: ``q_proj``, ``k_proj``, ``v_proj`` stacked in that order (RoPE in the same rotate-half
+  layout, so no permutation). GPT-2's ``c_attn`` is the same with G = H.
+- ``qkv.bias`` [(H + 2G) hd] when ``model.bias``; ``proj.weight`` [d, H hd] (HF ``o_proj``),
+  ``proj.bias`` [d] when ``model.bias``.
+
+Under tensor parallelism each rank holds H/t query heads and G/t KV heads: qkv is sharded block
+by block ([q_r | k_r | v_r], ``parallel/tensor_parallel.py``), so the head counts are read from
+the projection's width at run time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from megatrain.config import ModelConfig
+from megatrain.kernels.attention import attention_at_offset, causal_attention
+from megatrain.model.cache import LayerKV
+from megatrain.model.position import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.group = cfg.n_head // cfg.kv_heads  # query heads per KV head
+        self.window = cfg.window if cfg.attention == "sliding" else None
+        self.impl = cfg.kernels.attention
+        self.rope = RotaryEmbedding(cfg) if cfg.position == "rope" else None
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+        return self.proj(self.attend(self.qkv(x), cache))
+
+    def attend(self, qkv: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+        """The part between the two projections: qkv [B, T, (H + 2G) hd] -> [B, T, H hd].
+        ``qkv`` may be a strided view (the fused input projection of the parallel block)."""
+        B, T, width = qkv.shape
+        n_kv = width // ((self.group + 2) * self.head_dim)
+        n_head = n_kv * self.group
+        # split, not unbind: the backward is then one concatenation of dq, dk, dv (which
+        # inductor writes straight into the fused projection's gradient buffer)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for t in qkv.split([n_head * self.head_dim, n_kv * self.head_dim, n_kv * self.head_dim], dim=-1))
+        # q [B, H, T, hd]; k, v [B, G, T, hd]
+        offset = 0 if cache is None else cache.length
+        if self.rope is not None:
+            q, k = self.rope(q, k, offset)
+        if cache is None:
+            y = causal_attention(q, k, v, self.window, self.impl)  # [B, H, T, hd]
+        else:
+            k, v = cache.append(k, v)  # [B, G, offset + T, hd]
+            y = attention_at_offset(q, k, v, offset, self.window)
+        return y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
