@@ -56,26 +56,43 @@ def train(cfg, env, steps: int, run: dict, log, save) -> None:
             torch.cuda.empty_cache()
 
 
-def plot(results: dict, path: Path, title: str, window: int = 25) -> None:
+def _running_mean(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def plot(results: dict, path: Path, title: str, window: int = 50) -> None:
+    """Top: both loss curves (raw, faint; running mean of ``window`` steps). Bottom: fp8 minus
+    bf16 of the running means, relative to bf16 (the 1% target as a band)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1.3])
+    styles = {"bf16": ("tab:blue", "-"), "fp8": ("tab:red", "--")}
+    means = {}
     for name, run in results.items():
         losses = run["losses"]
-        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
-                  for i in range(len(losses))]
-        ax.plot(range(1, len(losses) + 1), losses, alpha=0.2)
-        ax.plot(range(1, len(losses) + 1), smooth, label=f"{name} (mean of last {window})",
-                color=ax.lines[-1].get_color())
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats)")
-    ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    ax.grid(alpha=0.3)
+        color, line = styles.get(name, ("tab:gray", "-"))
+        steps = range(1, len(losses) + 1)
+        means[name] = _running_mean(losses, window)
+        top.plot(steps, losses, color=color, alpha=0.15, linewidth=0.6)
+        top.plot(steps, means[name], color=color, linestyle=line, label=f"{name} (running mean of {window})")
+    top.set_ylabel("training loss (nats)")
+    top.set_ylim(top=min(8.0, top.get_ylim()[1]))
+    top.set_title(title, fontsize=9)
+    top.legend()
+    top.grid(alpha=0.3)
+    if "bf16" in means and "fp8" in means:
+        n = min(len(means["bf16"]), len(means["fp8"]))
+        rel = [100 * (f - b) / b for b, f in zip(means["bf16"][:n], means["fp8"][:n])]
+        bottom.plot(range(1, n + 1), rel, color="tab:red")
+        bottom.axhspan(-1, 1, color="tab:green", alpha=0.1, label="within 1%")
+        bottom.axhline(0, color="black", linewidth=0.5)
+        bottom.legend(loc="upper left", fontsize=8)
+    bottom.set_ylabel("fp8 vs bf16 (%)")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -88,7 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="runs/fp8-convergence")
     parser.add_argument("--out", default="benchmarks/fp8_convergence", help="<out>.json and <out>.png")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for both runs")
+    parser.add_argument("--replot", default=None, help="only redraw <out>.png from this JSON of an earlier run")
     args = parser.parse_args(argv)
+    if args.replot:
+        report = json.loads(Path(args.replot).read_text())
+        title = (f"{Path(report['config']).stem}, same shards/seed/data order, {report['device']}\nloss over steps "
+                 f"{report['compared_steps'] - report['tail_steps'] + 1}-{report['compared_steps']}: bf16 "
+                 f"{report['final_loss']['bf16']:.4f}, fp8 {report['final_loss']['fp8']:.4f} "
+                 f"({100 * report['relative_difference']:+.2f}%)")
+        plot(report["runs"], Path(args.out).with_suffix(".png"), title)
+        return 0
 
     t0 = time.perf_counter()
 

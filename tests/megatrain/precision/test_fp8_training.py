@@ -39,6 +39,17 @@ def test_fp8_trains_beside_bf16_with_activation_checkpointing_and_the_serial_blo
     assert all(m["fp8"] is None for m in bf16)
 
 
+def test_fp8_llama_trains_beside_bf16(run_training):
+    llama = REPO / "configs" / "llama-tiny-cpu.yaml"
+    common = ["data.max_source_bytes=300000", "checkpoint.interval=1000", "train.steps=3", "data.prefetch_batches=0"]
+    bf16, _ = run_training(common, name="llama-bf16", config=llama)
+    fp8, _ = run_training(common + FP8, name="llama-fp8", config=llama)
+    assert len(fp8) == len(bf16) == 3
+    for a, b in zip(fp8, bf16):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2)
+    assert _losses(fp8) != _losses(bf16) and all(m["fp8"]["fp8_nonfinite"] == 0 for m in fp8)
+
+
 def _steps(nproc: int, shard_url: Path, run_dir: Path, overrides: list[str], steps: int = 3) -> list[dict]:
     """train_steps.py under torchrun: the metrics of each step (no final checkpoint: ZeRO-3)."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
