@@ -81,6 +81,21 @@ def test_two_zero3_ranks_match_one_in_fp8(tmp_path, shard_root):
     assert single[-1]["loss"] < single[0]["loss"]
 
 
+@pytest.mark.slow
+def test_two_pipeline_stages_match_one_in_fp8(tmp_path, shard_root):
+    """Precision converts the blocks before the pipeline splits them; the guard combines the
+    stages' statistics, so both stages report what one process sees."""
+    common = SMALL + FP8
+    single = _steps(1, shard_root, tmp_path / "single", common)
+    staged = _steps(2, shard_root, tmp_path / "pp2", [*common, "parallel.pp=2"])
+    assert len(single) == len(staged) == 3
+    for a, b in zip(single, staged):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5)
+        assert a["fp8"]["fp8_amax_max"] == pytest.approx(b["fp8"]["fp8_amax_max"], rel=1e-5)
+        assert a["fp8"]["fp8_amax_min"] == pytest.approx(b["fp8"]["fp8_amax_min"], rel=1e-5)
+        assert a["fp8"]["fp8_underflow"] == pytest.approx(b["fp8"]["fp8_underflow"], rel=1e-3, abs=1e-7)
+
+
 def _launch(run_dir: Path, shard_url: Path, kill_after: int | None = None) -> subprocess.CompletedProcess:
     overrides = [*FP8, "model.n_layer=1", "train.steps=4", "checkpoint.interval=2", "data.max_source_bytes=300000",
                  f"data.shard_url={shard_url}", "train.log_interval=1000", f"train.run_dir={run_dir}",
