@@ -13,6 +13,12 @@ With the residual add (the serial block's second norm), the forward also writes 
 arriving through s to dx. The output takes the autocast dtype under CUDA autocast, else the
 promoted dtype of x and the weight (as the reference).
 
+Measured on an H200 at [16384, 2048] bf16 (benchmarks/kernels.py, CUDA graph): forward +
+backward 0.105 ms (76% of the copy rate; the reference under torch.compile 0.109 ms, which is
+why compiled blocks keep inductor's). The residual-add variant took 0.289 ms against inductor's
+0.142: its backward writes dx in fp32 and casts it for x and for the residual (two extra passes);
+one dx in the shared dtype would remove them (not done).
+
 This module imports Triton at the top: ``megatrain.kernels.rmsnorm`` imports it lazily.
 """
 

@@ -6,6 +6,11 @@ program rotates BLOCK_T positions of one (batch, head): it loads the two halves 
 the [BLOCK_T, hd/2] cos/sin tile (fp32), and writes both rotated halves. The backward is the same
 kernel rotating by the opposite angle (sin negated), on the incoming gradient.
 
+Measured on an H200 for q of Llama-3.2-1B ([8, 32, 2048, 64] bf16 seen through a transpose;
+benchmarks/kernels.py, CUDA graph): forward + backward 0.069 ms, 92% of the copy rate; the
+reference under torch.compile 0.505 ms. Inside compiled blocks ``auto`` still leaves RoPE to
+inductor (not yet measured in the training step: a lead).
+
 This module imports Triton at the top: ``megatrain.kernels.rope`` imports it lazily.
 """
 

@@ -6,6 +6,9 @@ buffer, which is the matmul's output gradient as it is (no concatenation). It sa
 
     y = g s u,  s = sigmoid(g);   dg = dy u s (1 + g (1 - s)),  du = dy g s
 
+Measured on an H200 at [16384, 2 x 8192] bf16 (benchmarks/kernels.py, CUDA graph): forward +
+backward 0.529 ms, 96% of the copy rate, against 1.98 ms for the reference under torch.compile.
+
 This module imports Triton at the top: ``megatrain.kernels.swiglu`` imports it lazily.
 """
 

@@ -1,5 +1,7 @@
-"""A plain-PyTorch GPT with MegaScale's algorithmic choices; no process groups inside."""
+"""A plain-PyTorch decoder-only transformer (GPT-2 and Llama families, MegaScale's choices); no
+process groups inside."""
 
+from megatrain.model.cache import KVCache
 from megatrain.model.gpt import GPT, count_parameters, expected_parameter_count, init_weights
 
-__all__ = ["GPT", "count_parameters", "expected_parameter_count", "init_weights"]
+__all__ = ["GPT", "KVCache", "count_parameters", "expected_parameter_count", "init_weights"]
