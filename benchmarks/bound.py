@@ -333,6 +333,60 @@ def table(bound: dict) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- FP8 (issue 16)
+FP8_PEAK_FLOPS = 1978.9e12  # H100/H200 SXM dense FP8 tensor-core peak (datasheet, no sparsity)
+
+
+def fp8_gemm_bound(m: ModelConfig, micro_batch: int, device: torch.device, iters: int = 5) -> dict:
+    """The blocks' GEMMs of one micro-batch as FP8 ``torch._scaled_mm`` calls (tensorwise scales,
+    e4m3 activations and weights, e5m2 output gradients: torchao's tensorwise recipe) with the
+    LM head in bf16, beside the same GEMMs all in bf16 (``MicroBatchKernels``), each with its
+    board power and SM clock. Operands are cast and laid out beforehand: this is the speed of
+    light of the FP8 GEMMs under the power cap, with every cast and amax free. CUDA only."""
+    M, e4m3, e5m2 = micro_batch * m.seq_len, torch.float8_e4m3fn, torch.float8_e5m2
+    one = torch.ones((), device=device)
+
+    def fp8(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        return (torch.randn(*shape, device=device) * 0.5).to(dtype)
+
+    def col_major(t: torch.Tensor) -> torch.Tensor:  # _scaled_mm wants its second operand column-major
+        return t.t().contiguous().t()
+
+    # activations shared by the layers (each far larger than the L2, as in MicroBatchKernels), weights per layer:
+    # x [M, k] and dy [M, n] row-major for the forward and dgrad, dy^T [n, M] and x column-major for the wgrad
+    acts = [(fp8((M, d_in), e4m3), fp8((M, d_out), e5m2), fp8((d_out, M), e5m2), col_major(fp8((M, d_in), e4m3)))
+            for _, d_in, d_out in projections(m)]
+    weights = [[(fp8((d_out, d_in), e4m3).t(), col_major(fp8((d_out, d_in), e4m3))) for _, d_in, d_out in projections(m)]
+               for _ in range(m.n_layer)]  # w^T [k, n] column-major (fwd), w [n, k] column-major (dgrad)
+    bf16 = MicroBatchKernels(m.model_copy(update={"n_layer": 1}), micro_batch, device, torch.bfloat16)
+
+    def run() -> None:
+        for layer in weights:
+            for (x, dy, dy_t, x_cm), (w_t, w) in zip(acts, layer):
+                torch._scaled_mm(x, w_t, one, one, out_dtype=torch.bfloat16)      # y = x w^T   [M, n]
+                torch._scaled_mm(dy, w, one, one, out_dtype=torch.bfloat16)       # dx = dy w   [M, k]
+                torch._scaled_mm(dy_t, x_cm, one, one, out_dtype=torch.bfloat16)  # dw = dy^T x [n, k]
+        F.linear(bf16.inputs[m.d_model], bf16.head)  # the LM head stays bf16: fwd, dgrad, wgrad
+        bf16.head_grad @ bf16.head
+        bf16.head_grad.t() @ bf16.inputs[m.d_model]
+
+    per_layer = sum(d_in * d_out for _, d_in, d_out in projections(m))
+    block_flops, head_flops = 6 * M * per_layer * m.n_layer, 6 * M * m.vocab_size * m.d_model
+    with PowerSampler(device) as power:
+        ms = time_ms(run, device, iters, warmup=2)
+    del acts, weights, bf16
+    all_bf16 = MicroBatchKernels(m, micro_batch, device, torch.bfloat16)
+    with PowerSampler(device) as bf16_power:
+        bf16_ms = time_ms(lambda: all_bf16.run(True, None), device, iters, warmup=2)
+    del all_bf16
+    torch.cuda.empty_cache()
+    return {"micro_batch": micro_batch, "tokens": M, "gemm_flops": block_flops + head_flops,
+            "fp8_ms": ms, "fp8_tflops": (block_flops + head_flops) / ms / 1e9, "fp8_power_w": power.watts,
+            "fp8_sm_mhz": power.mhz, "bf16_ms": bf16_ms, "bf16_tflops": (block_flops + head_flops) / bf16_ms / 1e9,
+            "bf16_power_w": bf16_power.watts, "bf16_sm_mhz": bf16_power.mhz, "speedup": bf16_ms / ms,
+            "fp8_peak_flops": FP8_PEAK_FLOPS}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/gpt-1.3b.yaml")

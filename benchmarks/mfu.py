@@ -308,7 +308,10 @@ class Data:
 
 # ----------------------------------------------------------------------------- baseline run
 def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int, steps: int,
-                 profile_it: bool = False) -> Result:
+                 profile_it: bool = False, convert: Callable[[nn.Module], Any] | None = None,
+                 key: str = "baseline", label: str = "", precision: str = "") -> Result:
+    """``convert``: applied to the built model before the optimizer and compile (fp8_rows.py's
+    torchao float8 row); ``key``/``label``/``precision`` name that row."""
     from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
     from megatrain.observe.timers import StepTimers
 
@@ -317,10 +320,10 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
     accumulation = global_batch // mb
     llama = m.position == "rope"  # the Llama family: HF LlamaForCausalLM (benchmarks/llama_baseline.py)
     name = "baseline HF LlamaForCausalLM (SDPA) + torch.compile" if llama else "baseline nanoGPT + torch.compile"
-    res = Result(key=f"baseline-mb{mb}", label=f"{name}, mb {mb}", kind="baseline",
+    res = Result(key=f"{key}-mb{mb}", label=f"{label or name}, mb {mb}", kind="baseline" if convert is None else "baseline-variant",
                  micro_batch=mb, global_batch=global_batch,
                  settings={"block": "serial", "attention": "full", "kernels": "torch", "compile": "whole model",
-                           "optim": "AdamW (fused)", "precision": "fp32 weights, bf16 autocast"})
+                           "optim": "AdamW (fused)", "precision": precision or "fp32 weights, bf16 autocast"})
     reset_memory(device)
     t = time.perf_counter()
     with torch.device(device):
@@ -331,6 +334,8 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
         else:
             model = NanoGPT(m.vocab_size, cfg.seq_len, m.n_layer, m.n_head, m.d_model, m.ffn_dim, m.bias, m.norm_eps)
     n_params = sum(p.numel() for p in model.parameters())
+    if convert is not None:
+        convert(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     fused = device.type == "cuda"
@@ -411,7 +416,7 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
                 step(it).item()
                 wall_ms = (time.perf_counter() - t) * 1e3
             report = summarize_profile(prof, wall_ms, cfg, 2, mb)
-            bench.report["profile_baseline"] = report
+            bench.report["profile_baseline" if convert is None else f"profile_{key}"] = report
             if bench.args.trace:
                 export_trace(prof, Path(bench.args.out).with_name("mfu_trace_baseline.json"))
             log(f"  baseline profile: wall {wall_ms:.0f} ms, GPU kernels {report['gpu_kernel_ms']:.0f} ms; " +
@@ -634,7 +639,8 @@ def export_trace(prof, path: Path) -> None:
     path.unlink()
 
 
-def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int, compile_options: dict | None = None) -> None:
+def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int, compile_options: dict | None = None,
+                report_key: str = "profile") -> None:
     """Two micro-batches (one optimizer step) of the default under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -659,13 +665,13 @@ def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int, compile_
         prof_report = summarize_profile(prof, wall_ms, cfg, micro_batches, cfg.train.micro_batch_size)
         prof_report["step_ms_trainer"] = metric.step_time_s * 1e3
         prof_report["compile_options"] = compile_options
-        bench.report["profile"] = prof_report
+        bench.report[report_key] = prof_report
         if bench.args.trace and device.type == "cuda":
-            export_trace(prof, Path(bench.args.out).with_name("mfu_trace_megatrain.json"))
+            export_trace(prof, Path(bench.args.out).with_name(f"mfu_trace_{report_key}.json"))
         log(f"profile: wall {wall_ms:.0f} ms, GPU kernels {prof_report['gpu_kernel_ms']:.0f} ms; " +
             ", ".join(f"{k} {v:.0f}" for k, v in prof_report["by_kind_ms"].items()))
     except Exception as exc:  # noqa: BLE001
-        bench.report["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+        bench.report[report_key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
         traceback.print_exc()
     finally:
         if trainer is not None:
@@ -703,7 +709,7 @@ def print_table(bench: Bench) -> str:
                  "batch (per-micro-batch time x its micro-batches + one optimizer phase)")
     if best_base:
         lines.append(f"baseline for 'vs base': {best_base.label} ({best_base.tokens_per_s:,.0f} tok/s)")
-    for key, what in (("profile", "the default"), ("profile_baseline", "the baseline")):
+    for key, what in (("profile", "the default"), ("profile_baseline", "the baseline"), ("profile_fp8", "megatrain FP8")):
         prof = bench.report.get(key)
         if not prof or "top_kernels" not in prof:
             continue
@@ -739,7 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source-bytes", type=int, default=None, help="corpus bytes to shard")
     parser.add_argument("--only", default="ceilings,baseline,default,ab,profile,ablation,extras",
                         help="which parts to run, comma list (also: zero1, the extras' ZeRO-1 row alone; "
-                             "bound, the model's GEMMs + attention alone, see bound.py)")
+                             "bound, the model's GEMMs + attention alone, see bound.py; fp8, fp8_rows.py's rows)")
+    parser.add_argument("--fp8-variants", default="", help="fp8_rows.py: comma list of extra megatrain FP8 rows "
+                        "(e.g. rowwise, keep-ends, mb8)")
     parser.add_argument("--variants", default="", help=f"comma list of A/B rows of the default: {', '.join(VARIANTS)}")
     parser.add_argument("--trace", action="store_true", help="also write the profile's chrome trace (gzip)")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
@@ -806,12 +814,15 @@ def main(argv: list[str] | None = None) -> int:
     baseline_mbs = [int(x) for x in (args.baseline_mbs or ("16,8" if args.quick else "16,8,12")).split(",")]
     late_baseline_mbs = [int(x) for x in (args.late_baseline_mbs or ("12" if args.quick else "")).split(",") if x]
 
-    def baseline(mb: int) -> None:
-        if fits(f"baseline mb {mb}", est_seconds(args.large_batch, args.steps, 60)):
-            log(f"baseline, micro-batch {mb}")
-            profile_it = "profile" in only and device.type == "cuda" and mb == recipe_mb
-            r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps, profile_it))
+    def baseline(mb: int, **variant) -> Result | None:
+        """variant: run_baseline's convert/key/label/precision (fp8_rows.py's torchao row)."""
+        if fits(f"{variant.get('key', 'baseline')} mb {mb}", est_seconds(args.large_batch, args.steps, 60)):
+            log(f"{variant.get('label', 'baseline')}, micro-batch {mb}")
+            profile_it = "profile" in only and device.type == "cuda" and mb == recipe_mb and not variant
+            r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps, profile_it, **variant))
             log(f"  -> {fmt(r.tokens_per_s, ',.0f')} tok/s, MFU {fmt(r.mfu and 100 * r.mfu, '.1f')}%, peak {fmt(r.peak_gib, '.1f')} GiB {r.error or ''}")
+            return r
+        return None
 
     if "baseline" in only:
         for mb in baseline_mbs:
@@ -857,6 +868,18 @@ def main(argv: list[str] | None = None) -> int:
             r = megatrain_row(Spec(f"default-mb{mb}", label, [], "large"), mb, args.steps)
             if r is not None and r.tokens_per_s:
                 defaults.append(r)
+
+    # FP8 (issue 16, fp8_rows.py): the baseline with torchao float8, megatrain FP8, its profile
+    if "fp8" in only:
+        import fp8_rows
+
+        fp8_rows.run(bench, baseline=baseline, recipe_mb=recipe_mb, variants=[v for v in args.fp8_variants.split(",") if v],
+                     with_baseline="baseline" in only,
+                     megatrain_row=lambda key, label, overrides, mb: megatrain_row(Spec(key, label, overrides, "large"), mb, args.steps),
+                     profile=lambda overrides: run_profile(
+                         bench, build_config(args, [*overrides, *run_dirs("profile-fp8")], common, recipe_mb, 2 * recipe_mb),
+                         env, data, micro_batches=2, report_key="profile_fp8") if fits("fp8 profile", 90) else None,
+                     bound=lambda: fits("fp8 bound", 60) and fp8_rows.gemm_bound(bench, shape_cfg.model, recipe_mb, device, log))
 
     # A/B of the parallel block's fused projections (module switch, not a config field)
     if "default" in only and "ab" in only:
@@ -954,6 +977,8 @@ def main(argv: list[str] | None = None) -> int:
                         {"speedup >= 1.12": d.tokens_per_s / b.tokens_per_s >= 1.12, "mfu >= 0.66": (d.mfu or 0) >= 0.66}),
         }
     bench.report["table"] = print_table(bench)
+    if "fp8" in only:
+        bench.report["fp8"] = fp8_rows.summary(bench)
     bench.report["wall_s"] = time.perf_counter() - T0
     bench.save()
     if data.proc is not None and data.proc.poll() is None:

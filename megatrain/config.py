@@ -226,6 +226,35 @@ class OptimConfig(_Section):
         return self
 
 
+class FP8Config(_Section):
+    """FP8 GEMMs for the transformer blocks' linears (``train.precision: fp8``), through torchao's
+    float8 training (``megatrain/precision/``). What converts: every ``nn.Linear`` inside
+    ``model.blocks`` (attention qkv/proj, MLP fc/proj). What always stays in ``train.dtype``: the
+    token and position embeddings, the LM head (tied to the embedding; its logits feed the loss),
+    every norm, attention itself (SDPA/flex in bf16) and the optimizer's master weights. Linears
+    whose in/out features are not multiples of 16 (``_scaled_mm``'s constraint) stay too.
+
+    Scaling: torchao 0.18 only scales dynamically ("current scaling": each cast takes the amax of
+    the very tensor it casts); the delayed scaling of earlier torchao (amax history buffers) was
+    removed upstream, so an FP8 run keeps no scale state and its checkpoints hold exactly the
+    bf16 run's tensors."""
+
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
+        "tensorwise", description="torchao Float8LinearRecipeName. tensorwise: one scale per tensor (fastest on "
+        "H100/H200); rowwise: one scale per row of every operand, power-of-2 scales (more accurate, slower); "
+        "rowwise_with_gw_hp: rowwise, and the weight-gradient GEMM in bf16",
+    )
+    keep_first_block: bool = Field(False, description="leave block 0's linears in train.dtype")
+    keep_last_block: bool = Field(False, description="leave the last block's linears in train.dtype")
+    round_scales_to_power_of_2: bool | None = Field(
+        None, description="round scales down to a power of 2; None keeps the recipe's choice (rowwise: on)"
+    )
+    emulate: bool = Field(
+        False, description="torchao's emulation: FP8 casts with the GEMM in high precision. Runs on CPU and "
+        "GPUs without FP8; for tests only (slow, and the only way fp8 runs without an FP8-capable GPU)",
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(100, gt=0, description="optimizer steps")
     seq_len: int | None = Field(
@@ -237,6 +266,12 @@ class TrainConfig(_Section):
     seed: int = 1234
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16", description="the GEMM precision of the transformer blocks. bf16: every matmul in train.dtype "
+        "(bf16 on GPU, fp32 on CPU, as before); fp8: the blocks' linears as FP8 GEMMs (train.fp8; needs a GPU "
+        "of compute capability >= 8.9, e.g. H100/H200, unless train.fp8.emulate)",
+    )
+    fp8: FP8Config = FP8Config()
     log_interval: int = Field(10, gt=0)
     run_dir: str = Field("runs/default", description="logs, metrics and reports of this run")
     # held-out evaluation (megatrain/evaluate.py): needs a validation split (data.val_fraction > 0)
@@ -344,6 +379,11 @@ class AnomalyConfig(_Section):
         None, gt=0, description="also flag a grad norm this many robust z-scores above its running window"
     )
     min_history: int = Field(8, gt=1, description="losses in the window before spike verdicts are possible")
+    fp8_check_interval: int = Field(10, gt=0, description="train.precision=fp8: measure the FP8 weights' amax "
+                                    "and underflow every this many steps (megatrain/precision/guard.py; ~15 small "
+                                    "kernels per converted linear, so not every step)")
+    fp8_max_underflow: float = Field(0.05, gt=0, le=1, description="fp8: an anomaly when more than this "
+                                     "fraction of the non-zero FP8 weights flush to zero in their e4m3 cast")
 
 
 class FaultConfig(_Section):
@@ -452,6 +492,12 @@ class Config(_Section):
             self.train.grad_accumulation_steps(self.parallel.data_parallel_size(self.parallel.world_size))
         elif self.parallel.dp is not None:
             self.train.grad_accumulation_steps(self.parallel.dp)
+        if self.train.precision == "fp8" and tp > 1:
+            raise ValueError(
+                "train.precision=fp8 with parallel.tp > 1 is not supported yet: tensor parallelism swaps the "
+                "blocks' linears for megatrain's own column/row-parallel modules, which torchao's Float8Linear "
+                "does not wrap (torchao's FP8 tensor parallelism works on DTensor layouts only); use tp=1"
+            )
         if self.train.seq_len is not None and self.train.seq_len > self.model.seq_len:
             raise ValueError(f"train.seq_len ({self.train.seq_len}) must be <= model.seq_len ({self.model.seq_len})")
         return self
@@ -485,6 +531,9 @@ class Config(_Section):
             keep["train"].pop(knob)
         if self.data.val_fraction == 0.0:  # counts only when a validation split is asked for
             keep["data"].pop("val_fraction")
+        if self.train.precision == "bf16":  # added with FP8; train.fp8 is unused then
+            keep["train"].pop("precision")
+            keep["train"].pop("fp8")
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
     def state_fields(self) -> dict[str, object]:

@@ -38,6 +38,7 @@ from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, dee
 from megatrain.parallel.dims import ParallelDims, ProcessGroups, build_process_groups
 from megatrain.parallel.init import DistEnv
 from megatrain.parallel.parallelize import parallelize
+from megatrain.precision import FP8Guard, check_precision_supported
 from megatrain.reliability.anomaly import AnomalyDetector, Verdict, write_verdict
 from megatrain.reliability.faults import FaultInjector
 from megatrain.reliability.heartbeat import HeartbeatWriter, make_sink
@@ -74,6 +75,7 @@ def prepare_data(cfg: Config, env: DistEnv) -> ShardIndex:
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
+        check_precision_supported(cfg, env.device)  # e.g. fp8 on a CPU: fail before anything is built
         self.groups = self._build_layout()
         # Beating from the start: sharding, compiling and restoring show as phase "init".
         self.heartbeat = HeartbeatWriter(
@@ -92,6 +94,8 @@ class Trainer:
         self.n_params = count_parameters(model)
         model = parallelize(model, cfg, self.groups)  # a DeepSpeed PipelineModule when pp > 1
         self.engine = self._build_engine(model)
+        self.fp8_guard = FP8Guard(model, cfg.train.precision == "fp8", env.device,
+                                  cfg.reliability.anomaly.fp8_check_interval, self.groups.dp_group)
         self.batches = self._device_batches()
 
         self.step = 0
@@ -196,6 +200,7 @@ class Trainer:
             step_time_s=step_time, tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops) if self.peak_flops else None,
             phases_ms=self.timers.end_step() or {},
+            fp8=self.fp8_guard.stats() if self.fp8_guard.due(self.step) else None,
         )
 
     def _accumulated_batch(self) -> torch.Tensor:
@@ -243,7 +248,7 @@ class Trainer:
                 flagged = self.stragglers.observe(self.step, metrics.phases_ms.get("forward", 0.0) / 1000)
                 self.heartbeat.beat(step=self.step, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,
                                     straggler=self.env.rank in flagged)
-                verdict = self.anomaly.observe(self.step, metrics.loss, metrics.grad_norm)
+                verdict = self.anomaly.observe(self.step, metrics.loss, metrics.grad_norm, metrics.fp8)
                 if verdict is not None:  # stop before this step's state can be checkpointed
                     self._stop_on_anomaly(verdict)
                     break

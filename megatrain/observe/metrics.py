@@ -34,6 +34,7 @@ class StepMetrics:
     val_perplexity: float | None = None
     mfu: float | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
+    fp8: dict[str, float] | None = None  # megatrain.precision.FP8Guard.stats() when measured this step
 
 
 def scalars(metrics: StepMetrics) -> dict[str, float]:

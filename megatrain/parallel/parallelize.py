@@ -1,9 +1,11 @@
 """The one ordered recipe that spreads a plain GPT over ranks:
-tensor/sequence parallel -> pipeline split -> activation checkpointing -> compile.
+tensor/sequence parallel -> precision (FP8 linears) -> pipeline split -> activation checkpointing
+-> compile.
 (DeepSpeed, the last step, wraps the result in the trainer.)
 
 Tensor parallelism comes before the pipeline split because it swaps modules inside the blocks
-in place, and the pipeline only references those blocks. With pp > 1 the result is a DeepSpeed
+in place, and the pipeline only references those blocks. Precision swaps the blocks' plain linears for FP8 ones
+(``megatrain/precision/``; FP8 with tp > 1 is refused by the config), before anything wraps them. With pp > 1 the result is a DeepSpeed
 ``PipelineModule`` (train it with ``engine.train_batch``) and activation checkpointing is the
 pipeline's own per-stage setting.
 """
@@ -17,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from megatrain.config import Config
 from megatrain.model.gpt import GPT
 from megatrain.parallel.dims import ProcessGroups
+from megatrain.precision import apply_precision
 
 
 class CheckpointedBlock(nn.Module):
@@ -54,6 +57,7 @@ def parallelize(model: GPT, cfg: Config, groups: ProcessGroups) -> nn.Module:
         from megatrain.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, groups, sequence_parallel=cfg.parallel.sequence_parallel, overlap=cfg.parallel.overlap)
+    apply_precision(model, cfg)
     if groups.dims.pp > 1:
         from megatrain.parallel.pipeline import build_pipeline_module
 

@@ -30,7 +30,7 @@ MAD_TO_SIGMA = 1.4826
 
 @dataclass
 class Verdict:
-    """kind: nan_loss | inf_loss | loss_spike | nan_grad_norm | grad_explosion."""
+    """kind: nan_loss | inf_loss | loss_spike | nan_grad_norm | grad_explosion | fp8_amax | fp8_underflow."""
 
     kind: str
     step: int
@@ -94,11 +94,15 @@ class AnomalyDetector:
         self.losses = RobustWindow(cfg.loss_window)
         self.grad_norms = RobustWindow(cfg.loss_window)
 
-    def observe(self, step: int, loss: float, grad_norm: float | None = None) -> Verdict | None:
+    def observe(self, step: int, loss: float, grad_norm: float | None = None,
+                fp8: dict[str, float] | None = None) -> Verdict | None:
+        """``fp8``: ``megatrain.precision.FP8Guard.stats()`` of this step, when measured."""
         loss = float(loss)
         verdict = self._check_loss(step, loss)
         if verdict is None and grad_norm is not None:
             verdict = self._check_grad_norm(step, float(grad_norm))
+        if verdict is None and fp8:
+            verdict = self._check_fp8(step, fp8)
         if verdict is None:
             self.losses.add(loss)
             if grad_norm is not None:
@@ -123,6 +127,18 @@ class AnomalyDetector:
                 f"of the last {len(self.losses)} steps (threshold {self.cfg.loss_spike_zscore})",
                 zscore=z,
             )
+        return None
+
+    def _check_fp8(self, step: int, fp8: dict[str, float]) -> Verdict | None:
+        """An FP8 weight whose amax is inf/NaN, or too many weights flushed to zero by their cast."""
+        if fp8["fp8_nonfinite"] > 0 or not math.isfinite(fp8["fp8_amax_max"]):
+            return Verdict("fp8_amax", step, fp8["fp8_amax_max"], None,
+                           f"step {step}: {int(fp8['fp8_nonfinite'])} FP8 linear(s) have a non-finite weight amax")
+        if fp8["fp8_underflow"] > self.cfg.fp8_max_underflow:
+            return Verdict("fp8_underflow", step, fp8["fp8_underflow"], None,
+                           f"step {step}: {100 * fp8['fp8_underflow']:.2f}% of the FP8 weights flush to zero in "
+                           f"their e4m3 cast (fp8_max_underflow {100 * self.cfg.fp8_max_underflow:.2f}%; weight "
+                           f"amax up to {fp8['fp8_amax_max']:.4g})")
         return None
 
     def _check_grad_norm(self, step: int, norm: float) -> Verdict | None:
