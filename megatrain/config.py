@@ -109,9 +109,9 @@ class InitConfig(_Section):
                                                "subgroups by ncclCommSplit with no store traffic")
     join_timeout_s: float = Field(300.0, gt=0, description="how long a rank waits for all ranks to join; then "
                                                            "the error names the ranks that never did")
-    meta_init: Literal["auto", "on", "off"] = Field(
+    meta_init: Literal["auto", "always", "never"] = Field(
         "auto", description="build the model on the meta device and materialize only this rank's stage and TP shard; "
-        "auto = on above 10B parameters (the 175B recipe never materializes a full replica)")
+        "auto = above 10B parameters (the 175B recipe never materializes a full replica)")
 
 
 class ParallelConfig(_Section):

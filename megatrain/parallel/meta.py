@@ -39,7 +39,7 @@ META_ABOVE_PARAMS = 10e9  # parallel.init.meta_init=auto: meta build above this 
 
 def use_meta(cfg: Config) -> bool:
     mode = cfg.parallel.init.meta_init
-    return mode == "on" or (mode == "auto" and expected_parameter_count(cfg.model) > META_ABOVE_PARAMS)
+    return mode == "always" or (mode == "auto" and expected_parameter_count(cfg.model) > META_ABOVE_PARAMS)
 
 
 def build_on_meta(cfg: Config) -> GPT:
