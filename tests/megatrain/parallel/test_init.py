@@ -61,12 +61,12 @@ def expected_sums(dims: ParallelDims, rank: int) -> dict[str, float]:
     return {name: float(sum(r + 1 for r in next(g for g in groups if rank in g))) for name, groups in layouts.items()}
 
 
-@pytest.mark.parametrize("store", ["tcp", "redis"])
-def test_group_modes_agree_with_reference(store: str, redis_url: str) -> None:
+def test_group_modes_agree_with_reference() -> None:
+    """TCPStore here; the Redis store runs the ordered mode in the fault tests below."""
     world, dims = 4, ParallelDims(dp=1, tp=2, pp=2)
     port = free_port()
-    init = {"store": store, "redis_url": redis_url}
-    procs = [launch(r, world, port, init, "default,barrier,ordered", LAYOUT="2,2", RUN_ID=f"modes-{store}")
+    init = {"store": "tcp"}
+    procs = [launch(r, world, port, init, "default,barrier,ordered", LAYOUT="2,2")
              for r in range(world)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     for rank, (proc, out) in enumerate(zip(procs, outs)):

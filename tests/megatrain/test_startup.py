@@ -1,0 +1,72 @@
+"""The start-up breakdown: phases timed in order, the heartbeat told, and on the first step one
+``startup.json`` plus one metrics.jsonl record that leaves the step rows as they were."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from megatrain.observe.report import read_metrics
+from megatrain.startup import PHASES, StartupTimer, read_startup
+
+
+def test_phases_listeners_and_first_step_record(tmp_path) -> None:
+    timer = StartupTimer(rank=0, started_at=time.time() - 1.0)
+    seen: list[str | None] = []
+    timer.on_phase(seen.append)
+    with timer.phase("rendezvous"):
+        time.sleep(0.05)
+    with timer.phase("rendezvous"):  # a retried rendezvous adds up
+        time.sleep(0.05)
+    with timer.phase("model"):
+        pass
+    with pytest.raises(ValueError, match="start-up phase 'dinner'"):
+        with timer.phase("dinner"):
+            pass
+
+    class Store:
+        ops = {"add": 1, "compare_set": 1}
+
+    timer.watch_store(Store())
+    (tmp_path / "metrics.jsonl").write_text("")
+    step_start = time.perf_counter()
+    time.sleep(0.05)  # the first step
+    step_s = time.perf_counter() - step_start
+    summary = timer.first_step(step_s, tmp_path, step=7)
+    with (tmp_path / "metrics.jsonl").open("a") as handle:  # what MetricsLogger writes next
+        handle.write(json.dumps({"step": 7, "loss": 1.0}) + "\n")
+    assert timer.first_step(9.0, tmp_path, step=8) is None  # only once per process
+
+    assert seen == ["rendezvous", "rendezvous", "model", None]
+    assert summary["phases_s"]["rendezvous"] >= 0.1 and summary["phases_s"]["first_step"] == round(step_s, 4)
+    assert summary["phases_s"]["imports"] >= 1.0
+    assert summary["to_first_step_s"] >= sum(summary["phases_s"].values()) - 1e-3
+    assert summary["store_ops"] == {"add": 1, "compare_set": 1}
+    assert read_startup(tmp_path) == summary
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["event"] == "startup" and lines[0]["step"] == 7
+    assert read_metrics(tmp_path) == [{"step": 7, "loss": 1.0}]  # the step's own row wins
+
+
+def test_a_real_run_writes_its_breakdown(tmp_path) -> None:
+    """One process, one step through ``megatrain.train``: every phase up to the first step."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatrain.train", "--config", "configs/tiny-cpu.yaml", "train.steps=1",
+         f"train.run_dir={tmp_path}", f"checkpoint.staging_dir={tmp_path}/staging",
+         f"checkpoint.durable_url={tmp_path}/durable"],
+        cwd=root, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    startup = read_startup(tmp_path)
+    assert list(startup["phases_s"]) == list(PHASES)  # all of them, in order
+    assert startup["step"] == 1 and startup["store_ops"]["compare_set"] == 1
+    assert "start-up:" in proc.stdout
