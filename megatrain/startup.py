@@ -95,6 +95,8 @@ class StartupTimer:
             "to_first_step_s": round(wall, 4),
             "other_s": round(max(0.0, wall - sum(self.phases_s.values())), 4),
             "store_ops": dict(getattr(self.store, "ops", {})),
+            "started_at": round(self.started_at, 3),  # wall clock: lines attempts up with a campaign's log
+            "first_step_at": None if self.finished_at is None else round(self.finished_at, 3),
         }
 
     def first_step(self, step_time_s: float, run_dir: str | Path, step: int) -> dict | None:
