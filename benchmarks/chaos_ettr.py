@@ -139,8 +139,9 @@ def attempts_from_metrics(path: Path) -> list[dict]:
 
 
 def breakdown(attempts: list[dict], ends: list[tuple[float, str]], fired: list[tuple[float, str]],
-              wall_s: float) -> dict:
+              t_start: float, t_end: float) -> dict:
     """ETTR and the lost time by cause (see the module doc)."""
+    wall_s = t_end - t_start
     done: set[int] = set()
     redone_s, step_times = 0.0, []
     for attempt in attempts:
@@ -153,20 +154,24 @@ def breakdown(attempts: list[dict], ends: list[tuple[float, str]], fired: list[t
     productive_s = len(done) * iteration_s
     lost = {"detection+teardown": 0.0, "relaunch": 0.0, "time to first step": 0.0, "steps redone": redone_s}
     interruptions = []
-    for i, (t_end, status) in enumerate(ends[:-1]):
+    for i, (t_attempt_end, status) in enumerate(ends[:-1]):
         if i + 1 >= len(attempts):
             break
         start = attempts[i + 1]["startup"]
-        before = [t for t, _ in fired if t <= t_end]
-        t_fault = max(before) if before else t_end
-        parts = {"detection+teardown": t_end - t_fault, "relaunch": start["started_at"] - t_end,
+        before = [t for t, _ in fired if t <= t_attempt_end]
+        t_fault = max(before) if before else t_attempt_end
+        parts = {"detection+teardown": t_attempt_end - t_fault, "relaunch": start["started_at"] - t_attempt_end,
                  "time to first step": start["first_step_at"] - start["started_at"]}
         for key, value in parts.items():
             lost[key] += value
         interruptions.append({"status": status, **{k: round(v, 2) for k, v in parts.items()}})
     first = attempts[0]["startup"]
+    lost["flow start, sharding, first launch"] = first["started_at"] - t_start
     lost["first start (to first step)"] = first["first_step_at"] - first["started_at"]
-    lost["other (sharding, checkpoints, slow steps, flow)"] = wall_s - productive_s - sum(lost.values())
+    lost["flow wrap-up after the last attempt"] = t_end - ends[-1][0] if ends else 0.0
+    # steps slower than the median (load from other jobs, checkpoint staging inside the step)
+    lost["slow steps (above the median)"] = sum(step_times) - redone_s - productive_s
+    lost["other (checkpoint commits, loop, rollbacks)"] = wall_s - productive_s - sum(lost.values())
     return {"ettr": productive_s / wall_s, "wall_s": wall_s, "productive_steps": len(done),
             "iteration_s": iteration_s, "productive_s": productive_s, "lost_s": lost, "interruptions": interruptions}
 
@@ -202,12 +207,13 @@ def run_ettr(args, out: Path) -> int:
         report = pretrain(str(path))
     finally:
         redis.stop()
-    wall_s = time.time() - start
+    t_end = time.time()
+    wall_s = t_end - start
     run_dir = Path(stage_config(load_campaign(path), 0).train.run_dir)
     fired = sorted((m.stat().st_mtime, m.name) for m in (run_dir / "faults").glob("fired-*.json"))
     ends = [(t, m.group(2)) for t, m in records.find_all(r"attempt (\d+) ended: (\w+)")]
-    result = breakdown(attempts_from_metrics(run_dir / "metrics.jsonl"), ends, fired, wall_s)
-    result.update(faults_planned=faults, faults_fired=[name for _, name in fired], redis_restarts=redis.restarts,
+    result = breakdown(attempts_from_metrics(run_dir / "metrics.jsonl"), ends, fired, start, t_end)
+    result.update(raw={"flow": [start, t_end], "attempt_ends": ends, "fired": fired},faults_planned=faults, faults_fired=[name for _, name in fired], redis_restarts=redis.restarts,
                   stage=report["stages"][0], minutes=args.minutes, every_s=args.every, probe_step_s=step_s,
                   load_avg=os.getloadavg())
     print(f"\nETTR {100 * result['ettr']:.1f}% over {wall_s / 60:.1f} min: {result['productive_steps']} productive "
