@@ -7,7 +7,7 @@ One stage of the tiny recipe on 2 gloo ranks, long enough for ``--minutes`` of f
 training (the step time is measured first by a short probe run), Redis for heartbeats and
 rendezvous (a supervisor restarts it 1.5 s after it dies, as Kubernetes would), checkpoints every
 ``--ckpt-interval`` steps. Faults are drawn at random (kill_rank, hang_rank, nan_loss,
-storage_outage, kill_redis), at random times spread around one per ``--every`` seconds, turned
+storage_outage, kill_redis; each kind once per five faults, in random order), at random times spread around one per ``--every`` seconds, turned
 into steps with the probe's step time. The flow detects and recovers from each by itself.
 
 ETTR = productive iterations x iteration time / wall time (MegaScale §6): productive iterations
@@ -96,9 +96,12 @@ def probe_step_time(out: Path) -> float:
 def plan_faults(rng: random.Random, minutes: float, every_s: float, step_s: float, pidfile: Path) -> list[dict]:
     """One fault per ``every_s`` on average: each at a uniform random time within its window."""
     faults, n = [], max(1, int(minutes * 60 // every_s))
+    kinds: list[str] = []
     for i in range(n):
         at_s = (i + rng.uniform(0.2, 0.9)) * every_s
-        kind = rng.choice(KINDS)
+        if not kinds:  # each kind once per round of five, in random order
+            kinds = rng.sample(KINDS, len(KINDS))
+        kind = kinds.pop()
         fault = {"kind": kind, "step": max(3, int(at_s / step_s)), "rank": rng.randrange(2)}
         if kind == "nan_loss":
             fault["rank"] = 0

@@ -97,9 +97,10 @@ class InitConfig(_Section):
     """How ranks find each other and build their process groups (``megatrain/parallel/init.py``;
     ``benchmarks/init.py`` measures every choice)."""
 
-    store: Literal["auto", "tcp", "redis"] = Field(
-        "auto", description="rendezvous store: tcp = torch's libuv TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's "
-        "agent store under torchrun); redis = a RedisStore at redis_url; auto = redis when a redis_url is set")
+    store: Literal["tcp", "redis", "auto"] = Field(
+        "tcp", description="rendezvous store: tcp = torch's libuv TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's "
+        "agent store under torchrun; measured faster, benchmarks/RESULTS.md); redis = a RedisStore at redis_url "
+        "(no rank hosts it, it survives rank 0); auto = redis when a redis_url is set")
     redis_url: str | None = Field(None, description="redis://host:port/db for the store; default reliability.redis_url")
     groups: Literal["ordered", "default", "barrier"] = Field(
         "ordered", description="ordered: each rank creates only its own TP/DP/PP/stage groups, in one global order, "
