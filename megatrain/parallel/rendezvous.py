@@ -44,7 +44,11 @@ def join(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> Non
     except (dist.DistStoreError, RuntimeError) as exc:
         if type(exc).__name__ == "StoreLost":  # the store restarted: the caller starts over
             raise
-        missing = [r for r in range(world_size) if not store.check([f"join/rank{r}"])]
+        try:
+            missing = [r for r in range(world_size) if not store.check([f"join/rank{r}"])]
+        except (dist.DistError, RuntimeError) as gone:  # the store's host (rank 0 on TCPStore) gave up first
+            raise RendezvousTimeout(f"rendezvous timed out after {timeout_s:.0f} s, and the store went away "
+                                    f"before the missing ranks could be listed: {gone}") from exc
         raise RendezvousTimeout(
             f"rendezvous timed out after {timeout_s:.0f} s: {len(missing)} of {world_size} ranks never joined: "
             f"{_ranges(missing)}"

@@ -70,3 +70,25 @@ def test_a_real_run_writes_its_breakdown(tmp_path) -> None:
     assert list(startup["phases_s"]) == list(PHASES)  # all of them, in order
     assert startup["step"] == 1 and startup["store_ops"]["compare_set"] == 1
     assert "start-up:" in proc.stdout
+
+
+def test_heartbeat_shows_the_start_up_phase(tmp_path) -> None:
+    """A rank stuck while starting shows where: the heartbeat record carries the phase."""
+    from megatrain.reliability.heartbeat import DirectorySink, HeartbeatWriter
+
+    writer = HeartbeatWriter(DirectorySink(tmp_path / "hb"), rank=0, interval_s=0.05)
+    timer = StartupTimer(rank=1)
+    timer.on_phase(writer.set_init_phase)
+    try:
+        with timer.phase("engine"):
+            assert writer.record.init_phase == "engine"
+            deadline = time.time() + 10
+            while DirectorySink(tmp_path / "hb").read_all(1).get(0, None) is None or \
+                    DirectorySink(tmp_path / "hb").read_all(1)[0].init_phase != "engine":
+                assert time.time() < deadline, "the published record never showed the phase"
+                time.sleep(0.02)
+        timer.first_step(0.1, tmp_path, step=1)  # rank 1 writes no files
+        assert writer.record.init_phase is None
+        assert not (tmp_path / "startup.json").exists()
+    finally:
+        writer.close()

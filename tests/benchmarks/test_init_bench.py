@@ -42,6 +42,9 @@ def test_real_traffic_matches_model_and_replays(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]  # 0 only if the model matched
     report = json.loads(next(tmp_path.glob("*/init.json")).read_text())
     assert report["real"][0]["model_ok"]
-    for row in report["sim"]:
-        assert row["ops"] == row["model_ops"], row  # every simulated rank ran its whole program
+    for row in report["sim"]:  # every simulated rank ran its whole program
+        if row["mode"] == "barrier":  # torch's barrier: every rank that counts n sets the release key
+            assert row["ops"] >= row["model_ops"], row
+        else:
+            assert row["ops"] == row["model_ops"], row
     assert {row["store"] for row in report["sim"]} == {"redis", "tcp"}
