@@ -17,9 +17,9 @@ one rank's start-up in order:
 
 and counts the rendezvous store's operations. It knows nothing above it (no metrics logger, no
 heartbeat): whoever owns those subscribes with ``on_phase`` and reads ``summary()``. Rank 0 writes
-the summary to ``<run_dir>/startup.json`` and as one ``{"event": "startup", ...}`` line in
-``metrics.jsonl``, written just before the first step's own row (it carries the same step, so
-readers that key rows by step keep the step's own row).
+the summary to ``<run_dir>/startup.json`` (the latest attempt's), and the trainer puts it in the
+first step's row of ``metrics.jsonl`` under ``"startup"`` (one record per attempt; every row stays
+a step row for the readers that expect one).
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ class StartupTimer:
         }
 
     def first_step(self, step_time_s: float, run_dir: str | Path, step: int) -> dict | None:
-        """Called after every step; only the first call of this process records anything: the
-        first step's time, then the log line, and on rank 0 ``startup.json`` and the
-        ``metrics.jsonl`` record."""
+        """Called after every step; only the first call of this process records anything (the
+        first step's time, the log line, on rank 0 ``startup.json``) and returns the summary for
+        the step's metrics row; later calls return None."""
         if self.finished_at is not None:
             return None
         self.finished_at = time.time()
@@ -118,8 +118,6 @@ class StartupTimer:
             run_dir = Path(run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "startup.json").write_text(json.dumps(summary, indent=2) + "\n")
-            with (run_dir / "metrics.jsonl").open("a") as handle:
-                handle.write(json.dumps({"event": "startup", **summary}) + "\n")
         return summary
 
 

@@ -232,7 +232,7 @@ class Trainer:
         try:
             while self.step < self.cfg.train.steps:
                 metrics = self.train_step()
-                self.startup.first_step(metrics.step_time_s, self.cfg.train.run_dir, self.step)  # once
+                metrics.startup = self.startup.first_step(metrics.step_time_s, self.cfg.train.run_dir, self.step)
                 self.metrics.log(metrics)
                 # forward time of the previous step (timers read one step late): a straggler's own
                 # compute; its peers' extra time shows up as waiting inside backward's reductions

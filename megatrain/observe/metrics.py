@@ -26,6 +26,7 @@ class StepMetrics:
     tokens_per_s: float
     mfu: float | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
+    startup: dict | None = None  # a process's first step only: its start-up breakdown (megatrain/startup.py)
 
 
 class MetricsLogger:
@@ -52,7 +53,10 @@ class MetricsLogger:
     def log(self, metrics: StepMetrics) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(asdict(metrics)) + "\n")
+        row = asdict(metrics)
+        if row["startup"] is None:  # every other row stays as it was
+            del row["startup"]
+        self._file.write(json.dumps(row) + "\n")
         info = f"loss {metrics.loss:.4f}  {metrics.tokens_per_s:,.0f} tok/s"
         if metrics.mfu is not None:
             info += f"  MFU {100 * metrics.mfu:.1f}%"

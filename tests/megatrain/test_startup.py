@@ -1,5 +1,5 @@
-"""The start-up breakdown: phases timed in order, the heartbeat told, and on the first step one
-``startup.json`` plus one metrics.jsonl record that leaves the step rows as they were."""
+"""The start-up breakdown: phases timed in order, the heartbeat told, and on the first step
+``startup.json`` plus the breakdown in that step's metrics.jsonl row."""
 
 from __future__ import annotations
 
@@ -30,24 +30,19 @@ def test_phases_listeners_and_first_step_record(tmp_path) -> None:
         ops = {"add": 1, "compare_set": 1}
 
     timer.watch_store(Store())
-    (tmp_path / "metrics.jsonl").write_text("")
     step_start = time.perf_counter()
     time.sleep(0.05)  # the first step
     step_s = time.perf_counter() - step_start
     summary = timer.first_step(step_s, tmp_path, step=7)
-    with (tmp_path / "metrics.jsonl").open("a") as handle:  # what MetricsLogger writes next
-        handle.write(json.dumps({"step": 7, "loss": 1.0}) + "\n")
     assert timer.first_step(9.0, tmp_path, step=8) is None  # only once per process
 
     assert seen == ["rendezvous", "rendezvous", "model", None]
     assert summary["phases_s"]["rendezvous"] >= 0.1 and summary["phases_s"]["first_step"] == round(step_s, 4)
     assert summary["phases_s"]["imports"] >= 1.0
     assert summary["to_first_step_s"] >= sum(summary["phases_s"].values()) - 1e-3
-    assert summary["store_ops"] == {"add": 1, "compare_set": 1}
+    assert summary["first_step_at"] - summary["started_at"] == pytest.approx(summary["to_first_step_s"], abs=2e-3)
+    assert summary["store_ops"] == {"add": 1, "compare_set": 1} and summary["step"] == 7
     assert read_startup(tmp_path) == summary
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert lines[0]["event"] == "startup" and lines[0]["step"] == 7
-    assert read_metrics(tmp_path) == [{"step": 7, "loss": 1.0}]  # the step's own row wins
 
 
 def test_a_real_run_writes_its_breakdown(tmp_path) -> None:
@@ -70,6 +65,9 @@ def test_a_real_run_writes_its_breakdown(tmp_path) -> None:
     assert list(startup["phases_s"]) == list(PHASES)  # all of them, in order
     assert startup["step"] == 1 and startup["store_ops"]["compare_set"] == 1
     assert "start-up:" in proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["startup"] == startup  # in the first step's row
+    assert read_metrics(tmp_path)[0]["loss"] == rows[0]["loss"]
 
 
 def test_heartbeat_shows_the_start_up_phase(tmp_path) -> None:
