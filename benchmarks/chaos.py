@@ -7,6 +7,7 @@ takes seconds on a CPU. (The end-to-end recovery test with real training lives w
 
     python benchmarks/chaos.py [--ranks 4] [--timeout 2] [--interval 0.5] [--out runs/chaos]
     python benchmarks/chaos.py --campaign [--repeat 3] [-k hang]   # the real fault matrix, see below
+    python benchmarks/chaos.py --ettr [--minutes 30] [--every 180]  # ETTR under chaos (chaos_ettr.py)
 
 Scenarios and what counts as detected:
   kill_rank   the watcher reports the rank dead         (bound: timeout + 2 intervals)
@@ -175,6 +176,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--campaign", action="store_true", help="run the end-to-end fault matrix through the flow")
     parser.add_argument("--repeat", type=int, default=1, help="--campaign: how many times")
     parser.add_argument("-k", default="", help="--campaign: pytest -k expression (a subset of the faults)")
+    parser.add_argument("--ettr", action="store_true", help="ETTR of a real campaign under random faults")
+    parser.add_argument("--minutes", type=float, default=30.0, help="--ettr: fault-free training length")
+    parser.add_argument("--every", type=float, default=180.0, help="--ettr: mean seconds between faults")
+    parser.add_argument("--ckpt-interval", type=int, default=20, help="--ettr: checkpoint interval (steps)")
+    parser.add_argument("--seed", type=int, default=0, help="--ettr: fault draw")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # internal: run one stand-in rank
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=400, help=argparse.SUPPRESS)
@@ -183,6 +189,11 @@ def main(argv: list[str]) -> int:
         return rank_main(args.rank, Path(args.run_dir), args.interval, args.steps)
 
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    if args.ettr:
+        from chaos_ettr import run_ettr
+
+        out.mkdir(parents=True, exist_ok=True)
+        return run_ettr(args, out.resolve())
     if args.campaign:
         out.mkdir(parents=True, exist_ok=True)
         return run_campaign_matrix(args, out)

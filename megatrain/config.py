@@ -168,6 +168,28 @@ class OverlapConfig(_Section):
     pp_decouple_send_recv: bool = True
 
 
+class InitConfig(_Section):
+    """How ranks find each other and build their process groups (``megatrain/parallel/init.py``;
+    ``benchmarks/init.py`` measures every choice)."""
+
+    store: Literal["tcp", "redis", "auto"] = Field(
+        "tcp", description="rendezvous store: tcp = torch's libuv TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's "
+        "agent store under torchrun; measured faster, benchmarks/RESULTS.md); redis = a RedisStore at redis_url "
+        "(no rank hosts it, it survives rank 0); auto = redis when a redis_url is set")
+    redis_url: str | None = Field(None, description="redis://host:port/db for the store; default reliability.redis_url")
+    groups: Literal["ordered", "default", "barrier"] = Field(
+        "ordered", description="ordered: each rank creates only its own TP/DP/PP/stage groups, in one global order, "
+        "with group-local synchronization; default: every rank calls new_group for every group (torch's default); "
+        "barrier: default plus a global store barrier after each group (pre-2.1 PyTorch, MegaScale's O(n^2))")
+    eager_nccl: bool = Field(True, description="NCCL: bind the device at init (device_id): eager communicator, "
+                                               "subgroups by ncclCommSplit with no store traffic")
+    join_timeout_s: float = Field(300.0, gt=0, description="how long a rank waits for all ranks to join; then "
+                                                           "the error names the ranks that never did")
+    meta_init: Literal["auto", "always", "never"] = Field(
+        "auto", description="build the model on the meta device and materialize only this rank's stage and TP shard; "
+        "auto = above 10B parameters (the 175B recipe never materializes a full replica)")
+
+
 class ParallelConfig(_Section):
     """The 3D layout. ``dp=None`` means: whatever the world size leaves after tp * pp."""
 
@@ -181,6 +203,7 @@ class ParallelConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     node_loader: bool = Field(False, description="one data reader per node, shared memory to local ranks")
     overlap: OverlapConfig = OverlapConfig()
+    init: InitConfig = InitConfig()
 
     def data_parallel_size(self, world_size: int) -> int:
         """The DP degree for a world size; raises if tp * pp * dp cannot equal it."""

@@ -67,12 +67,16 @@ def hold_run_dir(cfg) -> Lease:
 
 def _train(cfg) -> int:
     from megatrain.parallel.init import init_distributed, shutdown_distributed
+    from megatrain.startup import StartupTimer
     from megatrain.trainer import Trainer
 
-    env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.reliability.collective_timeout_s)
+    startup = StartupTimer(int(os.environ.get("RANK", 0)))  # imports so far count as its first phase
+    env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.reliability.collective_timeout_s,
+                           init=cfg.parallel.init, run_id=cfg.run_id, redis_url=cfg.reliability.redis_url,
+                           timer=startup)
     try:
         try:
-            result = Trainer(cfg, env).train()
+            result = Trainer(cfg, env, startup).train()
         except DeterministicError as exc:  # the same on every retry: say it once, in one line
             print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}".replace("\n", " | "), file=sys.stderr, flush=True)
             return EXIT_DETERMINISTIC

@@ -27,8 +27,6 @@ from megatrain.data.loader import build_loader
 from megatrain.data.shard import ShardIndex, load_index, shard_corpus
 from megatrain.evaluate import Evaluator
 from megatrain.interop.checkpoint import write_run_record
-from megatrain.interop.hf import init_from_hf
-from megatrain.model import GPT, count_parameters
 from megatrain.observe.metrics import MetricsLogger, StepMetrics, build_sinks
 from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
 from megatrain.observe.straggler import StragglerMonitor
@@ -37,12 +35,13 @@ from megatrain.optim import Lamb, build_optimizer, build_scheduler
 from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
 from megatrain.parallel.dims import ParallelDims, ProcessGroups, build_process_groups
 from megatrain.parallel.init import DistEnv
-from megatrain.parallel.parallelize import parallelize
+from megatrain.parallel.meta import build_parallel_model
 from megatrain.precision import FP8Guard, check_precision_supported
 from megatrain.reliability.anomaly import AnomalyDetector, Verdict, write_verdict
 from megatrain.reliability.faults import FaultInjector
 from megatrain.reliability.heartbeat import HeartbeatWriter, make_sink
 from megatrain.reliability.rollback import pending_for
+from megatrain.startup import StartupTimer
 
 log = logging.getLogger("megatrain")
 
@@ -73,34 +72,39 @@ def prepare_data(cfg: Config, env: DistEnv) -> ShardIndex:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv):
+    def __init__(self, cfg: Config, env: DistEnv, startup: StartupTimer | None = None):
         self.cfg, self.env = cfg, env
         check_precision_supported(cfg, env.device)  # e.g. fp8 on a CPU: fail before anything is built
-        self.groups = self._build_layout()
+        self.startup = startup or StartupTimer(env.rank)  # times each start-up phase below
+        with self.startup.phase("layout_groups"):
+            self.groups = self._build_layout()
         # Beating from the start: sharding, compiling and restoring show as phase "init".
         self.heartbeat = HeartbeatWriter(
             make_sink(cfg.reliability, cfg.train.run_dir, cfg.run_id), env.rank,
             interval_s=cfg.reliability.heartbeat_interval_s, stacks_dir=Path(cfg.train.run_dir) / "stacks",
             dp_rank=self.groups.dp_rank, tp_rank=self.groups.tp_rank, pp_rank=self.groups.pp_rank,
         )
+        self.startup.on_phase(self.heartbeat.set_init_phase)
         self.grad_accumulation = cfg.train.grad_accumulation_steps(self.groups.dims.dp)
         seed_everything(cfg.train.seed)  # same initial weights on every rank
 
-        self.index = prepare_data(cfg, env)
-        self.loader = self._build_loader()
+        with self.startup.phase("data_index"):
+            self.index = prepare_data(cfg, env)
+            self.loader = self._build_loader()
 
-        model = GPT(cfg.model).to(env.device)
-        init_from_hf(model, cfg.checkpoint.init_from)  # checkpoint.init_from: hf:<dir>, else nothing
-        self.n_params = count_parameters(model)
-        model = parallelize(model, cfg, self.groups)  # a DeepSpeed PipelineModule when pp > 1
-        self.engine = self._build_engine(model)
+        with self.startup.phase("model"):  # on the meta device first for large recipes
+            # a DeepSpeed PipelineModule when pp > 1; checkpoint.init_from hf:<dir> loads here
+            model, self.n_params = build_parallel_model(cfg, self.groups, env.device)
+        with self.startup.phase("engine"):
+            self.engine = self._build_engine(model)
         self.fp8_guard = FP8Guard(model, cfg.train.precision == "fp8", env.device,
                                   cfg.reliability.anomaly.fp8_check_interval, self.groups.dp_group)
         self.batches = self._device_batches()
 
         self.step = 0
-        self.checkpointer = Checkpointer(cfg, env, self.groups)
-        self.step = self.checkpointer.restore(self)  # 0 when there is nothing to resume from
+        with self.startup.phase("checkpoint_restore"):
+            self.checkpointer = Checkpointer(cfg, env, self.groups)
+            self.step = self.checkpointer.restore(self)  # 0 when there is nothing to resume from
         self._apply_rollbacks()
         self.tokens_per_step = cfg.train.global_batch_size * cfg.seq_len
         self.timers = StepTimers(env.device)
@@ -142,7 +146,7 @@ class Trainer:
         p = self.cfg.parallel
         dims = ParallelDims(dp=p.data_parallel_size(self.env.world_size), tp=p.tp, pp=p.pp)
         dims.validate(self.env.world_size, p.gpus_per_node, self.cfg.model.n_head, self.cfg.model.n_layer)
-        return build_process_groups(dims, self.env.rank)
+        return build_process_groups(dims, self.env.rank, p.init.groups)
 
     def _build_engine(self, model: torch.nn.Module):
         cfg = self.cfg
@@ -242,6 +246,7 @@ class Trainer:
             while self.step < self.cfg.train.steps:
                 metrics = self.train_step()
                 self.evaluator.after_step(self.engine, metrics)  # held-out loss on its steps
+                metrics.startup = self.startup.first_step(metrics.step_time_s, self.cfg.train.run_dir, self.step)
                 self.metrics.log(metrics)
                 # forward time of the previous step (timers read one step late): a straggler's own
                 # compute; its peers' extra time shows up as waiting inside backward's reductions

@@ -35,6 +35,7 @@ class StepMetrics:
     mfu: float | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
     fp8: dict[str, float] | None = None  # megatrain.precision.FP8Guard.stats() when measured this step
+    startup: dict | None = None  # a process's first step only: its start-up breakdown (megatrain/startup.py)
 
 
 def scalars(metrics: StepMetrics) -> dict[str, float]:
@@ -154,7 +155,10 @@ class MetricsLogger:
     def log(self, metrics: StepMetrics) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(asdict(metrics)) + "\n")
+        row = asdict(metrics)
+        if row["startup"] is None:  # every other row stays as it was
+            del row["startup"]
+        self._file.write(json.dumps(row) + "\n")
         values = scalars(metrics)
         for sink in self.sinks:
             sink.write(metrics.step, values)

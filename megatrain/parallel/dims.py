@@ -9,6 +9,7 @@ so its pipeline groups and ours contain the same ranks (``megatrain.parallel.dee
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -97,17 +98,55 @@ class ProcessGroups:
         return self.coords[2]
 
 
-def build_process_groups(dims: ParallelDims, rank: int) -> ProcessGroups:
-    """Create every TP, DP, PP and stage group (all ranks must call ``new_group`` for each, in
-    order) and keep the ones this rank belongs to."""
-    groups = ProcessGroups(dims=dims, rank=rank)
-    layouts = (
+def _layouts(dims: ParallelDims) -> tuple[tuple[str, list[list[int]]], ...]:
+    """Every group of the layout, in the one global order all ranks follow."""
+    return (
         ("tp_group", dims.tp_groups()), ("dp_group", dims.dp_groups()), ("pp_group", dims.pp_groups()),
         ("stage_group", dims.stage_groups()),
     )
-    for attr, ranks_list in layouts:
-        for ranks in ranks_list:
-            group = dist.new_group(ranks) if dist.is_initialized() else None
-            if rank in ranks:
-                setattr(groups, attr, group)
+
+
+def build_process_groups(dims: ParallelDims, rank: int, mode: str = "ordered") -> ProcessGroups:
+    """Create the TP, DP, PP and stage groups and keep the ones this rank belongs to.
+
+    ``mode`` (``parallel.init.groups``):
+    - ``ordered``: one pass over the layout in a fixed global order; each rank creates only the
+      four groups it belongs to, synchronising with their members only
+      (``use_local_synchronization``). Every rank following the same order is what makes this
+      deadlock-free: a rank waits in a group only for ranks that reach it after groups earlier in
+      the order. O(1) groups and O(group size) store traffic per rank. On NCCL with a device bound
+      at init (``eager_nccl``), groups come from ``ncclCommSplit``, which every rank of the parent
+      must call, so this mode then falls back to ``default``'s calls (still without barriers).
+    - ``default``: every rank calls ``new_group`` for every group (torch's contract; non-members
+      return at once).
+    - ``barrier``: ``default`` plus a global store-based barrier after each group - what PyTorch
+      did before 2.1 (``TORCH_DIST_INIT_BARRIER=1``): O(world) groups x O(world) ranks, the O(n^2)
+      MegaScale measured. Kept to benchmark against.
+    """
+    groups = ProcessGroups(dims=dims, rank=rank)
+    if not dist.is_initialized():
+        return groups
+    if mode not in ("ordered", "default", "barrier"):
+        raise ValueError(f"parallel.init.groups: {mode!r} is not one of ordered, default, barrier")
+    split = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+    local = mode == "ordered" and not split
+    previous = os.environ.get("TORCH_DIST_INIT_BARRIER")
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "1" if mode == "barrier" else "0"
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}  # ordered: one communicator per member set
+    try:
+        for attr, ranks_list in _layouts(dims):
+            for ranks in ranks_list:
+                if local and rank not in ranks:
+                    continue
+                if local and tuple(ranks) in made:  # e.g. dp == stage group when tp = pp = 1 (same hashed name)
+                    group = made[tuple(ranks)]
+                else:
+                    group = made[tuple(ranks)] = dist.new_group(ranks, use_local_synchronization=local)
+                if rank in ranks:
+                    setattr(groups, attr, group)
+    finally:
+        if previous is None:
+            del os.environ["TORCH_DIST_INIT_BARRIER"]
+        else:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = previous
     return groups

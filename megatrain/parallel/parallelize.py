@@ -1,5 +1,5 @@
 """The one ordered recipe that spreads a plain GPT over ranks:
-tensor/sequence parallel -> precision (FP8 linears) -> pipeline split -> activation checkpointing
+tensor/sequence parallel -> materialize (meta-built models) -> precision (FP8 linears) -> pipeline split -> activation checkpointing
 -> compile.
 (DeepSpeed, the last step, wraps the result in the trainer.)
 
@@ -11,6 +11,8 @@ pipeline's own per-stage setting.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -52,11 +54,15 @@ def _compile_blocks(model: GPT) -> None:
             block.compile()
 
 
-def parallelize(model: GPT, cfg: Config, groups: ProcessGroups) -> nn.Module:
+def parallelize(model: GPT, cfg: Config, groups: ProcessGroups, materialize: Callable[[GPT], object] | None = None) -> nn.Module:
+    """``materialize``: for a model built on the meta device, gives this rank's stage and shard
+    storage once tensor parallelism has cut the shards, before the pipeline split (``meta.py``)."""
     if groups.dims.tp > 1:
         from megatrain.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, groups, sequence_parallel=cfg.parallel.sequence_parallel, overlap=cfg.parallel.overlap)
+    if materialize is not None:
+        materialize(model)
     apply_precision(model, cfg)
     if groups.dims.pp > 1:
         from megatrain.parallel.pipeline import build_pipeline_module

@@ -74,6 +74,7 @@ class HeartbeatRecord:
     first_step_done: bool = False
     step_phase_s: dict[str, float] | None = None  # seconds per phase of the last finished step
     recent_forward_s: list[list[float]] | None = None  # [step, forward seconds] of the last steps
+    init_phase: str | None = None  # during phase "init": the start-up phase (megatrain/startup.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -266,6 +267,13 @@ class HeartbeatWriter:
                 record.straggler = straggler
         if phase_changed:
             self._wake.set()
+
+    def set_init_phase(self, name: str | None) -> None:
+        """Which start-up phase this rank is in (None once start-up is over): a rank hung while
+        starting shows where (rendezvous, model, engine, ...)."""
+        with self._lock:
+            self._record.init_phase = name
+        self._wake.set()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -1,0 +1,235 @@
+"""Effective training time ratio (ETTR) under chaos: a real campaign through the ``pretrain``
+flow, with a random fault about every ``--every`` seconds, and where the lost time went.
+
+    python benchmarks/chaos.py --ettr [--minutes 30] [--every 180] [--seed 0] [--out runs/chaos]
+
+One stage of the tiny recipe on 2 gloo ranks, long enough for ``--minutes`` of fault-free
+training (the step time is measured first by a short probe run), Redis for heartbeats and
+rendezvous (a supervisor restarts it 1.5 s after it dies, as Kubernetes would), checkpoints every
+``--ckpt-interval`` steps. Faults are drawn at random (kill_rank, hang_rank, nan_loss,
+storage_outage, kill_redis; each kind once per five faults, in random order), at random times spread around one per ``--every`` seconds, turned
+into steps with the probe's step time. The flow detects and recovers from each by itself.
+
+ETTR = productive iterations x iteration time / wall time (MegaScale §6): productive iterations
+are the steps of the final run (redone steps count once), the iteration time is the median step
+time of the run's steps. Lost time, per interruption: detection + teardown (fault fired -> the
+flow sees the attempt ended), relaunch (-> the next rank process starts), time to first step
+(process start -> end of its first step, from the start-up record of megatrain/startup.py), steps
+redone (steps run again after restoring the last committed checkpoint). The rest of the wall time
+not spent on productive steps (the first start, data sharding, checkpoint stalls, slower steps)
+is listed as other. Each attempt's first step is in both its time to first step (as start-up
+defines it: compile and warm-up included) and the step rows: under a second per attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("kill_rank", "hang_rank", "nan_loss", "storage_outage", "kill_redis")
+BASE = ["train.device=cpu", "model.n_layer=1", "data.max_source_bytes=400000", "train.micro_batch_size=8",
+        "train.global_batch_size=16", "train.log_interval=50", "reliability.heartbeat_interval_s=1",
+        "reliability.heartbeat_timeout_s=15", "reliability.max_restarts=50", "reliability.max_rollbacks=50"]
+
+
+class RestartingRedis:
+    """redis-server that comes back 1.5 s after it dies, on the same port, with a pid file."""
+
+    def __init__(self, directory: Path, delay_s: float = 1.5):
+        from megatrain.reliability.redis_server import start_redis_server
+
+        self._start = start_redis_server
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url, self.pidfile, self.delay_s = f"redis://127.0.0.1:{self.port}/0", directory / "redis.pid", delay_s
+        self.restarts, self.stopped = 0, False
+        self._spawn()
+        threading.Thread(target=self._supervise, daemon=True).start()
+
+    def _spawn(self) -> None:
+        self.proc = self._start(self.port)
+        self.pidfile.write_text(f"{self.proc.pid}\n")
+
+    def _supervise(self) -> None:
+        while not self.stopped:
+            if self.proc.poll() is None:
+                time.sleep(0.05)
+                continue
+            time.sleep(self.delay_s)
+            if not self.stopped:
+                self._spawn()
+                self.restarts += 1
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.proc.kill()
+
+
+def probe_step_time(out: Path) -> float:
+    """Median step time of 2 ranks on this recipe (a short torchrun run, steps 3..12)."""
+    run_dir = out / "probe"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(29000 + random.randrange(900)), "-m", "megatrain.train", "--config",
+               "configs/tiny-cpu.yaml", *BASE, "train.steps=12", f"train.run_dir={run_dir}",
+               f"checkpoint.staging_dir={run_dir}/staging", f"checkpoint.durable_url={run_dir}/durable",
+               "checkpoint.interval=1000"]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in rows if r["step"] > 2)
+
+
+def plan_faults(rng: random.Random, minutes: float, every_s: float, step_s: float, pidfile: Path) -> list[dict]:
+    """One fault per ``every_s`` on average: each at a uniform random time within its window."""
+    faults, n = [], max(1, int(minutes * 60 // every_s))
+    kinds: list[str] = []
+    for i in range(n):
+        at_s = (i + rng.uniform(0.2, 0.9)) * every_s
+        if not kinds:  # each kind once per round of five, in random order
+            kinds = rng.sample(KINDS, len(KINDS))
+        kind = kinds.pop()
+        fault = {"kind": kind, "step": max(3, int(at_s / step_s)), "rank": rng.randrange(2)}
+        if kind == "nan_loss":
+            fault["rank"] = 0
+        if kind == "storage_outage":
+            fault["duration_s"] = 20.0
+        if kind == "kill_redis":
+            fault["target"] = str(pidfile)
+        faults.append(fault)
+    return faults
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.records: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append((record.created, record.getMessage()))
+        except Exception:
+            pass
+
+    def find_all(self, pattern: str) -> list[tuple[float, re.Match]]:
+        regex = re.compile(pattern)
+        return [(t, m) for t, msg in list(self.records) if (m := regex.search(msg))]
+
+
+def attempts_from_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl split at the rows that carry a start-up record (each attempt's first step):
+    one {startup, rows} per attempt, in order."""
+    attempts: list[dict] = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "startup" in row:
+            attempts.append({"startup": row["startup"], "rows": []})
+        if attempts:
+            attempts[-1]["rows"].append(row)
+    return attempts
+
+
+def breakdown(attempts: list[dict], ends: list[tuple[float, str]], fired: list[tuple[float, str]],
+              t_start: float, t_end: float) -> dict:
+    """ETTR and the lost time by cause (see the module doc)."""
+    wall_s = t_end - t_start
+    done: set[int] = set()
+    redone_s, step_times = 0.0, []
+    for attempt in attempts:
+        for row in attempt["rows"]:
+            if row["step"] in done:
+                redone_s += row["step_time_s"]
+            done.add(row["step"])
+            step_times.append(row["step_time_s"])
+    iteration_s = statistics.median(step_times)
+    productive_s = len(done) * iteration_s
+    lost = {"detection+teardown": 0.0, "relaunch": 0.0, "time to first step": 0.0, "steps redone": redone_s}
+    interruptions = []
+    for i, (t_attempt_end, status) in enumerate(ends[:-1]):
+        if i + 1 >= len(attempts):
+            break
+        start = attempts[i + 1]["startup"]
+        before = [t for t, _ in fired if t <= t_attempt_end]
+        t_fault = max(before) if before else t_attempt_end
+        parts = {"detection+teardown": t_attempt_end - t_fault, "relaunch": start["started_at"] - t_attempt_end,
+                 "time to first step": start["first_step_at"] - start["started_at"]}
+        for key, value in parts.items():
+            lost[key] += value
+        interruptions.append({"status": status, **{k: round(v, 2) for k, v in parts.items()}})
+    first = attempts[0]["startup"]
+    lost["flow start, sharding, first launch"] = first["started_at"] - t_start
+    lost["first start (to first step)"] = first["first_step_at"] - first["started_at"]
+    lost["flow wrap-up after the last attempt"] = t_end - ends[-1][0] if ends else 0.0
+    # steps slower than the median (load from other jobs, checkpoint staging inside the step)
+    lost["slow steps (above the median)"] = sum(step_times) - redone_s - productive_s
+    lost["other (checkpoint commits, loop, rollbacks)"] = wall_s - productive_s - sum(lost.values())
+    return {"ettr": productive_s / wall_s, "wall_s": wall_s, "productive_steps": len(done),
+            "iteration_s": iteration_s, "productive_s": productive_s, "lost_s": lost, "interruptions": interruptions}
+
+
+def run_ettr(args, out: Path) -> int:
+    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="megatrain-prefect-"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    rng = random.Random(args.seed)
+    step_s = probe_step_time(out)
+    steps = int(args.minutes * 60 / step_s)
+    redis = RestartingRedis(out)
+    faults = plan_faults(rng, args.minutes, args.every, step_s, redis.pidfile)
+    print(f"probe: {step_s:.3f} s/step -> {steps} steps for {args.minutes:g} min; faults: "
+          + ", ".join(f"{f['kind']}@{f['step']}" for f in faults), flush=True)
+    doc = {"id": f"ettr-{int(time.time())}", "recipe": str(ROOT / "configs/tiny-cpu.yaml"), "nproc_per_node": 2,
+           "root_dir": str(out / "campaigns"), "self_check": False,
+           "overrides": [*BASE, f"checkpoint.interval={args.ckpt_interval}", f"reliability.redis_url={redis.url}"],
+           "stages": [{"name": "chaos", "steps": steps, "overrides": ["reliability.faults=" + json.dumps(faults)]}]}
+    path = out / "campaign.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    from prefect.logging.configuration import ensure_logging_setup
+
+    ensure_logging_setup()
+    records = Records()
+    logging.getLogger().addHandler(records)
+    from flows.pretrain import pretrain
+    from megatrain.campaign import load_campaign, stage_config
+
+    start = time.time()
+    try:
+        report = pretrain(str(path))
+    finally:
+        redis.stop()
+    t_end = time.time()
+    wall_s = t_end - start
+    run_dir = Path(stage_config(load_campaign(path), 0).train.run_dir)
+    fired = sorted((m.stat().st_mtime, m.name) for m in (run_dir / "faults").glob("fired-*.json"))
+    ends = [(t, m.group(2)) for t, m in records.find_all(r"attempt (\d+) ended: (\w+)")]
+    result = breakdown(attempts_from_metrics(run_dir / "metrics.jsonl"), ends, fired, start, t_end)
+    result.update(raw={"flow": [start, t_end], "attempt_ends": ends, "fired": fired},faults_planned=faults, faults_fired=[name for _, name in fired], redis_restarts=redis.restarts,
+                  stage=report["stages"][0], minutes=args.minutes, every_s=args.every, probe_step_s=step_s,
+                  load_avg=os.getloadavg())
+    print(f"\nETTR {100 * result['ettr']:.1f}% over {wall_s / 60:.1f} min: {result['productive_steps']} productive "
+          f"steps x {result['iteration_s']:.3f} s; {len(fired)} faults fired ({', '.join(result['faults_fired'])}); "
+          f"{len(result['interruptions'])} restarts/rollbacks; Redis restarted {redis.restarts}x")
+    print(f"{'lost time':<48} {'s':>8} {'% of wall':>9}")
+    for key, value in result["lost_s"].items():
+        print(f"{key:<48} {value:>8.1f} {100 * value / wall_s:>8.1f}%")
+    for i, row in enumerate(result["interruptions"], 1):
+        print(f"  interruption {i} ({row['status']}): " + ", ".join(f"{k} {v:.1f} s" for k, v in row.items() if k != "status"))
+    print(f"(2 CPU cores shared with other work: load average {result['load_avg']})")
+    (out / "ettr.json").write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {out}/ettr.json")
+    return 0
