@@ -48,6 +48,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     wall-clock limit, process-group kill) lives in the engine's ``run_ranks``.
     """
     from megatrain.launch import run_ranks, torchrun_command
+    from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.watcher import HeartbeatWatcher
 
@@ -58,6 +59,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     watcher = HeartbeatWatcher.from_config(cfg.reliability, run_dir, cfg.run_id, world_size=nproc_per_node)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     logger.info("attempt %d: %d ranks, run dir %s", attempt, nproc_per_node, run_dir)
+    attempt_log = AttemptLog(run_dir, attempt, forward=logger.info)  # every line to files, the meaningful ones here
 
     def verdict():
         found = read_verdict(run_dir)
@@ -75,12 +77,13 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
 
     try:
         result = run_ranks(
-            torchrun_command(config_path, nproc_per_node), on_line=logger.info, watcher=watcher,
+            torchrun_command(config_path, nproc_per_node), on_line=attempt_log, watcher=watcher,
             timeout_s=timeout_s, env=env, verdict_reader=verdict, on_fault=draw_who_hung,
             poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
         )
     finally:
         watcher.close()
+    attempt_log.close(asdict(result))
     (logger.info if result.ok else logger.error)("attempt %d ended: %s after %.1f s. %s",
                                                 attempt, result.status, result.wall_s, result.message)
     return asdict(result)
