@@ -9,6 +9,7 @@ VENV_BIN=${VENV_BIN:-.venv/bin}
 export PREFECT_HOME=${PREFECT_HOME:-$PWD/.prefect}
 PORT=${MEGATRAIN_PREFECT_PORT:-4200}
 export PREFECT_API_URL=http://127.0.0.1:$PORT/api
+export PREFECT_UI_API_URL=$PREFECT_API_URL  # the UI in a browser talks to this same server
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export MEGATRAIN_ROOT=$PWD
 LOGS=${MEGATRAIN_SERVE_DIR:-runs/serve}

@@ -176,6 +176,7 @@ def cli(argv: list[str]) -> int:
         print(json.dumps(status.as_dict(), indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"campaign {status.id} ({'finished' if status.finished else 'not finished'})",
@@ -186,11 +187,11 @@ def cli(argv: list[str]) -> int:
     colors = {"done": "green", "running": "cyan", "stopped": "yellow", "pending": "dim"}
     for stage in status.stages:
         table.add_row(
-            stage.name, f"[{colors[stage.state]}]{stage.state}[/]", f"{stage.last_step}/{stage.target_steps}",
+            escape(stage.name), f"[{colors[stage.state]}]{stage.state}[/]", f"{stage.last_step}/{stage.target_steps}",
             "-" if stage.loss is None else f"{stage.loss:.4f}", "-" if stage.val_loss is None else f"{stage.val_loss:.4f}",
             "-" if stage.tokens_per_s is None else f"{stage.tokens_per_s:,.0f}",
             f"{stage.attempts} ({stage.restarts} restarts, {stage.rollbacks} rollbacks)",
-            ", ".join(map(str, stage.committed)) or "-", stage.last_fault or "-",
+            ", ".join(map(str, stage.committed)) or "-", escape(stage.last_fault or "-"),
         )
     import sys
 
