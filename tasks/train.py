@@ -67,12 +67,14 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
 
     def draw_who_hung(watch_result) -> None:
         from megatrain.observe.hang_view import Layout, grid_from_watch, plot_hang_grid, render_markdown
+        from megatrain.observe.report import markdown_image
 
         dims = cfg.parallel
         layout = Layout(pp=dims.pp, dp=dims.data_parallel_size(nproc_per_node), tp=dims.tp)
         cells = grid_from_watch(watch_result, layout)
         png = plot_hang_grid(cells, layout, Path(run_dir) / f"hang-attempt{attempt}.png")
-        create_markdown_artifact(f"### Who hung (attempt {attempt})\n\n{render_markdown(cells, layout)}\n\n`{png}`",
+        create_markdown_artifact(f"### Who hung (attempt {attempt})\n\n{markdown_image(png, 'who hung')}\n\n"
+                                 f"{render_markdown(cells, layout)}\n\n`{png}`",
                                  description="ranks by pipeline stage x data-parallel x tensor-parallel")
 
     try:

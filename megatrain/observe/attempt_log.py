@@ -22,11 +22,11 @@ NOISE = [
     re.compile(p) for p in (
         r"untested optimizer, proceed with caution",
         r"Setting accelerator to CPU",
-        r"\w*Warning: ",                       # Python warnings (FutureWarning, UserWarning...) ...
-        r"^\s+return func\(\*args, \*\*kwargs\)$",  # ... and the source line the warning prints
         r"^[WI]\d{4} \d\d:\d\d:\d\d",           # torchrun's glog-style info/warning lines
     )
 ]
+WARNING = re.compile(r"\w+Warning: ")  # a Python warning; the next (indented) line is its source line
+GLOG_ERROR = re.compile(r"^E\d{4} [\d:.]+ +\d+ \S+\] (.*)$")  # torchrun: "failed (exitcode: -9) local_rank: 1 ..."
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?")      # torchrun's prefix on a failed rank's lines
 RANK_TAG = re.compile(r"\[rank (\d+)\]")             # megatrain's own log format
 
@@ -43,7 +43,8 @@ class AttemptLog:
         self.path = self.dir / f"attempt-{attempt}.log"
         self._all = self.path.open("a", buffering=1)
         self._ranks: dict[int, object] = {}
-        self._traceback: int | None = None  # the rank whose traceback is being read (-1: the launcher's)
+        self._after_warning: set[int] = set()  # sources whose next indented line is a warning's source line
+        self._tracebacks: set[int] = set()  # whose traceback is being read: a rank, or -1 (unprefixed lines)
         self._in_torchrun_report = 0  # "=====" lines seen in torchrun's failure report
         self.started = time.time()
 
@@ -61,33 +62,41 @@ class AttemptLog:
             if rank not in self._ranks:
                 self._ranks[rank] = self.rank_path(rank).open("a", buffering=1)
             self._ranks[rank].write(body + "\n")
-        shown = self._filter(body, rank)
+        shown = self._filter(body, int(prefixed.group(1)) if prefixed else -1)
         if shown is not None:
             self.forward(shown)
 
-    def _filter(self, body: str, rank: int | None) -> str | None:
-        """The line the operator sees, or None."""
+    def _filter(self, body: str, source: int) -> str | None:
+        """The line the operator sees, or None. ``source``: the rank of a ``[rankN]:`` line, else -1."""
         if self._in_torchrun_report:  # torchrun's "megatrain.train FAILED" block: the cause is in the outcome
             self._in_torchrun_report += body.startswith("=====")
             if self._in_torchrun_report > 2:
                 self._in_torchrun_report = 0
             return None
         if body.startswith("Traceback (most recent call last)"):
-            self._traceback = -1 if rank is None else rank
+            self._tracebacks.add(source)
             return None
-        if self._traceback is not None:
+        if source in self._tracebacks:
             if body[:1] in (" ", "\t", "") or body.startswith("^"):
                 return None  # a frame of the traceback
-            who, self._traceback = self._traceback, None
+            self._tracebacks.discard(source)  # its last line: the exception
             if "ChildFailedError" in body:  # torchrun's own traceback, then its failure report
                 self._in_torchrun_report = 1
                 return None
-            where = self.rank_path(who) if who >= 0 else self.path
+            where = self.rank_path(source) if source >= 0 else self.path
             exception = body.split(":")[0][-80:]
-            return f"{'launcher' if who < 0 else f'rank {who}'}: {exception} (traceback in {where})"
+            return f"{'launcher' if source < 0 else f'rank {source}'}: {exception} (traceback in {where})"
+        if source in self._after_warning:
+            self._after_warning.discard(source)
+            if body[:1] in (" ", "\t"):
+                return None
+        if WARNING.search(body):
+            self._after_warning.add(source)
+            return None
         if any(p.search(body) for p in NOISE):
             return None
-        return body
+        glog = GLOG_ERROR.match(body)
+        return f"torchrun: {glog.group(1)}" if glog else body
 
     def close(self, outcome: dict) -> None:
         """Record how the attempt ended (status, message, ...) beside the stage's metrics."""
