@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # one server, two flow runs and a triggered self-check: ~8 min on 2 loaded cores
 
 
 def free_port() -> int:
@@ -118,6 +119,7 @@ def test_a_deployment_run_trains_a_fresh_campaign_and_recovers(served):
     run = served.prefect("deployment", "run", "pretrain/local", "-p", f"campaign_path={path}", "-p", "campaign_id=new",
                          "--watch", "--watch-timeout", "900", timeout=960)
     output = run.stdout + run.stderr
+    (served.tmp / "watch.log").write_text(output)
     assert run.returncode == 0, output
     served.flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", output).group(1)
     (flow_run,) = served.api_post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [served.flow_run_id]}}})
