@@ -12,12 +12,30 @@ from __future__ import annotations
 import logging
 import re
 
-# Rank lines the console keeps although they are INFO: how an attempt ends.
-_RANK_KEEP = re.compile(r"\] (WARNING|ERROR|CRITICAL) |traceback in |deterministic error|megatrain: done: ")
+# Rank lines the console keeps although they are INFO: how an attempt ends. (A rank's traceback
+# is one "traceback in <file>" line in the Prefect log; the console has the attempt's outcome.)
+_RANK_KEEP = re.compile(r"\] (WARNING|ERROR|CRITICAL) |deterministic error|megatrain: done: ")
+_RANK_STAMP = re.compile(r"^[\d-]+ [\d:,]+ \[rank \d+\] ")  # "2026-11-24 09:35:14,790 [rank 1] "
 
 
 class ConsoleFilter(logging.Filter):
+    """Also shows a line that every rank prints (a rollback notice) once, not once per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._recent: list[str] = []
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if not self._worth_showing(record):
+            return False
+        same = _RANK_STAMP.sub("", record.getMessage())
+        if same != record.getMessage():  # a rank's line: once for all ranks
+            if same in self._recent:
+                return False
+            self._recent = [*self._recent[-31:], same]
+        return True
+
+    def _worth_showing(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         task = getattr(record, "task_run_name", "") or ""
         if record.levelno >= logging.WARNING:

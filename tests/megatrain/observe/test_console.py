@@ -18,7 +18,7 @@ def test_console_keeps_faults_attempts_and_warnings_and_drops_progress():
     shown = ConsoleFilter().filter
     assert shown(record("attempt 1: 2 ranks, run dir /x", "launch-ranks-1a2"))
     assert shown(record("2026-11-24 09:35:14,790 [rank 1] WARNING megatrain.reliability.faults: injecting fault kill_rank", "launch-ranks-1a2"))
-    assert shown(record("rank 0: RuntimeError (traceback in /x/logs/attempt-1.rank0.log)", "launch-ranks-1a2"))
+    assert not shown(record("rank 0: RuntimeError (traceback in /x/logs/attempt-1.rank0.log)", "launch-ranks-1a2"))
     assert shown(record("attempt 1 ended: crashed after 11.1 s. rank 1 SIGKILL", "launch-ranks-1a2", logging.ERROR))
     assert shown(record("2026-11-24 09:35:26,325 [rank 0] INFO megatrain: done: 40 steps, final loss 6.18", "launch-ranks-1a2"))
     assert shown(record("stage short-context: 40 steps, seq 64", "validate-campaign-699"))
@@ -28,6 +28,14 @@ def test_console_keeps_faults_attempts_and_warnings_and_drops_progress():
     assert not shown(record("vm gemm: 0.195 TFLOP/s (threshold 0.005) passed=True", "self-check-faa"))
     assert not shown(record("Finished in state Completed()", "write-report-082"))
     assert shown(record("Finished in state Failed('boom')", "write-report-082"))
+
+
+def test_a_line_every_rank_prints_shows_once():
+    shown = ConsoleFilter().filter
+    notice = "WARNING megatrain: rollback to step 10 after nan_loss at step 15: skipping 80 samples"
+    assert shown(record(f"2026-11-24 09:45:31,126 [rank 0] {notice}", "launch-ranks-c5a"))
+    assert not shown(record(f"2026-11-24 09:45:31,130 [rank 1] {notice}", "launch-ranks-c5a"))
+    assert shown(record("2026-11-24 09:45:32,001 [rank 1] WARNING megatrain: something else", "launch-ranks-c5a"))
 
 
 def test_summary_fits_one_screen_and_says_where_everything_is():
