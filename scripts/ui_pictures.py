@@ -78,7 +78,8 @@ def capture(api: str, flow_run_id: str, out: Path) -> dict[str, Path]:
     if found["report"] is not None:
         shots["report"] = screenshot(f"{ui}/artifacts/artifact/{found['report'].id}", out / "report.png", (1400, 2000))
     if found["failed"] is not None:
-        shots["failed-attempt"] = screenshot(f"{ui}/runs/task-run/{found['failed'].id}", out / "failed-attempt.png")
+        shots["failed-attempt"] = screenshot(f"{ui}/runs/task-run/{found['failed'].id}", out / "failed-attempt.png",
+                                             (1400, 2000))  # tall enough for the attempt's last log lines
     return shots
 
 
