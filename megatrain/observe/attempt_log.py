@@ -102,7 +102,9 @@ class AttemptLog:
         """Record how the attempt ended (status, message, ...) beside the stage's metrics."""
         for handle in [self._all, *self._ranks.values()]:
             handle.close()
-        row = {"attempt": self.attempt, "started": self.started, "ended": time.time(),
+        metrics = self.run_dir / "metrics.jsonl"  # where this attempt's rows end (the loss curve marks it)
+        rows = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.exists() else 0
+        row = {"attempt": self.attempt, "started": self.started, "ended": time.time(), "metrics_rows": rows,
                "log": str(self.path), "rank_logs": {r: str(self.rank_path(r)) for r in sorted(self._ranks)},
                **{k: outcome.get(k) for k in ("status", "message", "wall_s", "returncode", "faulty_ranks", "verdict") if k in outcome}}
         with (self.run_dir / "attempts.jsonl").open("a") as handle:

@@ -74,22 +74,29 @@ def read_raw_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def fault_marks(run_dir: str | Path) -> list[tuple[str, int, int]]:
-    """(kind, last step logged before the fault, step training resumed after) for each time a
-    stage went back: a restart (crash, hang) or a rollback (anomaly, from rollbacks.json)."""
-    rollbacks = []
-    path = Path(run_dir) / "rollbacks.json"
-    if path.exists():
-        rollbacks = [r["restore_step"] for r in json.loads(path.read_text())]
-    marks, previous = [], None
-    for row in read_raw_metrics(run_dir):
-        if previous is not None and row["step"] <= previous:
-            resumed = row["step"] - 1
-            kind = "rollback" if resumed in rollbacks else "restart"
-            if kind == "rollback":
-                rollbacks.remove(resumed)
-            marks.append((kind, previous, resumed))
-        previous = row["step"]
-    return marks
+    """(kind, step where the fault hit, step training resumed from) for each restart (a crashed,
+    hung or timed-out attempt, from attempts.jsonl) and each rollback (from rollbacks.json). A
+    run without attempts.jsonl falls back to where the logged steps went back."""
+    run_dir = Path(run_dir)
+    raw = read_raw_metrics(run_dir)
+    path = run_dir / "rollbacks.json"
+    marks = [("rollback", r["anomaly_step"], r["restore_step"]) for r in json.loads(path.read_text())] if path.exists() else []
+    attempts = []
+    if (run_dir / "attempts.jsonl").exists():
+        attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines() if line.strip()]
+    if attempts and all("metrics_rows" in a for a in attempts):
+        for attempt in attempts:
+            ended_at = attempt["metrics_rows"]
+            if attempt.get("status") in ("crashed", "hung", "timeout") and 0 < ended_at <= len(raw):
+                failed_at = raw[ended_at - 1]["step"]
+                resumed = raw[ended_at]["step"] - 1 if ended_at < len(raw) else failed_at
+                marks.append(("restart", failed_at, resumed))
+        return sorted(marks, key=lambda mark: mark[1])
+    restored = [m[2] for m in marks]
+    for previous, row in zip(raw, raw[1:]):
+        if row["step"] <= previous["step"] and row["step"] - 1 not in restored:
+            marks.append(("restart", previous["step"], row["step"] - 1))
+    return sorted(marks, key=lambda mark: mark[1])
 
 
 def plot_loss(runs: dict[str, str | Path], path: str | Path, title: str = "") -> Path:

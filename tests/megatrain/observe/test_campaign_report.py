@@ -33,12 +33,15 @@ def make_campaign(tmp_path):
             overrides.append(f"checkpoint.init_from={campaign / 'durable' / previous}")
         write_run_config(load_config(ROOT_DIR / "configs/tiny-cpu.yaml", overrides), campaign / name / "config.yaml")
     first, second = campaign / "a-first", campaign / "b-second"
-    # first: crashed after step 5, restarted from the checkpoint at step 4
-    steps = [(1, 7.0), (2, 6.8), (3, 6.6), (4, 6.5), (5, 6.4), (5, 6.4), (6, 6.3)]
+    # first: killed in step 5 (its row never written), restarted from the checkpoint at step 4:
+    # the steps never go back, only attempts.jsonl says where the attempt ended
+    steps = [(1, 7.0), (2, 6.8), (3, 6.6), (4, 6.5), (5, 6.4), (6, 6.3)]
     (first / "metrics.jsonl").write_text("\n".join(metrics_row(s, l) for s, l in steps) + "\n")
     (first / "attempts.jsonl").write_text("\n".join(json.dumps(a) for a in (
-        {"attempt": 1, "status": "crashed", "message": "rank 1 exited on SIGKILL at step 5", "log": str(first / "logs/attempt-1.log")},
-        {"attempt": 2, "status": "completed", "message": "", "log": str(first / "logs/attempt-2.log")})) + "\n")
+        {"attempt": 1, "status": "crashed", "message": "rank 1 exited on SIGKILL at step 5", "metrics_rows": 4,
+         "log": str(first / "logs/attempt-1.log")},
+        {"attempt": 2, "status": "completed", "message": "", "metrics_rows": 6, "log": str(first / "logs/attempt-2.log")},
+    )) + "\n")
     # second: NaN at step 4, rolled back to step 2; validation loss every 2 steps
     steps = [(1, 6.2), (2, 6.1), (3, 6.0), (3, 6.05), (4, 5.9), (5, 5.8), (6, 5.7)]
     (second / "metrics.jsonl").write_text("\n".join(
@@ -66,8 +69,11 @@ def test_status_orders_stages_by_their_chain_and_reads_faults(tmp_path):
 
 def test_fault_marks_tell_restarts_from_rollbacks(tmp_path):
     campaign = make_campaign(tmp_path)
+    assert fault_marks(campaign / "a-first") == [("restart", 4, 4)]
+    assert fault_marks(campaign / "b-second") == [("rollback", 4, 2)]
+    (campaign / "a-first" / "attempts.jsonl").unlink()  # an older run: where the steps went back
+    (campaign / "a-first" / "metrics.jsonl").write_text("\n".join(metrics_row(s, 7.0 - s / 10) for s in (1, 2, 3, 4, 5, 5, 6)))
     assert fault_marks(campaign / "a-first") == [("restart", 5, 4)]
-    assert fault_marks(campaign / "b-second") == [("rollback", 3, 2)]
 
 
 def test_report_has_every_picture_inline_for_the_ui_and_as_files_for_the_disk(tmp_path):
