@@ -76,7 +76,8 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
     loss_png = plot_loss({s.name: s.run_dir for s in status.stages}, report_dir / "loss.png",
                          title=f"campaign {status.id}: loss per stage")
     pictures = {"loss curve": loss_png, **pictures}
-    tensorboard = campaign_dir if any(campaign_dir.glob("*/tensorboard")) else None
+    # event files in <stage run dir>/tb (megatrain/observe/tensorboard.py): one logdir for all stages
+    tensorboard = campaign_dir if any(campaign_dir.glob("*/tb")) else None
     summary = {
         "campaign": status.id, "campaign_dir": str(campaign_dir), "finished": status.finished,
         "stages": rows, "attempts": attempts_seen, "checkpoints": checkpoints,

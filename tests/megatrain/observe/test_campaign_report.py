@@ -86,3 +86,6 @@ def test_report_has_every_picture_inline_for_the_ui_and_as_files_for_the_disk(tm
     assert [f["status"] for f in report.summary["faults"]] == ["crashed"]
     assert report.summary["stages"][1]["val loss"] == 5.9
     assert (campaign / "report/loss.png").stat().st_size > 10_000
+    assert report.summary["tensorboard"] is None
+    (campaign / "a-first" / "tb").mkdir()  # where the TensorBoard sink writes a stage's event files
+    assert build_report(campaign).summary["tensorboard"] == str(campaign)
