@@ -9,6 +9,7 @@ import json
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.events import emit_event
 
 from megatrain.campaign import CampaignConfig
 from tasks._log import run_logger
@@ -39,4 +40,8 @@ def write_report(campaign: CampaignConfig, stage_results: list[dict]) -> dict:
     (report_dir / "report.md").write_text(report.markdown)
     (report_dir / "report.json").write_text(json.dumps(summary, indent=2))
     run_logger().info("report written to %s", report_dir / "report.md")
+    # `prefect deployment run ... --watch` shows events, not logs: this one names the report.
+    emit_event(event="megatrain.report.written", payload={"faults": len(summary["faults"])},
+               resource={"prefect.resource.id": f"megatrain.campaign.{campaign.id}",
+                         "prefect.resource.name": str(report_dir / "report.md")})
     return summary

@@ -105,6 +105,7 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
     config_path = str(write_run_config(cfg, campaign.stage_dir(index) / "config.yaml"))
     policy = cfg.reliability
     progress = create_progress_artifact(0.0, description=f"{campaign.id}: stage {stage.name}")
+    shown_percent = 0
 
     history: list[dict] = []
     uploaded: set[int] = set()
@@ -115,7 +116,10 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
         launch = _launch(campaign, index, config_path, attempt)
         while not launch.state.is_final():
             _upload_new(cfg, uploaded)
-            update_progress_artifact(progress, 100.0 * _last_step(cfg.train.run_dir) / stage.steps)
+            percent = 10 * (10 * _last_step(cfg.train.run_dir) // stage.steps)  # in tens: each update is an event
+            if percent != shown_percent:
+                update_progress_artifact(progress, float(percent))
+                shown_percent = percent
             time.sleep(1.0)
         outcome = launch.result()
         _upload_new(cfg, uploaded)  # what was staged before a crash is still good

@@ -72,7 +72,7 @@ class Served:
         self.env = dict(os.environ, PREFECT_HOME=str(self.home), MEGATRAIN_PREFECT_PORT=str(self.port),
                         MEGATRAIN_SERVE_DIR=str(tmp / "serve"), MEGATRAIN_IMAGE="registry.example/megatrain:test",
                         VENV_BIN=str(Path(sys.executable).parent), PREFECT_API_URL=self.api,
-                        PYTHONPATH=str(ROOT))
+                        PYTHONPATH=str(ROOT), COLUMNS="400")  # rich: one event per line
         self.shard_root = shard_root
         self.flow_run_id: str | None = None
 
@@ -130,6 +130,9 @@ def test_a_deployment_run_trains_a_fresh_campaign_and_recovers(served):
     assert served.campaign_dir.name == f"ui-{served.flow_run_id[:8]}"
     report = json.loads((served.campaign_dir / "report/report.json").read_text())
     assert [f["status"] for f in report["faults"]] == ["crashed", "anomaly"]
+    # --watch streams events: the report's path is one, the progress bar's updates are few
+    assert f"megatrain.report.written * {served.campaign_dir / 'report/report.md'}" in output.replace("\n", "")
+    assert output.count("prefect.artifact.updated") <= 2 * 11, output
 
 
 def test_the_loss_curve_is_a_picture_in_the_ui(served):
