@@ -15,9 +15,9 @@ from tasks.selfcheck import check_stage_nodes, run_self_check
 
 @flow(name="self-check")
 def self_check(campaign_path: str = "configs/campaign-local.yaml", overrides: list[str] | None = None,
-               config_path: str = "", campaign_id: str = "", nodes: str = "") -> dict:
-    if config_path:  # from an anomaly event: that stage's config
-        return check_stage_nodes(config_path, campaign_id, nodes)
+               config_path: str = "", campaign_id: str = "", nodes: str = "", wait_idle_s: float = 900.0) -> dict:
+    if config_path:  # from an anomaly event: that stage's config, once its ranks are idle
+        return check_stage_nodes(config_path, campaign_id, nodes, wait_idle_s)
     campaign = validate_campaign(campaign_path, overrides or [])
     return run_self_check(campaign)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from prefect import task
@@ -23,15 +24,37 @@ def run_self_check(campaign: CampaignConfig) -> dict:
     return _check_node(stage_config(campaign, 0), campaign.campaign_dir / "selfcheck.json", campaign.id)
 
 
-@task(name="self-check-stage", retries=1, retry_delay_seconds=5, timeout_seconds=600)
-def check_stage_nodes(config_path: str, campaign_id: str, nodes: str = "") -> dict:
+@task(name="self-check-stage", retries=1, retry_delay_seconds=5, timeout_seconds=None)
+def check_stage_nodes(config_path: str, campaign_id: str, nodes: str = "", wait_idle_s: float = 900.0) -> dict:
     """The self-check an anomaly event asks for: the stage's own run config (its storage, Redis
-    and thresholds), results beside it. ``nodes`` are the hosts that raised the event."""
+    and thresholds), results beside it. ``nodes`` are the hosts that raised the event. The stage
+    relaunches right after a rollback: the check waits (up to ``wait_idle_s``) for its ranks to
+    stop, so that it measures the nodes rather than their competition with training."""
     from megatrain.config_load import load_config
 
-    run_logger().info("self-check for campaign %s (stage config %s), raised by node(s) %s",
-                      campaign_id, config_path, nodes or "?")
-    return _check_node(load_config(config_path), Path(config_path).parent / "selfcheck.json", campaign_id)
+    cfg = load_config(config_path)
+    logger = run_logger()
+    logger.info("self-check for campaign %s (stage config %s), raised by node(s) %s", campaign_id, config_path, nodes or "?")
+    deadline = time.monotonic() + wait_idle_s
+    while _live_ranks(cfg) and time.monotonic() < deadline:
+        time.sleep(5.0)
+    if _live_ranks(cfg):
+        logger.warning("the stage still trains after %.0f s: measuring beside it (throughput checks read low)", wait_idle_s)
+    return _check_node(cfg, Path(config_path).parent / "selfcheck.json", campaign_id)
+
+
+def _live_ranks(cfg) -> list[int]:
+    """Ranks of the stage with a fresh heartbeat that is not "done" (file heartbeats; none seen
+    with Redis heartbeats, which then count as idle)."""
+    live = []
+    for path in (Path(cfg.train.run_dir) / "heartbeats").glob("rank*.json"):
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if beat.get("phase") != "done" and time.time() - beat.get("timestamp", 0) < cfg.reliability.heartbeat_timeout_s:
+            live.append(beat.get("rank"))
+    return live
 
 
 def _check_node(cfg, out: Path, campaign_id: str) -> dict:

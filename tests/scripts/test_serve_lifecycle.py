@@ -164,6 +164,11 @@ def test_the_anomaly_triggers_the_self_check_of_that_campaign(served):
     assert check["parameters"]["nodes"] == socket.gethostname()
     assert check["state"]["type"] == "COMPLETED"
     assert (served.campaign_dir / "second" / "selfcheck.json").exists()
+    # not beside the training it diagnoses: it measured after the relaunched ranks were done
+    beats = [json.loads(p.read_text()) for p in (served.campaign_dir / "second" / "heartbeats").glob("rank*.json")]
+    done_at = max(beat["timestamp"] for beat in beats)
+    measured_at = (served.campaign_dir / "second" / "selfcheck.json").stat().st_mtime
+    assert all(beat["phase"] == "done" for beat in beats) and measured_at > done_at
 
 
 def test_the_cli_reads_the_campaign_dir_and_a_rerun_says_it_is_finished(served):
