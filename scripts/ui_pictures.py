@@ -65,6 +65,16 @@ async def _find(api: str, flow_run_id: str) -> dict:
     return {"loss": loss[0] if loss else None, "report": report[0] if report else None, "failed": (failed or [None])[0], "attempts": attempts}
 
 
+def picture_shot(url: str, out: Path, size: tuple[int, int], min_pixels: int = 400, tries: int = 3) -> Path:
+    """A screenshot of a page that shows the loss curve, taken again (with more time) while the
+    curve's colour is not there yet: on a loaded machine the page can still be loading."""
+    for attempt in range(1, tries + 1):
+        screenshot(url, out, size, wait_ms=15000 * attempt)
+        if pixels_near(out, TRAIN_COLOR) >= min_pixels:
+            break
+    return out
+
+
 def capture(api: str, flow_run_id: str, out: Path) -> dict[str, Path]:
     ui = api.removesuffix("/api")
     found = asyncio.run(_find(api, flow_run_id))
@@ -73,10 +83,10 @@ def capture(api: str, flow_run_id: str, out: Path) -> dict[str, Path]:
     shots = {
         "flow-run": screenshot(f"{ui}/runs/flow-run/{flow_run_id}", out / "flow-run.png"),
         "artifacts": screenshot(f"{ui}/artifacts", out / "artifacts.png"),
-        "loss-curve": screenshot(f"{ui}/artifacts/artifact/{found['loss'].id}", out / "loss-curve.png", (1400, 1100)),
+        "loss-curve": picture_shot(f"{ui}/artifacts/artifact/{found['loss'].id}", out / "loss-curve.png", (1400, 1100)),
     }
     if found["report"] is not None:
-        shots["report"] = screenshot(f"{ui}/artifacts/artifact/{found['report'].id}", out / "report.png", (1400, 2000))
+        shots["report"] = picture_shot(f"{ui}/artifacts/artifact/{found['report'].id}", out / "report.png", (1400, 2000))
     if found["failed"] is not None:
         shots["failed-attempt"] = screenshot(f"{ui}/runs/task-run/{found['failed'].id}", out / "failed-attempt.png",
                                              (1400, 2000))  # tall enough for the attempt's last log lines
