@@ -38,11 +38,13 @@ class ConsoleFilter(logging.Filter):
     def _worth_showing(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         task = getattr(record, "task_run_name", "") or ""
-        if record.levelno >= logging.WARNING:
+        if record.levelno >= logging.WARNING and not task.startswith("launch-ranks"):
             return True
         if message.startswith("Finished in state Completed") or message.startswith("See https://docs.prefect.io"):
             return False
-        if task.startswith("launch-ranks"):
+        if task.startswith("launch-ranks"):  # "attempt N ended: <cause>" is the fault's one line
+            if message.startswith(("Task run failed with state", "Finished in state Failed")):
+                return False
             return message.startswith("attempt ") or bool(_RANK_KEEP.search(message))
         if task.startswith("upload-checkpoint"):
             return False

@@ -28,6 +28,10 @@ def test_console_keeps_faults_attempts_and_warnings_and_drops_progress():
     assert not shown(record("vm gemm: 0.195 TFLOP/s (threshold 0.005) passed=True", "self-check-faa"))
     assert not shown(record("Finished in state Completed()", "write-report-082"))
     assert shown(record("Finished in state Failed('boom')", "write-report-082"))
+    # a failed attempt (a red task run) is one line on the console, not three
+    failed = "attempt 1 crashed: rank 1 was killed by SIGKILL (exit code -9) in step 25"
+    assert not shown(record(f"Task run failed with state: Failed(message='{failed}')", "launch-ranks-924", logging.ERROR))
+    assert not shown(record(f"Finished in state Failed('{failed}')", "launch-ranks-924", logging.ERROR))
 
 
 def test_a_line_every_rank_prints_shows_once():
