@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatrain.observe.console import campaign_finished, quiet_console
 
-    finished = campaign_finished(args.campaign_path, args.overrides)
+    try:
+        finished = campaign_finished(args.campaign_path, args.overrides)
+    except Exception:  # a bad campaign: the run below says why
+        finished = None
     if finished:
         print(finished)
         return 0
