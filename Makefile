@@ -3,8 +3,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= configs/tiny-cpu.yaml
+IMAGE  ?= megatrain:latest
 
-.PHONY: install demo train test test-gpu serve stop clean
+.PHONY: install services demo train test test-gpu serve stop image clean
 # Prefect's temporary local server (SQLite) starts slowly on 2 cores.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -20,8 +21,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# What the tests start themselves (real servers and a real browser, on loopback): redis-server
+# for the Redis store and lease tests, Debian's chromium for the Prefect UI picture test.
+services:
+	scripts/install-services.sh
+
 # The main job: the `pretrain` flow on the local campaign (two stages, injected faults), a new
-# campaign id per run so every demo trains from scratch.
+# campaign id per run so every demo trains from scratch. One screen of output; every rank line
+# is in runs/campaigns/<id>/<stage>/logs/ (--verbose shows them here too).
 demo: $(STAMP)
 	$(PY) -m flows.pretrain configs/campaign-local.yaml id=demo-$$(date +%Y%m%d-%H%M%S)
 
@@ -35,7 +42,11 @@ serve: $(STAMP)
 stop:
 	scripts/serve.sh stop
 
-test: $(STAMP)
+# The image `pretrain/cluster` runs (then: docker push $(IMAGE); MEGATRAIN_IMAGE=$(IMAGE) make serve).
+image:
+	docker build -t $(IMAGE) .
+
+test: $(STAMP) services
 	$(PY) -m pytest -q -m "not gpu"
 
 test-gpu:

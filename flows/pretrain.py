@@ -3,10 +3,15 @@
 Rerun a failed or crashed run (the UI's Retry, or a new run of the same campaign) and finished
 stages come back from the cache while the interrupted one resumes from its last committed
 checkpoint.
+
+``campaign_id``: "" keeps the campaign file's id (``id=...`` in ``overrides`` too); "new" (the
+``pretrain/local`` deployment's default) starts a fresh campaign named after the file's id and the
+flow run (the UI's Retry keeps it); any other id resumes that campaign.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from prefect import flow
@@ -25,13 +30,15 @@ DEFAULT_CAMPAIGN = "configs/campaign-local.yaml"
 
 
 @flow(name="pretrain", log_prints=True)
-def pretrain(campaign_path: str = DEFAULT_CAMPAIGN, overrides: list[str] | None = None, lease_wait_s: float = 0.0):
+def pretrain(campaign_path: str = DEFAULT_CAMPAIGN, overrides: list[str] | None = None, lease_wait_s: float = 0.0,
+             campaign_id: str = ""):
     """Ends Completed with the report only when every stage's final checkpoint is committed and
     verifies; Failed with the cause as its message (a bad campaign, the campaign in use by
     another run, a stage that gave up); Cancelled after SIGTERM, SIGINT or a cancel (the ranks
     stopped within seconds, what was staged committed). ``lease_wait_s``: how long to wait for
     another run of the same campaign to finish (0: refuse at once, naming it)."""
-    validated = validate_campaign(campaign_path, overrides or [], return_state=True)
+    validated = validate_campaign(campaign_path, with_campaign_id(campaign_path, campaign_id, overrides or []),
+                                  return_state=True)
     if not validated.is_completed():
         return _ended(validated)
     campaign = validated.result()
@@ -76,14 +83,54 @@ def _run_stages(campaign):
     return write_report(campaign, results)
 
 
+def with_campaign_id(campaign_path: str, campaign_id: str, overrides: list[str]) -> list[str]:
+    """The overrides that name the campaign: "" the file's, "new" a fresh one, else that one."""
+    if not campaign_id:
+        return list(overrides)
+    if campaign_id == "new":
+        from uuid import uuid4
+
+        from prefect.runtime import flow_run
+
+        from megatrain.config_load import read_yaml
+
+        base = read_yaml(campaign_path).get("id", "campaign")
+        campaign_id = f"{base}-{str(flow_run.id or uuid4())[:8]}"  # the flow run's id: stable over Retry
+        print(f"campaign id {campaign_id} (resume it with campaign_id={campaign_id})")
+    return [*overrides, f"id={campaign_id}"]
+
+
 def print_summary(report: dict) -> None:
-    print(f"\ncampaign {report['campaign']} finished")
-    for row in report["stages"]:
-        print(f"  stage {row['stage']}: {row['steps']} steps, loss {row['first loss']} -> {row['final loss']}, "
-              f"{row['tokens/s']} tokens/s, {row['restarts']} restarts, {row['rollbacks']} rollbacks")
-    print(f"  checkpoints: {len(report['checkpoints'])} committed, newest {report['checkpoints'][-1]['url'] if report['checkpoints'] else '-'}")
-    print(f"  report: {report['report']}\n  loss curve: {report['loss_curve']}")
+    """What `make demo` ends with: one screen, every path an operator looks for next."""
+    from megatrain.observe.console import summary_lines
+
+    print("\n".join(summary_lines(report)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.pretrain",
+        description="Run a pretraining campaign (validate, shard, self-check, stages, report) as a Prefect "
+                    "flow. Rerunning the same id resumes it: finished stages come from the cache.")
+    parser.add_argument("campaign_path", nargs="?", default=DEFAULT_CAMPAIGN, help=f"campaign YAML (default {DEFAULT_CAMPAIGN})")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="campaign fields, e.g. id=my-run (a new id is a new campaign, an old one resumes it)")
+    parser.add_argument("--verbose", action="store_true", help="show every rank line on the console (the files have them anyway)")
+    args = parser.parse_args(argv)
+
+    from megatrain.observe.console import campaign_finished, quiet_console
+
+    try:
+        finished = campaign_finished(args.campaign_path, args.overrides)
+    except Exception:  # a bad campaign: the run below says why, in one line
+        finished = None
+    if finished:
+        print(finished)
+        return 0
+    if not args.verbose:
+        quiet_console()
+    return run_from_command_line([args.campaign_path, *args.overrides], DEFAULT_CAMPAIGN, print_summary)
 
 
 if __name__ == "__main__":
-    sys.exit(run_from_command_line(sys.argv[1:], DEFAULT_CAMPAIGN, print_summary))
+    sys.exit(main())

@@ -17,7 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "selfcheck": ("megatrain.reliability.selfcheck:cli", "GEMM, memory, all-reduce, storage and Redis checks"),
     "checkpoints": ("megatrain.checkpoint.cli:cli", "list, verify or inspect committed checkpoints"),
     "plan": ("megatrain.parallel.plan:cli", "print the per-GPU memory plan of a recipe"),
-    "report": ("megatrain.observe.report:cli", "summarise a run directory"),
+    "report": ("megatrain.observe.report:cli", "a campaign's report (a campaign dir), or summaries of run dirs"),
+    "status": ("megatrain.observe.campaign_status:cli", "where a campaign stands: stages, steps, loss, faults, checkpoints"),
 }
 
 

@@ -3,6 +3,9 @@ tell the world (a Prefect event per rollback, which an automation can act on).""
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
@@ -36,7 +39,10 @@ def rollback(campaign_id: str, stage: str, config_path: str, verdict: dict, coun
     policy = cfg.reliability
     run_dir = cfg.train.run_dir
     anomaly_step = int(verdict["step"])
-    resource = {"prefect.resource.id": f"megatrain.campaign.{campaign_id}", "megatrain.stage": stage}
+    # The triggered self-check (prefect.yaml) reads the stage's config and the nodes from here.
+    resource = {"prefect.resource.id": f"megatrain.campaign.{campaign_id}", "megatrain.stage": stage,
+                "megatrain.campaign": campaign_id, "megatrain.config": str(Path(config_path).resolve()),
+                "megatrain.nodes": socket.gethostname()}
 
     history = read_rollbacks(run_dir)
     recent = [r for r in history if anomaly_step - r.anomaly_step < policy.rollback_window_steps]

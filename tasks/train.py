@@ -63,6 +63,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     wall-clock limit, process-group kill) lives in the engine's ``run_ranks``.
     """
     from megatrain.launch import describe_root_cause, run_ranks, torchrun_command
+    from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.watcher import HeartbeatWatcher
 
@@ -73,6 +74,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     watcher = HeartbeatWatcher.from_config(cfg.reliability, run_dir, cfg.run_id, world_size=nproc_per_node)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     logger.info("attempt %d: %d ranks, run dir %s", attempt, nproc_per_node, run_dir)
+    attempt_log = AttemptLog(run_dir, attempt, forward=logger.info)  # every line to files, the meaningful ones here
 
     def verdict():
         found = read_verdict(run_dir)
@@ -80,18 +82,20 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
 
     def draw_who_hung(watch_result) -> None:
         from megatrain.observe.hang_view import Layout, grid_from_watch, plot_hang_grid, render_markdown
+        from megatrain.observe.report import markdown_image
 
         dims = cfg.parallel
         layout = Layout(pp=dims.pp, dp=dims.data_parallel_size(nproc_per_node), tp=dims.tp)
         cells = grid_from_watch(watch_result, layout)
         png = plot_hang_grid(cells, layout, Path(run_dir) / f"hang-attempt{attempt}.png")
-        create_markdown_artifact(f"### Who hung (attempt {attempt})\n\n{render_markdown(cells, layout)}\n\n`{png}`",
+        create_markdown_artifact(f"### Who hung (attempt {attempt})\n\n{markdown_image(png, 'who hung')}\n\n"
+                                 f"{render_markdown(cells, layout)}\n\n`{png}`",
                                  description="ranks by pipeline stage x data-parallel x tensor-parallel")
 
     abandoned = _ABANDONED.get(config_path) or threading.Event()
     try:
         result = run_ranks(
-            torchrun_command(config_path, nproc_per_node), on_line=logger.info, watcher=watcher,
+            torchrun_command(config_path, nproc_per_node), on_line=attempt_log, watcher=watcher,
             timeout_s=timeout_s, env=env, verdict_reader=verdict, on_fault=draw_who_hung,
             poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
             should_stop=lambda: STOP.is_set() or abandoned.is_set(),
@@ -105,6 +109,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     stopped_by = STOP.reason if STOP.is_set() else "the stage failed" if abandoned.is_set() else None
     if stopped_by and not result.ok:
         result.status, result.message = "stopped", f"stopped ({stopped_by}) after {result.wall_s:.1f} s"
+    attempt_log.close(asdict(result))
     (logger.info if result.ok else logger.error)("attempt %d ended: %s after %.1f s. %s",
                                                 attempt, result.status, result.wall_s, result.message)
     outcome = asdict(result)  # one line for the states and the report; stacks stay in the log above
@@ -160,6 +165,7 @@ def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):
     stage = campaign.stages[index]
     policy = cfg.reliability
     progress = create_progress_artifact(0.0, description=f"{campaign.id}: stage {stage.name}")
+    shown_percent = 0
 
     history: list[dict] = []
     uploaded: set[int] = set()
@@ -173,7 +179,10 @@ def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):
         while not launch.state.is_final():
             STOP.check_cancelled()  # the launch thread sees the request and stops the ranks
             _upload_new(cfg, uploaded)
-            update_progress_artifact(progress, 100.0 * _last_step(cfg.train.run_dir) / stage.steps)
+            percent = 10 * (10 * _last_step(cfg.train.run_dir) // stage.steps)  # in tens: each update is an event
+            if percent != shown_percent:
+                update_progress_artifact(progress, float(percent))
+                shown_percent = percent
             time.sleep(1.0)
         outcome = _outcome(launch)
         _upload_new(cfg, uploaded)  # what was staged before a crash or a stop is still good

@@ -2,6 +2,8 @@
 manifest is what a worker would submit)."""
 
 import json
+import re
+import tomllib
 from pathlib import Path
 
 import yaml
@@ -71,3 +73,51 @@ def test_a_multi_node_stage_renders_as_an_indexed_job_with_rendezvous():
     assert f"--master-addr {name}-0.{name}" in command and "--config /etc/megatrain/config.yaml" in command
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert len(name) <= 52 and name == name.lower()
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def test_the_cluster_image_installs_like_the_makefile_and_holds_what_the_pods_run():
+    """No Docker engine runs here: the Dockerfile is checked against the files it must agree with."""
+    steps = dockerfile()
+    run = " ".join(args for op, args in steps if op == "RUN")
+    makefile = (ROOT / "Makefile").read_text()
+    torch_pin = re.search(r"pip install -q (torch==\S+)", makefile).group(1)
+    assert f"pip install -q {torch_pin}" in run  # the same torch, first, as the Makefile
+    extras = re.search(r"--no-build-isolation -e '\.\[([a-z0-9,]+)\]'", run).group(1).split(",")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"flows", "s3", "cluster"} <= set(extras) <= set(declared)
+    assert "kubernetes" in " ".join(declared["cluster"])  # tasks/kubernetes.py creates the stage Jobs
+
+    workdir = [args for op, args in steps if op == "WORKDIR"][-1]
+    cluster = deployments()["cluster"]
+    assert cluster["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == workdir
+    assert cluster["work_pool"]["job_variables"]["env"]["MEGATRAIN_ROOT"] == workdir
+    copied = [args.split() for op, args in steps if op == "COPY"]
+    for *sources, _ in copied:
+        for source in sources:
+            assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
+    sources = {source.rstrip("/") for *group, _ in copied for source in group}
+    entry_dir = cluster["entrypoint"].split("/")[0]
+    assert {entry_dir, "megatrain", "tasks", "configs"} <= sources  # the flow, the ranks' module, the recipes
+    load_campaign(ROOT / cluster["parameters"]["campaign_path"])
+    # The work pool passes `prefect flow-run execute` as the container's args: no ENTRYPOINT may eat them.
+    assert not [args for op, args in steps if op == "ENTRYPOINT"]
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".prefect", "runs", ".venv", ".git"} <= set(ignored)
+    assert re.search(r"^image:\n\tdocker build -t \$\(IMAGE\) \.$", makefile, re.M)
+
+
+def test_the_cluster_deployment_is_registered_only_with_an_image():
+    serve = (ROOT / "scripts/serve.sh").read_text()
+    image = deployments()["cluster"]["work_pool"]["job_variables"]["image"]
+    assert image == "{{ $MEGATRAIN_IMAGE }}"
+    # serve.sh adds `--name cluster` only inside the MEGATRAIN_IMAGE branch (tests/scripts runs it with one)
+    branch = serve[serve.index('if [ -n "${MEGATRAIN_IMAGE:-}" ]'):serve.index("fi", serve.index('if [ -n "${MEGATRAIN_IMAGE:-}" ]'))]
+    assert "--name cluster" in branch and serve.count("--name cluster") == 1
+    assert "deploy --all" not in serve

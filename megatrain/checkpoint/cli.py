@@ -5,7 +5,8 @@
   manifest; exit 1 naming each bad file;
 - ``inspect URL [--step N]``: the manifest of the newest committed checkpoint (or step N).
 
-URL is the ``checkpoint.durable_url`` of a run (any fsspec URL); it may also name one step dir.
+URL is the ``checkpoint.durable_url`` of a run (any fsspec URL); it may also name one step dir,
+or a campaign dir (or its ``durable`` dir): then each stage's checkpoints, stage by stage.
 """
 
 from __future__ import annotations
@@ -99,15 +100,26 @@ def cli(argv: list[str]) -> int:
         command.add_argument("url")
         command.add_argument("--step", type=int, default=None, help="only this step")
     args = parser.parse_args(argv)
-    try:
-        if args.command == "list":
-            return cmd_list(args.url)
-        if args.command == "verify":
-            return cmd_verify(args.url, args.step)
-        return cmd_inspect(args.url, args.step)
-    except OSError as exc:  # StorageError names the URL
-        print(f"megatrain checkpoints: {exc}", file=sys.stderr)
-        return 2
+    from megatrain.observe.campaign_status import stage_durable_urls
+
+    stages = stage_durable_urls(args.url)
+    if stages and args.command == "inspect":
+        stages = stages[-1:]  # the newest checkpoint of a campaign is its last stage's
+    status = 0
+    for url in stages or [args.url]:
+        if stages:
+            print(f"== {url}")
+        try:
+            if args.command == "list":
+                status = max(status, cmd_list(url))
+            elif args.command == "verify":
+                status = max(status, cmd_verify(url, args.step))
+            else:
+                status = max(status, cmd_inspect(url, args.step))
+        except OSError as exc:  # StorageError names the URL
+            print(f"megatrain checkpoints: {exc}", file=sys.stderr)
+            return 2
+    return status
 
 
 def main() -> int:

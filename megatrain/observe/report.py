@@ -20,6 +20,7 @@ class RunSummary:
     final_loss: float
     tokens: int
     tokens_per_s: float  # median over steps after the first (the first pays for warm-up)
+    val_loss: float | None  # the last validation loss logged (None: the run does not evaluate)
     mfu: float | None
     step_time_ms: float
     phases_ms: dict[str, float]
@@ -44,6 +45,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     if not rows:
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl rows")
     steady = rows[1:] or rows
+    val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
     phases: dict[str, list[float]] = {}
     for row in steady:
@@ -52,45 +54,130 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     return RunSummary(
         run_dir=str(run_dir), steps=rows[-1]["step"], first_loss=rows[0]["loss"], final_loss=rows[-1]["loss"],
         tokens=rows[-1]["tokens"], tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
+        val_loss=val[-1] if val else None,
         mfu=statistics.median(mfus) if mfus else None,
         step_time_ms=1000 * statistics.median(r["step_time_s"] for r in steady),
         phases_ms={name: statistics.median(values) for name, values in phases.items()},
     )
 
 
-def plot_loss(runs: dict[str, str | Path], path: str | Path) -> Path:
-    """One loss curve per named run (stages of a campaign continue each other's step axis)."""
-    import matplotlib
+STAGE_COLORS = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#7f7f7f"]
+RESTART_COLOR, ROLLBACK_COLOR = "#d62728", "#ff7f0e"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+def read_raw_metrics(run_dir: str | Path) -> list[dict]:
+    """Every logged row in the order written, redone steps included (where faults show)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def fault_marks(run_dir: str | Path) -> list[tuple[str, int, int]]:
+    """(kind, step where the fault hit, step training resumed from) for each restart (a crashed,
+    hung or timed-out attempt, from attempts.jsonl) and each rollback (from rollbacks.json). A
+    run without attempts.jsonl falls back to where the logged steps went back."""
+    run_dir = Path(run_dir)
+    raw = read_raw_metrics(run_dir)
+    path = run_dir / "rollbacks.json"
+    marks = [("rollback", r["anomaly_step"], r["restore_step"]) for r in json.loads(path.read_text())] if path.exists() else []
+    attempts = []
+    if (run_dir / "attempts.jsonl").exists():
+        attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines() if line.strip()]
+    if attempts and all("metrics_rows" in a for a in attempts):
+        for attempt in attempts:
+            ended_at = attempt["metrics_rows"]
+            if attempt.get("status") in ("crashed", "hung", "timeout") and 0 < ended_at <= len(raw):
+                failed_at = raw[ended_at - 1]["step"]
+                resumed = raw[ended_at]["step"] - 1 if ended_at < len(raw) else failed_at
+                marks.append(("restart", failed_at, resumed))
+        return sorted(marks, key=lambda mark: mark[1])
+    restored = [m[2] for m in marks]
+    for previous, row in zip(raw, raw[1:]):
+        if row["step"] <= previous["step"] and row["step"] - 1 not in restored:
+            marks.append(("restart", previous["step"], row["step"] - 1))
+    return sorted(marks, key=lambda mark: mark[1])
+
+
+def plot_loss(runs: dict[str, str | Path], path: str | Path, title: str = "") -> Path:
+    """Training (solid) and validation (dashed) loss per stage on one step axis (stages continue
+    each other's), restarts (red x) and rollbacks (orange v) marked where the stage went back."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
     offset = 0
-    for name, run_dir in runs.items():
+    for index, (name, run_dir) in enumerate(runs.items()):
         rows = read_metrics(run_dir)
-        if rows:
-            ax.plot([offset + r["step"] for r in rows], [r["loss"] for r in rows], label=name)
-            offset += rows[-1]["step"]
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+        if not rows:
+            continue
+        color = STAGE_COLORS[index % len(STAGE_COLORS)]
+        ax.plot([offset + r["step"] for r in rows], [r["loss"] for r in rows], color=color, linewidth=2,
+                label=f"{name} (train)")
+        val = [r for r in rows if r.get("val_loss") is not None]
+        if val:
+            ax.plot([offset + r["step"] for r in val], [r["val_loss"] for r in val], color=color, linestyle="--",
+                    marker="o", markersize=3, label=f"{name} (validation)")
+        by_step = {r["step"]: r["loss"] for r in rows}
+        for kind, failed_at, resumed in fault_marks(run_dir):
+            y = by_step.get(failed_at, by_step.get(resumed, rows[-1]["loss"]))
+            mark = ("x", RESTART_COLOR) if kind == "restart" else ("v", ROLLBACK_COLOR)
+            ax.plot([offset + failed_at], [y], marker=mark[0], color=mark[1], markersize=11, markeredgewidth=3,
+                    linestyle="none", label=kind)
+            ax.annotate(f"{kind} -> {resumed}", (offset + failed_at, y), textcoords="offset points", xytext=(4, 8),
+                        color=mark[1], fontsize=8)
+        if index:
+            ax.axvline(offset, color="#999999", linestyle=":", linewidth=1)
+        offset += rows[-1]["step"]
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))  # one legend entry per restart/rollback kind
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    ax.set_xlabel("step (stages in order)")
+    ax.set_ylabel("loss")
+    ax.set_title(title or "loss per stage")
     ax.grid(alpha=0.3)
-    ax.legend()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
     return path
 
 
+def markdown_image(png: str | Path, alt: str) -> str:
+    """The PNG inline (a data: URI): Prefect's UI shows it in a markdown artifact, with no file
+    path to follow and nothing to serve (checked in headless Chromium, tests/scripts)."""
+    import base64
+
+    data = base64.b64encode(Path(png).read_bytes()).decode()
+    return f"![{alt}](data:image/png;base64,{data})"
+
+
 def cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megatrain report", description="Summarise run directories.")
-    parser.add_argument("run_dirs", nargs="+")
-    parser.add_argument("--plot", help="write a loss curve PNG here")
+    parser = argparse.ArgumentParser(
+        prog="megatrain report",
+        description="A campaign's report (given its dir: writes report/report.md and the pictures), "
+                    "or a summary of each run dir.")
+    parser.add_argument("dirs", nargs="+", help="a campaign dir (runs/campaigns/<id>), or run dirs")
+    parser.add_argument("--plot", help="run dirs: write their loss curve PNG here")
     args = parser.parse_args(argv)
-    for run_dir in args.run_dirs:
+    from megatrain.observe.campaign_status import stage_dirs
+
+    if len(args.dirs) == 1 and Path(args.dirs[0]).is_dir() and stage_dirs(Path(args.dirs[0])):
+        from megatrain.observe.campaign_report import build_report
+        from megatrain.observe.console import summary_lines
+
+        report = build_report(args.dirs[0])
+        Path(report.summary["report"]).write_text(report.markdown)
+        print("\n".join(summary_lines(report.summary)))
+        return 0
+    for run_dir in args.dirs:
+        if not (Path(run_dir) / "metrics.jsonl").exists():
+            print(f"megatrain report: {run_dir}: neither a campaign dir (stage folders with config.yaml) "
+                  "nor a run dir (metrics.jsonl)")
+            return 2
         print(json.dumps(asdict(summarize_run(run_dir)), indent=2))
     if args.plot:
-        print(f"loss curve: {plot_loss({Path(d).name: d for d in args.run_dirs}, args.plot)}")
+        print(f"loss curve: {plot_loss({Path(d).name: d for d in args.dirs}, args.plot)}")
     return 0
