@@ -21,7 +21,7 @@ from flows.lifecycle import campaign_lease, run_from_command_line
 from megatrain.lease import LeaseHeld
 from tasks.campaign import validate_campaign
 from tasks.data import shard_campaign_data
-from tasks.report import write_report
+from tasks.report import sample_stage, write_report
 from tasks.selfcheck import run_self_check
 from tasks.stop import STOP, stop_on_signals
 from tasks.train import final_checkpoint_problem, train_stage
@@ -77,6 +77,8 @@ def _run_stages(campaign):
             return _ended(state)
         cached += state.name == "Cached"
         results.append(state.result())
+        if campaign.samples:  # observability: a failed sampling is shown red and noted in the report, training stands
+            sample_stage(results[-1]["run_dir"], campaign.samples, return_state=True)
     if cached == len(campaign.stages):
         print(f"campaign {campaign.id} was already finished: every stage's final checkpoint is committed and "
               "verifies; nothing was trained again")

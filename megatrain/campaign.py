@@ -44,6 +44,9 @@ class CampaignConfig(_Section):
     durable_url: str | None = Field(None, description="fsspec URL for committed checkpoints; default <root_dir>/<id>/durable")
     shard_url: str | None = Field(None, description="where the shards go; default the recipe's data.shard_url")
     self_check: bool = True
+    samples: int = Field(3, ge=0, le=3,
+                         description="texts sampled on CPU from each stage's final checkpoint for the report, one "
+                         "per prompt of megatrain.generate.DEFAULT_PROMPTS (fixed seed); 0 = none")
     stage_timeout_s: float = Field(6 * 3600, gt=0, description="a stage attempt is killed after this long")
     stages: list[StageConfig] = Field(min_length=1)
 

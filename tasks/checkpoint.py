@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import task
 from tasks._log import run_logger
+from tasks._retry import unless_deterministic
 
 
 def staged_steps(staging_dir: str) -> list[int]:
@@ -27,7 +28,8 @@ def check_storage_up(run_dir: str | None, durable_url: str) -> None:
         raise StorageError(durable_url, "durable storage unavailable (injected storage_outage)")
 
 
-@task(name="upload-checkpoint", retries=5, retry_delay_seconds=[2, 4, 8, 16, 32], timeout_seconds=3600)
+@task(name="upload-checkpoint", retries=5, retry_delay_seconds=[2, 4, 8, 16, 32], retry_condition_fn=unless_deterministic,
+      timeout_seconds=3600)
 def upload_checkpoint(staging_dir: str, durable_url: str, step: int, keep_last: int, keep_every: int | None = None,
                       run_dir: str | None = None) -> dict:
     """Copy the staged files to durable storage, verify size and sha256, write the manifest last
@@ -35,7 +37,7 @@ def upload_checkpoint(staging_dir: str, durable_url: str, step: int, keep_last: 
     retention policy (never deleting the newest committed checkpoint).
 
     A committed copy of the same step that no longer verifies (corrupted at rest) is replaced by
-    this staged one. ``run_dir``: where an injected storage outage is announced (see
+    this staged one. A full disk or an unsafe name fails at once (``unless_deterministic``). ``run_dir``: where an injected storage outage is announced (see
     ``check_storage_up``)."""
     from megatrain.checkpoint.retention import apply_retention
     from megatrain.checkpoint.upload import replace_if_corrupt, upload_staged_step

@@ -20,6 +20,24 @@ def artifact_key(*parts: str) -> str:
     return "-".join(parts).lower().replace("_", "-").replace(".", "-")
 
 
+@task(name="sample-stage", retries=1, timeout_seconds=600)
+def sample_stage(run_dir: str, count: int) -> list[dict]:
+    """A few texts from the stage's final committed checkpoint (on CPU, fixed seed), saved beside
+    its metrics for the report. Kept when present: a rerun of a finished campaign samples nothing."""
+    from pathlib import Path
+
+    from megatrain.generate import DEFAULT_PROMPTS, sample_texts
+    from megatrain.observe.campaign_report import SAMPLES_FILE
+
+    path = Path(run_dir) / SAMPLES_FILE
+    if path.exists():
+        return json.loads(path.read_text())
+    samples = sample_texts(run_dir, DEFAULT_PROMPTS[:count])
+    path.write_text(json.dumps(samples, indent=2))
+    run_logger().info("%d samples from step %s in %s", len(samples), samples[0]["step"] if samples else "-", path)
+    return samples
+
+
 @task(name="write-report", retries=1, timeout_seconds=300)
 def write_report(campaign: CampaignConfig, stage_results: list[dict]) -> dict:
     from megatrain.observe.campaign_report import build_report

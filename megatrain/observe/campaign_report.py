@@ -1,6 +1,7 @@
 """A campaign's report, built from its directory: a row per stage, every fault with the file that
 holds its full log, the committed checkpoints, and the pictures (loss curve, straggler heat maps,
-who-hung grids).
+who-hung grids), and a few texts sampled from each stage's final checkpoint (``samples.json`` in
+the stage's run dir, written by the flow's ``sample-stage`` task).
 
 Two renderings of the same markdown: ``markdown`` for ``report/report.md`` (pictures as files
 beside it, logs as paths) and ``ui_markdown`` for the Prefect artifact (pictures inline as data:
@@ -17,6 +18,9 @@ from megatrain.checkpoint.files import step_dir_name
 from megatrain.observe.attempt_log import read_attempts
 from megatrain.observe.campaign_status import CampaignStatus, campaign_status, stage_status
 from megatrain.observe.report import markdown_image, plot_loss, summarize_run
+
+
+SAMPLES_FILE = "samples.json"  # [{"prompt", "text", "step"}] in a stage's run dir
 
 
 @dataclass
@@ -44,7 +48,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
     report_dir.mkdir(parents=True, exist_ok=True)
     results = {r["stage"]: r for r in stage_results or []}
 
-    rows, attempts_seen, checkpoints, pictures = [], [], [], {}
+    rows, attempts_seen, checkpoints, pictures, samples = [], [], [], {}, {}
     for stage in status.stages:
         result = results.get(stage.name, {})
         summary = summarize_run(stage.run_dir) if stage.last_step else None
@@ -69,6 +73,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         })
         checkpoints += [{"stage": stage.name, "step": step, "url": f"{stage.durable_url.rstrip('/')}/{step_dir_name(step)}"}
                         for step in stage.committed]
+        samples[stage.name] = _read_samples(Path(stage.run_dir) / SAMPLES_FILE)
         for png in sorted(Path(stage.run_dir).glob("stragglers.png")) + sorted(Path(stage.run_dir).glob("hang-attempt*.png")):
             kind = "straggler heat map" if png.name == "stragglers.png" else f"who hung ({png.stem})"
             pictures[f"{stage.name}: {kind}"] = png
@@ -85,11 +90,36 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         "report": str(report_dir / "report.md"), "loss_curve": str(loss_png),
         "tensorboard": str(tensorboard) if tensorboard else None,
         "pictures": {title: str(png) for title, png in pictures.items()},
+        "samples": samples,
     }
     body = _markdown_body(summary)
     files = "\n".join(f"## {title}\n\n![{title}]({_relative(png, report_dir)})\n" for title, png in pictures.items())
     inline = "\n".join(f"## {title}\n\n{markdown_image(png, title)}\n" for title, png in pictures.items())
     return CampaignReport(summary, f"{body}\n{files}", f"{body}\n{inline}", pictures)
+
+
+def _read_samples(path: Path) -> list[dict]:
+    """The stage's samples; none when the file is missing or unreadable (the report says so)."""
+    import json
+
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [s for s in found if isinstance(s, dict) and {"prompt", "text"} <= s.keys()] if isinstance(found, list) else []
+
+
+def _samples_markdown(samples: dict[str, list[dict]]) -> list[str]:
+    lines = ["", "## Samples", ""]
+    for stage, found in samples.items():
+        if not found:
+            lines += [f"`{stage}`: no samples (see the `sample-stage` task run)", ""]
+            continue
+        lines += [f"`{stage}`, step {found[0].get('step', '-')} (seed 0, temperature 0.8, top-k 50):", ""]
+        for sample in found:  # indented: a code block that markdown renders as written
+            text = sample["text"]  # the prompt and its completion
+            lines += ["    " + line for line in text.splitlines() or [""]] + [""]
+    return lines
 
 
 def _relative(path: Path, start: Path) -> str:
@@ -114,4 +144,5 @@ def _markdown_body(summary: dict) -> str:
               f"(`megatrain checkpoints verify {summary['campaign_dir']}`)."]
     if summary["tensorboard"]:
         lines.append(f"TensorBoard: `tensorboard --logdir {summary['tensorboard']}`.")
+    lines += _samples_markdown(summary["samples"])
     return "\n".join(lines) + "\n"

@@ -122,6 +122,10 @@ def test_nan_loss_rolls_back_skips_the_window_and_the_campaign_completes(prefect
     report = pretrain(str(path))
 
     assert report["stages"][0]["rollbacks"] == 1 and report["stages"][0]["steps"] == 8
+    # three samples from the final checkpoint, in report.json and report.md
+    samples = report["samples"]["only"]
+    assert len(samples) == 3 and all(s["step"] == 8 and s["text"].startswith(s["prompt"]) for s in samples)
+    assert "## Samples" in Path(report["report"]).read_text()
     (record,) = read_rollbacks(cfg.train.run_dir)
     batch = cfg.train.global_batch_size
     assert (record.kind, record.anomaly_step, record.restore_step, record.skip_samples) == ("nan_loss", 5, 4, batch)

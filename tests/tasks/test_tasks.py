@@ -134,3 +134,48 @@ def test_a_stage_is_durable_only_when_its_final_step_is_committed_and_verifies(t
     assert "final step 4 does not verify" in final_checkpoint_problem(str(durable), 4)
     (step_dir / "manifest.json").write_text("{not json")
     assert "unreadable manifest" in final_checkpoint_problem(str(durable), 4)
+
+
+def test_upload_retries_a_storage_failure_but_not_a_deterministic_one():
+    from prefect.states import Failed
+
+    from megatrain.errors import UnsafePathError
+    from megatrain.storage import NoSpaceError, StorageError
+    from tasks._retry import unless_deterministic
+
+    assert unless_deterministic(None, None, Failed(data=StorageError("s3://b/x", "connection reset")))
+    assert unless_deterministic(None, None, Failed(data=RuntimeError("a crash")))
+    assert not unless_deterministic(None, None, Failed(data=NoSpaceError("/staging/step-2", "staging", 10, 0)))
+    assert not unless_deterministic(None, None, Failed(data=UnsafePathError("'../x' leaves /staging/step-2")))
+
+
+def test_an_unsafe_staged_name_fails_the_upload_task_once_without_retries(prefect_api, tmp_path):
+    """Through a real task run: one run, no backoff (the retries would have waited 2+4+8+16+32 s)."""
+    from prefect import flow
+
+    from megatrain.checkpoint.files import rank_marker, rank_meta_file, step_dir_name, write_json
+    from megatrain.errors import UnsafePathError
+    from tasks.checkpoint import upload_checkpoint
+
+    step_dir = tmp_path / "staging" / step_dir_name(2)
+    step_dir.mkdir(parents=True)
+    meta = write_json(step_dir / rank_meta_file(0), {"step": 2, "rank": 0})
+    write_json(step_dir / rank_marker(0), {
+        "step": 2, "rank": 0, "fingerprint": "f", "coords": {"dp": 0, "tp": 0, "pp": 0},
+        "layout": {"dp": 1, "tp": 1, "pp": 1, "world_size": 1},
+        "files": {rank_meta_file(0): meta.to_json(), "../../outside.bin": meta.to_json()}})
+
+    @flow
+    def one_upload() -> tuple:
+        state = upload_checkpoint(str(tmp_path / "staging"), str(tmp_path / "durable"), 2, 2, return_state=True)
+        with pytest.raises(UnsafePathError, match="outside.bin"):
+            state.result()
+        return state.is_failed(), state.state_details.task_run_id
+
+    failed, task_run_id = one_upload()
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        run = client.read_task_run(task_run_id)
+    assert failed and run.run_count == 1  # no retry
+    assert not (tmp_path / "durable").exists() or not any((tmp_path / "durable").rglob("manifest.json"))

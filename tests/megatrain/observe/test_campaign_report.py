@@ -89,3 +89,14 @@ def test_report_has_every_picture_inline_for_the_ui_and_as_files_for_the_disk(tm
     assert report.summary["tensorboard"] is None
     (campaign / "a-first" / "tb").mkdir()  # where the TensorBoard sink writes a stage's event files
     assert build_report(campaign).summary["tensorboard"] == str(campaign)
+
+
+def test_report_shows_each_stages_samples_and_says_when_there_are_none(tmp_path):
+    campaign = make_campaign(tmp_path)
+    written = [{"prompt": "def ", "text": "def f(x):\n    return x", "step": 6}]
+    (campaign / "a-first" / "samples.json").write_text(json.dumps(written))
+    (campaign / "b-second" / "samples.json").write_text("{not json")  # a sampling that died mid-write
+    report = build_report(campaign)
+    assert report.summary["samples"] == {"a-first": written, "b-second": []}
+    assert "    def f(x):\n        return x" in report.markdown  # an indented code block, lines kept
+    assert "`b-second`: no samples" in report.markdown and "`b-second`: no samples" in report.ui_markdown
