@@ -129,6 +129,8 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     """One attempt of a multi-node stage on this machine (see the module docstring)."""
     from megatrain.launch import run_ranks
     from megatrain.launch_nodes import nodes_command
+    from megatrain.observe.attempt_log import AttemptLog
+    from tasks.train import attempt_state, should_stop
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.watcher import HeartbeatWatcher
 
@@ -150,15 +152,14 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     command = nodes_command(config_path, plan.nodes, campaign.nproc_per_node, campaign.stage_dir(index) / "nodes",
                             [f"parallel.world_size={plan.world_size}"])
     watcher = HeartbeatWatcher.from_config(cfg.reliability, cfg.train.run_dir, cfg.run_id, world_size=plan.world_size)
+    attempt_log = AttemptLog(cfg.train.run_dir, attempt, forward=logger.info)
     try:  # a hung rank on any node: stacks collected, every node stopped (megatrain.launch.run_ranks)
-        result = run_ranks(command, on_line=logger.info, watcher=watcher, timeout_s=campaign.stage_timeout_s, env=env,
-                           verdict_reader=verdict, poll_s=min(1.0, cfg.reliability.heartbeat_interval_s))
+        result = run_ranks(command, on_line=attempt_log, watcher=watcher, timeout_s=campaign.stage_timeout_s, env=env,
+                           verdict_reader=verdict, poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
+                           should_stop=should_stop(config_path))
     finally:
         watcher.close()
-    (logger.info if result.ok else logger.error)("attempt %d ended: %s after %.1f s. %s",
-                                                attempt, result.status, result.wall_s, result.message)
-    outcome = asdict(result)
-    outcome["message"] = f"{result.message} [{summary}]".strip()
-    outcome.update(nodes=plan.nodes, excluded={str(n): c for n, c in plan.excluded.items()}, dp=plan.dp,
-                   accumulation=plan.accumulation, change=plan.change)
-    return outcome
+    result.message = f"{result.message} [{summary}]".strip()
+    return attempt_state(result, attempt, attempt_log, config_path, extra=dict(
+        nodes=plan.nodes, excluded={str(n): c for n, c in plan.excluded.items()}, dp=plan.dp,
+        accumulation=plan.accumulation, change=plan.change))

@@ -92,13 +92,12 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
                                  f"{render_markdown(cells, layout)}\n\n`{png}`",
                                  description="ranks by pipeline stage x data-parallel x tensor-parallel")
 
-    abandoned = _ABANDONED.get(config_path) or threading.Event()
     try:
         result = run_ranks(
             torchrun_command(config_path, nproc_per_node), on_line=attempt_log, watcher=watcher,
             timeout_s=timeout_s, env=env, verdict_reader=verdict, on_fault=draw_who_hung,
             poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
-            should_stop=lambda: STOP.is_set() or abandoned.is_set(),
+            should_stop=should_stop(config_path),
         )
         if result.root_cause is not None:  # name the step the first failed rank had reached
             step = _failed_step(watcher, run_dir, cfg.train.steps)
@@ -106,14 +105,30 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
             result.message = describe_root_cause(result.root_cause, step)
     finally:
         watcher.close()
+    return attempt_state(result, attempt, attempt_log, config_path)
+
+
+def should_stop(config_path: str):
+    """What a launch polls to stop its ranks: a stop of the flow (signal, cancel) or the stage
+    giving up on this attempt (an upload failed for good)."""
+    abandoned = _ABANDONED.get(config_path) or threading.Event()
+    return lambda: STOP.is_set() or abandoned.is_set()
+
+
+def attempt_state(result, attempt: int, attempt_log, config_path: str, extra: dict | None = None):
+    """An attempt's task-run state from the engine's ``LaunchResult``: the outcome dict when it
+    completed, Cancelled when it was stopped, Failed (red, with the cause) otherwise; the stage
+    reads the outcome from any of them. ``extra``: fields added to the outcome (e.g. the nodes)."""
+    abandoned = _ABANDONED.get(config_path) or threading.Event()
     stopped_by = STOP.reason if STOP.is_set() else "the stage failed" if abandoned.is_set() else None
     if stopped_by and not result.ok:
         result.status, result.message = "stopped", f"stopped ({stopped_by}) after {result.wall_s:.1f} s"
     attempt_log.close(asdict(result))
-    (logger.info if result.ok else logger.error)("attempt %d ended: %s after %.1f s. %s",
-                                                attempt, result.status, result.wall_s, result.message)
+    (run_logger().info if result.ok else run_logger().error)("attempt %d ended: %s after %.1f s. %s",
+                                                            attempt, result.status, result.wall_s, result.message)
     outcome = asdict(result)  # one line for the states and the report; stacks stay in the log above
     outcome["message"] = result.message.strip().splitlines()[0] if result.message.strip() else ""
+    outcome.update(extra or {})
     if result.status == "stopped":
         return Cancelled(message=result.message, data=outcome)
     if not result.ok:  # a red task run with the cause; the stage reads the outcome and recovers
