@@ -161,7 +161,6 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
     committed)."""
     from megatrain.launch import write_run_config
 
-    stage = campaign.stages[index]
     cfg = stage_config(campaign, index)
     if campaign.launcher == "local":
         # The ranks only stage checkpoints; this task uploads and commits each one as a task run.

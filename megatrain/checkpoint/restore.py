@@ -211,7 +211,7 @@ def _candidates(durable_url: str, identity: RunIdentity | None) -> list[Candidat
         meta0 = None
         if identity is None or info.manifest.get("fingerprint") != identity.fingerprint:
             try:  # a small JSON, verified; unreadable means "cannot tell", a mismatch for old files
-                meta0 = json.loads(read_verified(info.url, rank_meta_file(0), info.manifest))
+                meta0 = parse_json(read_verified(info.url, rank_meta_file(0), info.manifest), rank_meta_file(0))
             except (ChecksumError, OSError, ValueError) as exc:
                 log.warning("checkpoint %s: rank 0's JSON unreadable (%s)", info.url, exc)
         changes = {} if identity is None else check_compatible(info.manifest, meta0, identity, info.url)
