@@ -124,8 +124,9 @@ def attempt_state(result, attempt: int, attempt_log, config_path: str, extra: di
     if stopped_by and not result.ok:
         result.status, result.message = "stopped", f"stopped ({stopped_by}) after {result.wall_s:.1f} s"
     attempt_log.close(asdict(result))
-    (run_logger().info if result.ok else run_logger().error)("attempt %d ended: %s after %.1f s. %s",
-                                                            attempt, result.status, result.wall_s, result.message)
+    logger = run_logger()
+    level = logger.info if result.ok else logger.warning if result.status == "stopped" else logger.error
+    level("attempt %d ended: %s after %.1f s. %s", attempt, result.status, result.wall_s, result.message)
     outcome = asdict(result)  # one line for the states and the report; stacks stay in the log above
     outcome["message"] = result.message.strip().splitlines()[0] if result.message.strip() else ""
     outcome.update(extra or {})

@@ -199,3 +199,49 @@ def test_node_loss_policy_wait_refuses_and_shrink_goes_on(tmp_path, shard_root):
     plan = plan_nodes(shrink, 0, config_path)
     assert (plan.nodes, plan.world_size, plan.dp, plan.accumulation) == ([0], 2, 2, 2)
     assert list(plan.excluded) == [1]
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_stop_request_stops_every_nodes_ranks_within_seconds(tmp_path, shard_root):
+    """``launch-nodes`` polls the same stop signal as ``launch-ranks``: once the stage gives up
+    (or the flow is stopped), the ranks of every node are gone within seconds, and the attempt
+    ends Cancelled, not as a crash to restart."""
+    import threading
+
+    from megatrain.campaign import stage_config
+    from megatrain.launch import write_run_config
+    from tasks import train as train_tasks
+    from tasks.elastic import launch_nodes
+    from tests.flows.test_pretrain import ranks_alive
+
+    doc = yaml.safe_load(nodes_campaign(tmp_path, shard_root).read_text())
+    doc.update(nproc_per_node=1, self_check=False)
+    doc["stages"] = [{"name": "a", "steps": 8,
+                      "overrides": ["reliability.faults=[{kind: slow_rank, step: 1, slowdown: 15}]"]}]
+    path = tmp_path / "stop.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    campaign = load_campaign(path)
+    config_path = str(write_run_config(stage_config(campaign, 0), campaign.stage_dir(0) / "config.yaml"))
+    train_tasks._ABANDONED[config_path] = threading.Event()
+    ended = {}
+    launch = threading.Thread(target=lambda: ended.update(state=launch_nodes.fn(campaign, 0, config_path, 1)))
+    launch.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not (campaign.stage_dir(0) / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ranks_alive(config_path), "the ranks never started"
+        train_tasks._ABANDONED[config_path].set()  # what the stage does when it gives up; STOP is the same path
+        stopped_at = time.monotonic()
+        launch.join(60)
+        gone = time.monotonic()
+        while ranks_alive(config_path) and time.monotonic() - gone < 10:
+            time.sleep(0.2)
+        assert not ranks_alive(config_path), "ranks outlived the stop"
+    finally:
+        train_tasks._ABANDONED.pop(config_path).set()
+        launch.join(60)
+    state = ended["state"]
+    assert state.is_cancelled() and "stopped (the stage failed)" in state.message, state
+    assert gone - stopped_at < 30  # the launch thread returned (ranks reaped) well before the slow stage would end
+    print(f"\nlaunch-nodes stop: ranks gone {gone - stopped_at:.1f} s after the request")
