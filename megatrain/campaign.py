@@ -26,13 +26,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class StageConfig(_Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="used in paths and task names")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                      description="used in paths and task names; starts with a letter or digit (never . or ..)")
     steps: int = Field(gt=0, description="optimizer steps in this stage")
     overrides: list[str] = Field(default_factory=list, description="dotted overrides for this stage only")
 
 
 class CampaignConfig(_Section):
-    id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="names the campaign's directories and cache keys")
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                    description="names the campaign's directories and cache keys; starts with a letter or digit")
     recipe: str = Field(description="path of the base recipe (relative paths: from the repository root)")
     overrides: list[str] = Field(default_factory=list, description="dotted overrides for every stage")
     nproc_per_node: int = Field(1, gt=0, description="training ranks per node")

@@ -56,11 +56,21 @@ def test_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path):
     ("stages: [{name: a, steps: 1}, {name: a, steps: 2}]", "stage names must be unique"),
     ("stages: [{name: 'a b', steps: 1}]", "String should match pattern"),
     ("stages: [{name: a, steps: 0}]", "greater than 0"),
+    # a name is a folder: '..' would put the stage's files beside the campaign's, '.' into it
+    ("stages: [{name: '..', steps: 1}]", "stages.0.name: String should match pattern"),
+    ("stages: [{name: '.', steps: 1}]", "stages.0.name: String should match pattern"),
+    ("stages: [{name: .hidden, steps: 1}]", "stages.0.name: String should match pattern"),
 ])
 def test_campaign_errors(tmp_path, bad, reason):
     text = f"id: t\nrecipe: configs/tiny-cpu.yaml\nroot_dir: {tmp_path}\n{bad}\n"
     with pytest.raises(ConfigError, match=reason):
         load_campaign(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("campaign_id", ["..", ".", "../x", ".x"])
+def test_a_campaign_id_never_leaves_the_root_dir(tmp_path, campaign_id):
+    with pytest.raises(ConfigError, match="id: String should match pattern"):
+        load_campaign(write(tmp_path, BASE.format(root=tmp_path)), [f"id={campaign_id}"])
 
 
 def test_overrides_reach_the_campaign(tmp_path):
