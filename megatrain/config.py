@@ -539,7 +539,9 @@ class Config(_Section):
         """A short hash of everything that changes the computation (not logging or paths): the
         identity of a finished result (campaign stage caches). Whether a *checkpoint* can be
         continued is decided by ``state_fields()`` and ``schedule_fields()``, not by this hash."""
-        keep = self.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "checkpoint": True, "reliability": True})
+        # how the ranks meet (parallel.init) never changes the math, nor do the run's logs and policies
+        keep = self.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "parallel": {"init"},
+                                                     "checkpoint": True, "reliability": True})
         # Knobs added after the first checkpoints were written count only when set away from their
         # defaults, so a GPT recipe keeps its fingerprint (and resumes its checkpoints).
         for dotted, knobs in _LATER_KNOBS.items():
