@@ -459,11 +459,14 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "rmsnorm-fused": (["model.kernels.rmsnorm=fused"], None),
     "swiglu-reference": (["model.kernels.swiglu=reference"], None),  # inductor's SwiGLU
     "ce-chunked": ([], None),  # MODULE_SETTINGS below
+    "ds-timer-sync": ([], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     # the LM-head loss in chunks of <= 2^28 logits even where the micro-batch fits one chunk
     "ce-chunked": {("megatrain.kernels.cross_entropy", "ONE_CHUNK_LOGITS"): 0},
+    # DeepSpeed's throughput timer as DeepSpeed defaults it (a device sync twice per micro-batch)
+    "ds-timer-sync": {("megatrain.parallel.deepspeed", "THROUGHPUT_TIMER"): {"enabled": True, "synchronized": True}},
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".
