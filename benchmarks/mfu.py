@@ -643,7 +643,10 @@ def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch
         by_kind[kind_of(name)] += ms
     m = cfg.model
     tokens = micro_batches * micro_batch * cfg.seq_len
-    gemm_flops = 6 * tokens * (m.n_layer * (4 * m.d_model**2 + 2 * m.d_model * m.ffn_dim) + m.vocab_size * m.d_model)
+    # per layer: qkv [d, d + 2 kv] (kv = d without GQA), attention proj [d, d], 2 or 3 (SwiGLU) MLP matrices
+    kv, mlp_mats = m.kv_heads * m.head_dim, (3 if m.mlp == "swiglu" else 2)
+    gemm_flops = 6 * tokens * (m.n_layer * (m.d_model * (2 * m.d_model + 2 * kv) + mlp_mats * m.d_model * m.ffn_dim)
+                               + m.vocab_size * m.d_model)
     gemm_ms = by_kind.get("gemm (cuBLAS)", 0.0) + by_kind.get("gemm (inductor template)", 0.0)
     return {
         "config": {"micro_batch": micro_batch, "micro_batches": micro_batches},
