@@ -455,6 +455,18 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "parallel-block": (["model.block=parallel"], None),  # Llama recipes: MegaScale's block with the same parts
     "llama-fused": (["model.kernels.rmsnorm=fused", "model.kernels.swiglu=fused", "model.kernels.rope=fused"], None),
     "swiglu-fused": (["model.kernels.swiglu=fused"], None),
+    "rope-fused": (["model.kernels.rope=fused"], None),  # Triton RoPE inside the compiled blocks too
+    "rmsnorm-fused": (["model.kernels.rmsnorm=fused"], None),
+    "swiglu-reference": (["model.kernels.swiglu=reference"], None),  # inductor's SwiGLU
+    "ce-chunked": ([], None),  # MODULE_SETTINGS below
+    "ds-timer-sync": ([], None),
+}
+# Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
+MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
+    # the LM-head loss in chunks of <= 2^28 logits even where the micro-batch fits one chunk
+    "ce-chunked": {("megatrain.kernels.cross_entropy", "ONE_CHUNK_LOGITS"): 0},
+    # DeepSpeed's throughput timer as DeepSpeed defaults it (a device sync twice per micro-batch)
+    "ds-timer-sync": {("megatrain.parallel.deepspeed", "THROUGHPUT_TIMER"): {"enabled": True, "synchronized": True}},
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".
@@ -470,6 +482,7 @@ class Spec:
     fuse: str | None = None  # megatrain.model.block.FUSE_PROJECTIONS; None: the module's default
     note: str = ""
     compile_options: dict | None = None  # megatrain.parallel.parallelize.COMPILE_OPTIONS
+    module_settings: dict | None = None  # MODULE_SETTINGS of a variant
 
 
 def close_trainer(trainer) -> None:
@@ -517,7 +530,9 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
                            "fused_projections": fuse if m.block == "parallel" and m.compile else "n/a",
                            "optim": cfg.optim.name, "zero_stage": cfg.parallel.zero_stage})
     key = (json.dumps(cfg.model_dump(mode="json", exclude={"train": {"run_dir"}, "checkpoint": True}), sort_keys=True), fuse,
-           json.dumps(spec.compile_options, sort_keys=True))
+           json.dumps(spec.compile_options, sort_keys=True), repr(sorted((spec.module_settings or {}).items())))
+    if spec.module_settings:
+        res.settings["module_settings"] = {f"{m}.{a}": v for (m, a), v in spec.module_settings.items()}
     if spec.compile_options:
         res.settings["compile_options"] = spec.compile_options
     if key in bench.cache:
@@ -530,6 +545,13 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
 
     block_module.FUSE_PROJECTIONS = fuse
     parallelize_module.COMPILE_OPTIONS = spec.compile_options
+    import importlib
+
+    saved_settings = {}
+    for (module_name, attr), value in (spec.module_settings or {}).items():
+        module = importlib.import_module(module_name)
+        saved_settings[(module, attr)] = getattr(module, attr)
+        setattr(module, attr, value)
     reset_memory(device)
     trainer = None
     try:
@@ -570,6 +592,8 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
         del trainer
         block_module.FUSE_PROJECTIONS = default_fuse
         parallelize_module.COMPILE_OPTIONS = None
+        for (module, attr), value in saved_settings.items():
+            setattr(module, attr, value)
         reset_memory(device)
         res.leftover_gib = allocated_gib(device)
         if res.leftover_gib and res.leftover_gib > 1.0:  # something (compiled code?) holds the last model
@@ -619,7 +643,10 @@ def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch
         by_kind[kind_of(name)] += ms
     m = cfg.model
     tokens = micro_batches * micro_batch * cfg.seq_len
-    gemm_flops = 6 * tokens * (m.n_layer * (4 * m.d_model**2 + 2 * m.d_model * m.ffn_dim) + m.vocab_size * m.d_model)
+    # per layer: qkv [d, d + 2 kv] (kv = d without GQA), attention proj [d, d], 2 or 3 (SwiGLU) MLP matrices
+    kv, mlp_mats = m.kv_heads * m.head_dim, (3 if m.mlp == "swiglu" else 2)
+    gemm_flops = 6 * tokens * (m.n_layer * (m.d_model * (2 * m.d_model + 2 * kv) + mlp_mats * m.d_model * m.ffn_dim)
+                               + m.vocab_size * m.d_model)
     gemm_ms = by_kind.get("gemm (cuBLAS)", 0.0) + by_kind.get("gemm (inductor template)", 0.0)
     return {
         "config": {"micro_batch": micro_batch, "micro_batches": micro_batches},
@@ -890,7 +917,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in [v for v in args.variants.split(",") if v]:
         overrides, options = VARIANTS[name]
         label = f"default, mb {recipe_mb}, {name}: {' '.join(overrides)}{' inductor ' + str(options) if options else ''}"
-        r = megatrain_row(Spec(f"default-mb{recipe_mb}-{name}", label, overrides, "large", compile_options=options), recipe_mb, args.steps)
+        r = megatrain_row(Spec(f"default-mb{recipe_mb}-{name}", label, overrides, "large", compile_options=options,
+                               module_settings=MODULE_SETTINGS.get(name)), recipe_mb, args.steps)
         if r is not None and r.tokens_per_s and name not in MODEL_CHANGES:
             variants.append((r, overrides, options))
 

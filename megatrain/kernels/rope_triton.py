@@ -9,7 +9,9 @@ kernel rotating by the opposite angle (sin negated), on the incoming gradient.
 Measured on an H200 for q of Llama-3.2-1B ([8, 32, 2048, 64] bf16 seen through a transpose;
 benchmarks/kernels.py, CUDA graph): forward + backward 0.069 ms, 92% of the copy rate; the
 reference under torch.compile 0.505 ms. Inside compiled blocks ``auto`` still leaves RoPE to
-inductor (not yet measured in the training step: a lead).
+inductor, which fuses it with the q/k split and layout copies around it: in the Llama-3.2-1B
+training step on an H200 (mb 16, benchmarks/mfu.py) the Triton kernel there gave 70,438 against
+70,393 tokens/s, within the run-to-run spread.
 
 This module imports Triton at the top: ``megatrain.kernels.rope`` imports it lazily.
 """

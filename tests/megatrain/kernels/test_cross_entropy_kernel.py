@@ -86,10 +86,36 @@ def test_chunked_under_cpu_autocast_stays_close():
 
 
 def test_default_chunk_rows_bounds_the_chunk():
-    assert default_chunk_rows(16384, 50304) == 4096
+    # up to 2^32 logits: the whole micro-batch (Llama-3.2-1B at 16 x 2048 tokens, GPT 1.3B at 8 x 2048)
+    assert default_chunk_rows(16384, 50304) == 16384
+    assert default_chunk_rows(32768, 128256) == 32768
     assert default_chunk_rows(10, 50304) == 10
+    # beyond: powers of two of at most 2^28 logits, at least 4096 rows for large vocabularies
+    assert default_chunk_rows(65536, 128256) == 4096
+    assert default_chunk_rows(131072, 50304) == 4096
     assert default_chunk_rows(10**6, 2**30) == 1
-    assert default_chunk_rows(32768, 128256) == 4096  # Llama 3's vocabulary: fewer fp32 dW accumulations
+
+
+def test_one_chunk_weight_gradient_is_the_compute_dtype_matmul_of_its_dlogits(monkeypatch):
+    """One chunk: dW is the product of dlogits and h in the compute dtype, as the reference's
+    (bf16 under autocast); several chunks sum their products in fp32. Both close to the reference."""
+    import megatrain.kernels.cross_entropy as ce
+
+    h, w, t = _problem(N=64, seed=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _loss_and_grads(lm_head_cross_entropy_reference, h, w, t)
+        one = _loss_and_grads(lm_head_cross_entropy_chunked, h, w, t)  # 64 x 203 logits: one chunk
+        monkeypatch.setattr(ce, "ONE_CHUNK_LOGITS", 0)
+        assert default_chunk_rows(64, 203) == 64  # 2^28 logits per chunk: still one chunk here
+        several = _loss_and_grads(lambda *a: lm_head_cross_entropy_chunked(*a, chunk_rows=16), h, w, t)
+    for a, b, c in zip(one, several, ref):
+        assert rel_err(a, c) < 2e-2 and rel_err(b, c) < 2e-2
+    # the one-chunk dW is exactly the bf16 matmul of its own dlogits: recompute it
+    logits = (h.detach().bfloat16() @ w.detach().bfloat16().t()).float()
+    valid = (t != IGNORE_INDEX).float()[:, None]
+    dlogits = (torch.softmax(logits, -1) - torch.nn.functional.one_hot(t.clamp_min(0), 203)) * valid / valid.sum()
+    want = (dlogits.bfloat16().t() @ h.detach().bfloat16()).float()
+    torch.testing.assert_close(one[2], want, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -114,6 +140,8 @@ def test_gpu_matches_reference(impl, dtype, N, d, V):
 @pytest.mark.gpu
 @requires_cuda
 def test_fused_uses_a_fraction_of_the_reference_memory():
+    from megatrain.kernels.cross_entropy_triton import lm_head_cross_entropy_fused
+
     h, w, t = _problem(8192, 1024, 50304, torch.bfloat16, "cuda", seed=5)
 
     def peak(fn):
@@ -126,6 +154,10 @@ def test_fused_uses_a_fraction_of_the_reference_memory():
         h.grad = w.grad = None
         return torch.cuda.max_memory_allocated() - base
 
-    ref, fused = peak(lm_head_cross_entropy_reference), peak(lambda *a: lm_head_cross_entropy(*a, impl="fused"))
-    # reference: bf16 + fp32 logits (8192 x 50304) = 2.5 GB; fused: one 4096-row bf16 chunk + fp32 dW
-    assert fused < ref / 3, (fused, ref)
+    ref = peak(lm_head_cross_entropy_reference)
+    chunked = peak(lambda *a: lm_head_cross_entropy_fused(*a, chunk_rows=2048))
+    whole = peak(lambda *a: lm_head_cross_entropy(*a, impl="fused"))  # 8192 x 50304 < 2^32 logits: one chunk
+    # reference: bf16 + fp32 logits (8192 x 50304) = 2.5 GB; 2048-row chunks: one bf16 chunk + fp32 dW;
+    # one chunk: the bf16 logits (overwritten by their gradient) + bf16 dW
+    assert chunked < ref / 4, (chunked, ref)
+    assert whole < 0.5 * ref, (whole, ref)

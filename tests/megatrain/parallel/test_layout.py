@@ -66,6 +66,15 @@ def test_deepspeed_config_overlap_and_pipeline_sections():
         deepspeed_config(pp_zero0, 1, True, 10_000)
 
 
+def test_deepspeed_throughput_timer_is_off_as_deepspeed_reads_it():
+    """DeepSpeed's throughput timer would synchronise the device twice per micro-batch."""
+    from deepspeed.utils.config import get_timers_config
+
+    assert get_timers_config({}).enabled is True  # DeepSpeed's default, which the config overrides
+    timer = get_timers_config(deepspeed_config(load_config(None, TINY), 1, True, 10_000))
+    assert timer.enabled is False
+
+
 def test_dp_reducer_buckets_follow_backward_order_and_respect_the_size():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 4, 8, 2, 9)]
     params.append(torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)))
