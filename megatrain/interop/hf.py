@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from megatrain import storage
 from megatrain.config import ModelConfig
 from megatrain.errors import InputError
 from megatrain.interop.gpt2 import GPT2
@@ -150,11 +151,13 @@ def read_hf_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     if not index.is_file():
         raise ImportMismatch(f"{hf_dir}: no {SAFETENSORS_NAME} or model.safetensors.index.json (safetensors only, no pickle)")
     tensors: dict[str, torch.Tensor] = {}
-    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        shard = (hf_dir / name).resolve()
-        if shard.parent != hf_dir.resolve():  # a name read from metadata never leaves its folder
-            raise ImportMismatch(f"{index}: shard name {name!r} leaves the folder")
-        tensors.update(load_file(str(shard)))
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ImportMismatch(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from exc
+    for name in sorted(names, key=str):
+        shard = storage.confined(str(hf_dir), name, str(index))  # a name read from metadata never leaves its folder
+        tensors.update(load_file(shard))
     return tensors
 
 

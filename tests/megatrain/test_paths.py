@@ -285,3 +285,17 @@ def test_loaders_refuse(hostile, secret, tmp_path, loader):
     finally:
         built.close()
     assert_refused(refused.value, name, str(version), str(version / INDEX_NAME))
+
+
+def test_hf_import_refuses_a_shard_name_in_the_safetensors_index(hostile, secret, tmp_path):
+    """``checkpoint.init_from: hf:<dir>`` reads the shard names of ``model.safetensors.index.json``."""
+    from megatrain.interop.hf import read_hf_tensors
+
+    hf_dir = tmp_path / "hf"
+    name = plant(hf_dir, hostile, secret)
+    hf_dir.mkdir(exist_ok=True)
+    index = hf_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": name}}))
+    with pytest.raises(UnsafePathError) as refused:
+        read_hf_tensors(hf_dir)
+    assert_refused(refused.value, name, str(hf_dir), str(index))
