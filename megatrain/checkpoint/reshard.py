@@ -43,6 +43,7 @@ import torch.nn as nn
 from megatrain.checkpoint import state
 from megatrain.checkpoint.files import load_safetensors, model_file, rank_meta_file, rank_tensor_file
 from megatrain.parallel.dims import ParallelDims, ProcessGroups
+from megatrain.parallel.tensor_parallel import join_shards, shard_tensor
 
 log = logging.getLogger("megatrain.checkpoint")
 
@@ -84,11 +85,13 @@ def _param_names(module: nn.Module) -> dict[int, str]:
     return {id(p): _canonical(module, name) for name, p in module.named_parameters()}
 
 
-def _tp_split(param: torch.Tensor) -> list[int] | None:
-    """[dim, interleave] of a tensor-parallel shard, None for a replicated tensor."""
+def _tp_split(param: torch.Tensor) -> list | None:
+    """[dim, interleave] of a tensor-parallel shard, None for a replicated tensor. ``interleave``
+    is a count of equal fused blocks, or the blocks' whole sizes (a grouped-query qkv)."""
     if getattr(param, "partition_dim", None) is None:
         return None
-    return [int(param.partition_dim), int(getattr(param, "partition_interleave", 1))]
+    interleave = getattr(param, "partition_interleave", 1)
+    return [int(param.partition_dim), interleave if isinstance(interleave, int) else [int(n) for n in interleave]]
 
 
 def _zero_groups(optimizer: Any) -> list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]]:
@@ -149,8 +152,7 @@ def _join_tp(shards: list[torch.Tensor], split: list[int] | None) -> torch.Tenso
     if split is None:
         return shards[0]
     dim, interleave = split
-    blocks = [s.chunk(interleave, dim) for s in shards]
-    return torch.cat([torch.cat([b[i] for b in blocks], dim) for i in range(interleave)], dim)
+    return join_shards(shards, dim, interleave)
 
 
 def _cut_tp(full: torch.Tensor, split: list[int] | None, rank: int, world: int) -> torch.Tensor:
@@ -158,7 +160,7 @@ def _cut_tp(full: torch.Tensor, split: list[int] | None, rank: int, world: int) 
     if split is None or world == 1:
         return full
     dim, interleave = split
-    return torch.cat([block.chunk(world, dim)[rank] for block in full.chunk(interleave, dim)], dim)
+    return shard_tensor(full, dim, rank, world, interleave)
 
 
 def old_dims(manifest: dict[str, Any]) -> ParallelDims:

@@ -329,7 +329,17 @@ def full_tensor(param: nn.Parameter, group: dist.ProcessGroup | None, tensor: to
         return tensor
     shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, tensor.contiguous(), group=group)
-    dim, interleave, world = param.partition_dim, param.partition_interleave, len(shards)
-    blocks = [_blocks(shard, dim, interleave, world) for shard in shards]
-    interleave = interleave if isinstance(interleave, int) else len(interleave)
-    return torch.cat([torch.cat([b[i] for b in blocks], dim) for i in range(interleave)], dim)
+    return join_shards(shards, param.partition_dim, param.partition_interleave)
+
+
+def join_shards(shards: list[torch.Tensor], dim: int, interleave: Interleave = 1) -> torch.Tensor:
+    """Inverse of ``_shard``: the TP ranks' shards, in rank order -> the whole tensor (also used
+    by checkpoint resharding, where ``interleave`` comes back from JSON as a list)."""
+    blocks = [_blocks(shard, dim, interleave, len(shards)) for shard in shards]
+    count = interleave if isinstance(interleave, int) else len(interleave)
+    return torch.cat([torch.cat([b[i] for b in blocks], dim) for i in range(count)], dim)
+
+
+def shard_tensor(tensor: torch.Tensor, dim: int, rank: int, world: int, interleave: Interleave = 1) -> torch.Tensor:
+    """This TP rank's shard of a whole tensor (``_shard``; public for checkpoint resharding)."""
+    return _shard(tensor, dim, rank, world, interleave)

@@ -17,7 +17,7 @@ from megatrain.checkpoint.manager import Checkpointer
 from megatrain.checkpoint.restore import CheckpointMismatch
 
 
-@pytest.mark.parametrize("interleave", [1, 3])
+@pytest.mark.parametrize("interleave", [1, 3, [16, 4, 4]])
 def test_tp_cut_then_join_is_the_whole_tensor(interleave):
     from megatrain.parallel.tensor_parallel import _shard
 
@@ -28,6 +28,15 @@ def test_tp_cut_then_join_is_the_whole_tensor(interleave):
             assert torch.equal(shard, _shard(full, 0, r, world, interleave))
         assert torch.equal(reshard._join_tp(shards, [0, interleave]), full)
     assert reshard._cut_tp(full, None, 1, 2) is full
+
+
+def test_a_grouped_query_qkv_is_cut_per_block():
+    """Llama's fused qkv with 16 query rows and 4 + 4 KV rows (sizes, as JSON gives them back):
+    TP rank r holds its query rows, then its K rows, then its V rows."""
+    full = torch.arange(24, dtype=torch.float32)[:, None].expand(24, 3)
+    rows = reshard._cut_tp(full, [0, [16, 4, 4]], 1, 2)[:, 0].tolist()
+    assert rows == [*range(8, 16), 18, 19, 22, 23]
+    assert torch.equal(reshard._join_tp([reshard._cut_tp(full, [0, [16, 4, 4]], r, 2) for r in (0, 1)], [0, [16, 4, 4]]), full)
 
 
 def test_canonical_names_drop_the_wrappers():
