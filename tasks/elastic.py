@@ -130,7 +130,7 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     from megatrain.launch import run_ranks
     from megatrain.launch_nodes import nodes_command
     from megatrain.observe.attempt_log import AttemptLog
-    from tasks.train import attempt_state, should_stop
+    from tasks.train import abandoned_event, attempt_state, should_stop
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.watcher import HeartbeatWatcher
 
@@ -153,13 +153,14 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
                             [f"parallel.world_size={plan.world_size}"])
     watcher = HeartbeatWatcher.from_config(cfg.reliability, cfg.train.run_dir, cfg.run_id, world_size=plan.world_size)
     attempt_log = AttemptLog(cfg.train.run_dir, attempt, forward=logger.info)
+    abandoned = abandoned_event(config_path)
     try:  # a hung rank on any node: stacks collected, every node stopped (megatrain.launch.run_ranks)
         result = run_ranks(command, on_line=attempt_log, watcher=watcher, timeout_s=campaign.stage_timeout_s, env=env,
                            verdict_reader=verdict, poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
-                           should_stop=should_stop(config_path))
+                           should_stop=should_stop(abandoned))
     finally:
         watcher.close()
     result.message = f"{result.message} [{summary}]".strip()
-    return attempt_state(result, attempt, attempt_log, config_path, extra=dict(
+    return attempt_state(result, attempt, attempt_log, abandoned, extra=dict(
         nodes=plan.nodes, excluded={str(n): c for n, c in plan.excluded.items()}, dp=plan.dp,
         accumulation=plan.accumulation, change=plan.change))

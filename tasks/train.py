@@ -92,12 +92,13 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
                                  f"{render_markdown(cells, layout)}\n\n`{png}`",
                                  description="ranks by pipeline stage x data-parallel x tensor-parallel")
 
+    abandoned = abandoned_event(config_path)
     try:
         result = run_ranks(
             torchrun_command(config_path, nproc_per_node), on_line=attempt_log, watcher=watcher,
             timeout_s=timeout_s, env=env, verdict_reader=verdict, on_fault=draw_who_hung,
             poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
-            should_stop=should_stop(config_path),
+            should_stop=should_stop(abandoned),
         )
         if result.root_cause is not None:  # name the step the first failed rank had reached
             step = _failed_step(watcher, run_dir, cfg.train.steps)
@@ -105,21 +106,25 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
             result.message = describe_root_cause(result.root_cause, step)
     finally:
         watcher.close()
-    return attempt_state(result, attempt, attempt_log, config_path)
+    return attempt_state(result, attempt, attempt_log, abandoned)
 
 
-def should_stop(config_path: str):
+def abandoned_event(config_path: str) -> threading.Event:
+    """Set when the stage gives up on its attempt (an upload failed for good); taken when the
+    launch starts, since the stage forgets it once it has ended."""
+    return _ABANDONED.get(config_path) or threading.Event()
+
+
+def should_stop(abandoned: threading.Event):
     """What a launch polls to stop its ranks: a stop of the flow (signal, cancel) or the stage
-    giving up on this attempt (an upload failed for good)."""
-    abandoned = _ABANDONED.get(config_path) or threading.Event()
+    giving up on this attempt."""
     return lambda: STOP.is_set() or abandoned.is_set()
 
 
-def attempt_state(result, attempt: int, attempt_log, config_path: str, extra: dict | None = None):
+def attempt_state(result, attempt: int, attempt_log, abandoned: threading.Event, extra: dict | None = None):
     """An attempt's task-run state from the engine's ``LaunchResult``: the outcome dict when it
     completed, Cancelled when it was stopped, Failed (red, with the cause) otherwise; the stage
     reads the outcome from any of them. ``extra``: fields added to the outcome (e.g. the nodes)."""
-    abandoned = _ABANDONED.get(config_path) or threading.Event()
     stopped_by = STOP.reason if STOP.is_set() else "the stage failed" if abandoned.is_set() else None
     if stopped_by and not result.ok:
         result.status, result.message = "stopped", f"stopped ({stopped_by}) after {result.wall_s:.1f} s"
