@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from megatrain.observe.jsonl import open_append, read_rows
+
 # Third-party lines that say nothing about this run (each seen on every launch).
 NOISE = [
     re.compile(p) for p in (
@@ -103,17 +105,14 @@ class AttemptLog:
         for handle in [self._all, *self._ranks.values()]:
             handle.close()
         metrics = self.run_dir / "metrics.jsonl"  # where this attempt's rows end (the loss curve marks it)
-        rows = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.exists() else 0
+        rows = len(read_rows(metrics))
         row = {"attempt": self.attempt, "started": self.started, "ended": time.time(), "metrics_rows": rows,
                "log": str(self.path), "rank_logs": {r: str(self.rank_path(r)) for r in sorted(self._ranks)},
                **{k: outcome.get(k) for k in ("status", "message", "wall_s", "returncode", "faulty_ranks", "verdict") if k in outcome}}
-        with (self.run_dir / "attempts.jsonl").open("a") as handle:
+        with open_append(self.run_dir / "attempts.jsonl") as handle:
             handle.write(json.dumps(row) + "\n")
 
 
 def read_attempts(run_dir: str | Path) -> list[dict]:
     """The attempts of a stage, in order (empty before the first one ends)."""
-    path = Path(run_dir) / "attempts.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_rows(Path(run_dir) / "attempts.jsonl")

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from megatrain.observe.jsonl import open_append
+
 log = logging.getLogger("megatrain")
 
 
@@ -140,8 +142,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", buffering=1)
+        self._file = open_append(self.path, buffering=1)  # a row torn by a killed attempt stays alone
         if sys.stdout.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 

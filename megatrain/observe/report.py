@@ -11,6 +11,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatrain.observe.jsonl import read_rows
+
 
 @dataclass
 class RunSummary:
@@ -29,14 +31,9 @@ class RunSummary:
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """One row per logged step; rows of steps that were redone after a restart or rollback
     replace the earlier ones, so the result is the run as it finally happened."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
     by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_step[row["step"]] = row
+    for row in read_raw_metrics(run_dir):
+        by_step[row["step"]] = row
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -67,10 +64,7 @@ RESTART_COLOR, ROLLBACK_COLOR = "#d62728", "#ff7f0e"
 
 def read_raw_metrics(run_dir: str | Path) -> list[dict]:
     """Every logged row in the order written, redone steps included (where faults show)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in read_rows(Path(run_dir) / "metrics.jsonl") if isinstance(row.get("step"), int)]
 
 
 def fault_marks(run_dir: str | Path) -> list[tuple[str, int, int]]:
