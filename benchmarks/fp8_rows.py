@@ -31,6 +31,10 @@ VARIANTS: dict[str, list[str]] = {
     "serial": ["model.block=serial"],
     "gelu-ref": ["model.kernels.gelu=reference"],  # inductor's bias + GeLU, fused with the FP8 cast's amax
     "ln-fused": ["model.kernels.layernorm=fused"],
+    "once": ["train.fp8.casts=once"],  # each activation cast once, the FP8 copy reused by the backward
+    "fused": ["train.fp8.casts=fused"],  # once, + the GeLU output's amax and cast in Triton (fp8_gelu_triton.py)
+    "torchao-casts": ["train.fp8.casts=torchao"],  # each Float8Linear casts its own input, twice
+    "fused-mb32": ["train.fp8.casts=fused"],
 }
 
 

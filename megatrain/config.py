@@ -276,6 +276,13 @@ class FP8Config(_Section):
         False, description="torchao's emulation: FP8 casts with the GEMM in high precision. Runs on CPU and "
         "GPUs without FP8; for tests only (slow, and the only way fp8 runs without an FP8-capable GPU)",
     )
+    casts: Literal["torchao", "once", "fused"] = Field(
+        "torchao", description="who casts the activations to e4m3 (megatrain/precision/fp8_casts.py; "
+        "tensorwise only, other recipes keep torchao's). torchao: each Float8Linear casts its input in the "
+        "forward and again in the backward. once: megatrain casts each activation once (the parallel block's "
+        "normalised input once for qkv and fc) and the backward reuses the FP8 copy. fused: once, with the "
+        "GeLU output cast by a Triton kernel that computes bias + GeLU, its amax and the e4m3 cast (on CUDA)",
+    )
 
 
 class TrainConfig(_Section):
