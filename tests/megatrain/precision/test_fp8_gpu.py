@@ -68,3 +68,32 @@ def test_compiled_fp8_trainer_tracks_bf16(run_training):
     assert tail(fp8) == pytest.approx(tail(bf16), rel=3e-2)
     assert tail(fp8) < fp8[0]["loss"] - 1.0  # it learns
     assert all(r["fp8"]["fp8_nonfinite"] == 0 and r["fp8"]["fp8_underflow"] < 1e-3 for r in fp8)
+
+
+@pytest.mark.skipif(not _fp8_capable(), reason="needs compute capability >= 8.9")
+@pytest.mark.parametrize("block", ["parallel", "serial"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_casting_once_and_fused_compute_what_torchao_computes(block, compiled):
+    """train.fp8.casts once/fused (megatrain casts each activation once; fused: the GeLU output's
+    cast in Triton) against torchao's per-linear casts, eager and with compiled blocks."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 1024, (4, 256), device="cuda")
+    targets = torch.randint(0, 1024, (4, 256), device="cuda")
+    state, results = None, {}
+    for casts in ("torchao", "once", "fused"):
+        cfg = load_config(None, [*SMALL, f"model.block={block}", f"train.fp8.casts={casts}"])
+        model = GPT(cfg.model).cuda().bfloat16()
+        state = state or model.state_dict()
+        model.load_state_dict(state)
+        apply_precision(model, cfg)
+        if compiled:
+            for b in model.blocks:
+                b.compile()
+        loss = model(idx, targets)
+        loss.backward()
+        results[casts] = (loss.item(), torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+    ref_loss, ref_grads = results["torchao"]
+    for casts in ("once", "fused"):
+        loss, grads = results[casts]
+        assert loss == pytest.approx(ref_loss, rel=1e-3), casts
+        assert torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0) > 0.999, casts
