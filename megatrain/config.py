@@ -277,7 +277,7 @@ class FP8Config(_Section):
         "GPUs without FP8; for tests only (slow, and the only way fp8 runs without an FP8-capable GPU)",
     )
     casts: Literal["torchao", "once", "fused"] = Field(
-        "torchao", description="who casts the activations to e4m3 (megatrain/precision/fp8_casts.py; "
+        "fused", description="who casts the activations to e4m3 (megatrain/precision/fp8_casts.py; "
         "tensorwise only, other recipes keep torchao's). torchao: each Float8Linear casts its input in the "
         "forward and again in the backward. once: megatrain casts each activation once (the parallel block's "
         "normalised input once for qkv and fc) and the backward reuses the FP8 copy. fused: once, with the "

@@ -27,30 +27,26 @@ import types
 import torch
 import torch.nn as nn
 
+# Imported at the top (this module is only imported for train.precision=fp8): these functions run
+# inside compiled blocks, where a graph break between a cast and its GEMMs would make the FP8
+# tensor a graph output, which AOTAutograd cannot take a plain gradient for.
+from torchao.float8.config import ScalingGranularity, ScalingType
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
 from megatrain.precision.fp8 import fp8_matmul
-
-
-def _torchao():
-    from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-
-    return types.SimpleNamespace(ScalingGranularity=ScalingGranularity, ScalingType=ScalingType,
-                                 hp_tensor_to_float8_dynamic=hp_tensor_to_float8_dynamic,
-                                 Float8TrainingTensor=Float8TrainingTensor, GemmInputRole=GemmInputRole)
 
 
 def can_cast_once(config) -> bool:
     """True when a ``Float8LinearConfig`` casts the input the same way for the output GEMM and for
     the weight-gradient GEMM, with one dynamic scale per tensor: then one FP8 copy serves both."""
-    ao = _torchao()
     cast = config.cast_config_input
-    return (cast.scaling_type is ao.ScalingType.DYNAMIC and cast.scaling_granularity is ao.ScalingGranularity.TENSORWISE
+    return (cast.scaling_type is ScalingType.DYNAMIC and cast.scaling_granularity is ScalingGranularity.TENSORWISE
             and config.cast_config_input_for_grad_weight in (None, cast))
 
 
 def is_float8(x: torch.Tensor) -> bool:
-    return isinstance(x, _torchao().Float8TrainingTensor)
+    return isinstance(x, Float8TrainingTensor)
 
 
 def to_float8(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
@@ -58,12 +54,12 @@ def to_float8(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     (e4m3, one scale from x's amax); an already-cast x is returned as it is."""
     if is_float8(x):
         return x
-    ao, config = _torchao(), linear.config
+    config = linear.config
     if torch.is_autocast_enabled():  # as Float8Linear.forward: the cast reads the autocast dtype
         x = x.to(torch.get_autocast_gpu_dtype())
-    return ao.hp_tensor_to_float8_dynamic(x, config.cast_config_input.target_dtype, linear.linear_mm_config,
-                                          gemm_input_role=ao.GemmInputRole.INPUT,
-                                          round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+    return hp_tensor_to_float8_dynamic(x, config.cast_config_input.target_dtype, linear.linear_mm_config,
+                                       gemm_input_role=GemmInputRole.INPUT,
+                                       round_scales_to_power_of_2=config.round_scales_to_power_of_2)
 
 
 def _add_bias(out: torch.Tensor, linear: nn.Module) -> torch.Tensor:
@@ -97,7 +93,7 @@ def _parallel_block_forward_once(block: nn.Module, x: torch.Tensor, cache=None) 
     if cache is not None:
         return type(block).forward(block, x, cache)
     h8 = to_float8(block.ln(x), block.attn.qkv)  # [B, T, d] e4m3
-    return x + block.attn(h8) + block.mlp(h8)
+    return x + (block.attn(h8) + block.mlp(h8))  # the block's own order of the bf16 sums
 
 
 def route_casts(model: nn.Module, casts: str, float8_linear: type) -> None:

@@ -152,7 +152,7 @@ def test_trainer_refuses_fp8_before_building_anything(monkeypatch):
     import megatrain.trainer as trainer_module
 
     built = []
-    monkeypatch.setattr(trainer_module, "GPT", lambda *a, **k: built.append("model"))
+    monkeypatch.setattr(trainer_module, "build_parallel_model", lambda *a, **k: built.append("model"))
     monkeypatch.setattr(trainer_module, "prepare_data", lambda *a, **k: built.append("data"))
     monkeypatch.setattr(trainer_module, "build_process_groups", lambda *a, **k: built.append("groups"))
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="gloo")
