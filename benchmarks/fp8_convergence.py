@@ -45,7 +45,7 @@ def train(cfg, env, steps: int, run: dict, log, save) -> None:
         trainer = Trainer(cfg, env)
     losses, fp8, times = run.setdefault("losses", []), run.setdefault("fp8", []), run.setdefault("step_s", [])
     run["tokens_per_step"] = cfg.train.global_batch_size * cfg.seq_len
-    epoch_micro_batches = trainer.loader.stream.epoch_len  # how often the run sees its corpus
+    epoch_samples = trainer.loader.stream.epoch_len  # samples of one pass over the corpus
     try:
         for _ in range(steps):
             metrics = trainer.train_step()
@@ -53,7 +53,7 @@ def train(cfg, env, steps: int, run: dict, log, save) -> None:
             times.append(metrics.step_time_s)
             if metrics.fp8:
                 fp8.append({"step": metrics.step, **metrics.fp8})
-            run["epochs"] = len(losses) * trainer.grad_accumulation / epoch_micro_batches
+            run["epochs"] = len(losses) * cfg.train.global_batch_size / epoch_samples
             if metrics.step % 250 == 0:
                 log(f"  {cfg.train.precision} step {metrics.step}: loss {metrics.loss:.4f}, {metrics.tokens_per_s:,.0f} tok/s")
                 save()
