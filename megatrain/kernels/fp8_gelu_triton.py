@@ -15,6 +15,12 @@ h's dtype before using it, as the unfused path stores it, so the e4m3 bytes and 
 bit-identical to the reference's (the GPU test checks that). GeLU itself is the bias-GeLU
 kernel's (``gelu_triton._sigmoid_2u``, with its hardware tanh for 16-bit inputs), and so is the
 backward: it needs only h and the bias, which are saved, not g.
+
+Measured inside the 1.3B training step on one H200 (benchmarks/RESULTS.md): bit-identical, but the
+forward 1.1 ms per layer SLOWER than the unfused path, where the bytes promised 0.3 ms faster. Not
+yet profiled; the suspect is inductor cloning the inputs of user Triton launches whose writes it
+cannot prove (h, 537 MB, before each pass): registering the passes as ``torch.library.triton_op``
+with declared mutations is the next thing to try. Hence ``train.fp8.casts=once`` is the default.
 """
 
 from __future__ import annotations
