@@ -283,7 +283,8 @@ class FP8Config(_Section):
         "normalised input once for qkv and fc) and the backward reuses the FP8 copy; same numbers, 9 input "
         "casts per 3 parallel blocks instead of 24 (measured 0.8% faster on an H200 at 1.3B, within the noise). "
         "fused: once, with the GeLU output's amax and cast in Triton (megatrain/kernels/fp8_gelu_triton.py; "
-        "bit-identical, but measured 5% slower: benchmarks/RESULTS.md)",
+        "bit-identical; measured 5% slower before a fix of an input copy that torch.compile made, not "
+        "re-measured since: benchmarks/RESULTS.md)",
     )
 
 

@@ -22,7 +22,7 @@ gradient, so only tensorwise can share one copy: other recipes keep torchao's ca
 Measured on one H200 (1.3B, compiled blocks, benchmarks/RESULTS.md): ``once`` 0.8% faster than
 ``torchao``, inside the noise: under torch.compile inductor already merges torchao's backward
 re-casts with the forward's and saves the FP8 copies. In eager mode nothing does, and ``once``
-casts 9 times per 3 parallel blocks instead of 24. ``fused`` was 5% slower (see fp8_gelu_triton.py).
+casts 9 times per 3 parallel blocks instead of 24. ``fused`` was 5% slower, before a fix not yet re-measured (see fp8_gelu_triton.py).
 """
 
 from __future__ import annotations
