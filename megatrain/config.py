@@ -156,6 +156,7 @@ class ModelConfig(_Section):
 _LATER_KNOBS: dict[str, tuple[str, ...]] = {
     "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp"),
     "model.kernels": ("rmsnorm", "swiglu", "rope"),
+    "train.fp8": ("casts",),  # an implementation choice, like model.kernels: the same e4m3 values
 }
 
 
@@ -592,7 +593,8 @@ class Config(_Section):
 _NOT_STATE = {
     "name": True, "parallel": True, "checkpoint": True, "reliability": True,
     "model": {"kernels", "activation_checkpointing", "compile"},
-    "train": {"steps", "micro_batch_size", "device", "log_interval", "run_dir", *_TRACKING_KNOBS},
+    "train": {**dict.fromkeys(["steps", "micro_batch_size", "device", "log_interval", "run_dir", *_TRACKING_KNOBS], True),
+              "fp8": {"casts"}},  # who casts to FP8 changes no state: checkpoints resume under any
     "data": {"shard_url", "num_workers", "prefetch_batches", "on_bad_shard", "verify_checksums"},
 }
 
