@@ -8,6 +8,15 @@ stepped ``--steps`` times with ``train.precision`` bf16, then fp8 (no checkpoint
 loss of each is the mean of its last ``--tail`` steps; the difference is stated relative to bf16
 (issue 16's target: within 1%). Writes ``<out>.json`` (every step's loss, and the FP8 guard's
 statistics) and ``<out>.png``, every 250 steps too: a run cut short compares the steps both made.
+
+The corpus should hold about as many tokens as the run reads (``epochs`` in the JSON): FP8 and
+bf16 part once a small corpus is being memorised over several epochs (benchmarks/RESULTS.md),
+which is not the regime of pretraining. ``data.sources`` takes globs, e.g. the standard library
+plus the installed torch sources:
+
+    python benchmarks/fp8_convergence.py --steps 1250 --override train.global_batch_size=16 \
+        --override "data.sources=[stdlib,$(python -c 'import torch,os;print(os.path.dirname(torch.__file__))')/**/*.py]" \
+        --override data.max_source_bytes=64000000 --override model.compile=true
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ def train(cfg, env, steps: int, run: dict, log, save) -> None:
         trainer = Trainer(cfg, env)
     losses, fp8, times = run.setdefault("losses", []), run.setdefault("fp8", []), run.setdefault("step_s", [])
     run["tokens_per_step"] = cfg.train.global_batch_size * cfg.seq_len
+    epoch_samples = trainer.loader.stream.epoch_len  # samples of one pass over the corpus
     try:
         for _ in range(steps):
             metrics = trainer.train_step()
@@ -43,6 +53,7 @@ def train(cfg, env, steps: int, run: dict, log, save) -> None:
             times.append(metrics.step_time_s)
             if metrics.fp8:
                 fp8.append({"step": metrics.step, **metrics.fp8})
+            run["epochs"] = len(losses) * cfg.train.global_batch_size / epoch_samples
             if metrics.step % 250 == 0:
                 log(f"  {cfg.train.precision} step {metrics.step}: loss {metrics.loss:.4f}, {metrics.tokens_per_s:,.0f} tok/s")
                 save()

@@ -776,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-variants", default="", help="fp8_rows.py: comma list of extra megatrain FP8 rows "
                         "(e.g. rowwise, keep-ends, mb8)")
     parser.add_argument("--variants", default="", help=f"comma list of A/B rows of the default: {', '.join(VARIANTS)}")
+    parser.add_argument("--fp8-no-bound", action="store_true", help="fp8: skip bound.py's FP8 GEMM bound (measured once)")
     parser.add_argument("--trace", action="store_true", help="also write the profile's chrome trace (gzip)")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
     args = parser.parse_args(argv)
@@ -902,6 +903,7 @@ def main(argv: list[str] | None = None) -> int:
 
         fp8_rows.run(bench, baseline=baseline, recipe_mb=recipe_mb, variants=[v for v in args.fp8_variants.split(",") if v],
                      with_baseline="baseline" in only,
+                     with_bound=not args.fp8_no_bound,
                      megatrain_row=lambda key, label, overrides, mb: megatrain_row(Spec(key, label, overrides, "large"), mb, args.steps),
                      profile=lambda overrides: run_profile(
                          bench, build_config(args, [*overrides, *run_dirs("profile-fp8")], common, recipe_mb, 2 * recipe_mb),

@@ -4,6 +4,7 @@ config asks for it. ``check_precision_supported`` runs before any model is built
 that cannot run FP8 fails at once with the reason, not with a ``_scaled_mm`` error mid-step.
 
 - ``fp8.py``: torchao float8 training: which linears convert, the recipe, the hardware check;
+- ``fp8_casts.py``: who casts the activations (``train.fp8.casts``): once per activation, shared;
 - ``guard.py``: FP8 health of the converted weights (amax, underflow) for metrics and anomalies.
 """
 

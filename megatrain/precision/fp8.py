@@ -11,7 +11,8 @@ so checkpoints are interchangeable with bf16 runs. Its forward casts input and w
 float8_e4m3 with scales computed from their current amax (dynamic scaling), runs
 ``torch._scaled_mm``, and casts the output gradient to e5m2 (tensorwise) in the backward. Under
 ``torch.compile`` the amax reductions and casts fuse with their neighbours; in eager they are
-separate kernels and FP8 is slower than bf16, hence the warning below.
+separate kernels and FP8 is slower than bf16, hence the warning below. ``train.fp8.casts`` lets
+megatrain cast each activation once instead (``fp8_casts.py``).
 """
 
 from __future__ import annotations
@@ -156,9 +157,12 @@ def apply_precision(model: nn.Module, cfg: Config) -> nn.Module:
         model, config=float8_linear_config(cfg.train.fp8), module_filter_fn=lambda _m, fqn: plan.get(fqn) == "fp8",
     )
     _route_through_converted(model, float8.Float8Linear)
+    from megatrain.precision.fp8_casts import route_casts
+
+    route_casts(model, cfg.train.fp8.casts, float8.Float8Linear)  # train.fp8.casts: who casts the activations
     converted = [fqn for fqn, how in plan.items() if how == "fp8"]
-    log.info("fp8 (%s): %d linears converted, %d kept in high precision", cfg.train.fp8.recipe, len(converted),
-             len(plan) - len(converted))
+    log.info("fp8 (%s, casts %s): %d linears converted, %d kept in high precision", cfg.train.fp8.recipe,
+             cfg.train.fp8.casts, len(converted), len(plan) - len(converted))
     if not cfg.model.compile and not cfg.train.fp8.emulate:
         log.warning("train.precision=fp8 without model.compile: torchao's casts run as separate kernels in eager "
                     "mode, which is usually slower than bf16")

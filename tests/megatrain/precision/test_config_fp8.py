@@ -60,3 +60,14 @@ def test_precision_is_part_of_the_fingerprint_only_when_fp8():
     fp8 = load_config(None, ["train.precision=fp8"])
     assert fp8.fingerprint() != bf16.fingerprint()
     assert load_config(None, ["train.precision=fp8", "train.fp8.keep_first_block=true"]).fingerprint() != fp8.fingerprint()
+
+
+def test_who_casts_changes_neither_the_fp8_fingerprint_nor_the_state():
+    """train.fp8.casts is an implementation choice (the same e4m3 values): a default FP8 run keeps
+    the fingerprint FP8 runs had before the knob existed, and a checkpoint resumes under any value."""
+    fp8 = load_config(None, ["train.precision=fp8"])
+    assert fp8.fingerprint() == "822e96a40072af7e"  # recorded before train.fp8.casts existed
+    fused = load_config(None, ["train.precision=fp8", "train.fp8.casts=fused"])
+    assert fused.fingerprint() != fp8.fingerprint()  # set away from its default it counts, as model.kernels
+    assert fused.state_fields() == fp8.state_fields()
+    assert "train.fp8.recipe" in fp8.state_fields() and "train.fp8.casts" not in fp8.state_fields()
