@@ -123,14 +123,18 @@ def test_a_stage_is_durable_only_when_its_final_step_is_committed_and_verifies(t
     assert "final step 4 is not committed" in final_checkpoint_problem(str(durable), 4)
     step_dir = durable / step_dir_name(4)
     step_dir.mkdir(parents=True)
-    (step_dir / "model.safetensors").write_bytes(b"weights")
     import hashlib
 
-    record = FileRecord(size=7, sha256=hashlib.sha256(b"weights").hexdigest())
-    manifest = {"step": 4, "files": {"rank-00000": {"model.safetensors": record.to_json()}}, "bytes": 7}
+    import torch
+    from safetensors.torch import save
+
+    weights = save({"w": torch.ones(4)})  # a real safetensors file: a fake one fails its parse check
+    (step_dir / "model.safetensors").write_bytes(weights)
+    record = FileRecord(size=len(weights), sha256=hashlib.sha256(weights).hexdigest())
+    manifest = {"step": 4, "files": {"rank-00000": {"model.safetensors": record.to_json()}}, "bytes": len(weights)}
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
     assert final_checkpoint_problem(str(durable), 4) is None
-    (step_dir / "model.safetensors").write_bytes(b"weightz")  # corrupted at rest
+    (step_dir / "model.safetensors").write_bytes(weights[:-1] + b"\x00")  # corrupted at rest: one byte of w
     assert "final step 4 does not verify" in final_checkpoint_problem(str(durable), 4)
     (step_dir / "manifest.json").write_text("{not json")
     assert "unreadable manifest" in final_checkpoint_problem(str(durable), 4)
