@@ -181,6 +181,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=float, default=180.0, help="--ettr: mean seconds between faults")
     parser.add_argument("--ckpt-interval", type=int, default=20, help="--ettr: checkpoint interval (steps)")
     parser.add_argument("--seed", type=int, default=0, help="--ettr: fault draw")
+    parser.add_argument("--step-s", type=float, default=None,
+                        help="--ettr: step time that turns minutes into steps (default: a probe run measures it); "
+                             "the same value, seed and minutes give two runs the same steps and fault schedule")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="--ettr: a recipe override for the campaign (repeatable), e.g. reliability.warm_standby=true")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # internal: run one stand-in rank
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=400, help=argparse.SUPPRESS)

@@ -132,24 +132,41 @@ class Records(logging.Handler):
 
 def attempts_from_metrics(path: Path) -> list[dict]:
     """metrics.jsonl split at the rows that carry a start-up record (each attempt's first step):
-    one {startup, rows} per attempt, in order."""
+    one {startup, rows} per attempt, in order. An engine that writes no start-up records (before
+    megatrain/startup.py) is split where the step number goes back (each restart resumes at or
+    before the step it died in); its attempts have ``startup`` None."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     attempts: list[dict] = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if "startup" in row:
-            attempts.append({"startup": row["startup"], "rows": []})
-        if attempts:
-            attempts[-1]["rows"].append(row)
+    if any("startup" in row for row in rows):
+        for row in rows:
+            if "startup" in row:
+                attempts.append({"startup": row["startup"], "rows": []})
+            if attempts:
+                attempts[-1]["rows"].append(row)
+        return attempts
+    for row in rows:
+        if not attempts or row["step"] <= attempts[-1]["rows"][-1]["step"]:
+            attempts.append({"startup": None, "rows": []})
+        attempts[-1]["rows"].append(row)
     return attempts
 
 
-def breakdown(attempts: list[dict], ends: list[tuple[float, str]], fired: list[tuple[float, str]],
+def breakdown(attempts: list[dict], ends: list[tuple[float, str, float]], fired: list[tuple[float, str]],
               t_start: float, t_end: float) -> dict:
-    """ETTR and the lost time by cause (see the module doc)."""
+    """ETTR and the lost time by cause (see the module doc). ``ends``: (time, status, attempt wall
+    s) per attempt, from the flow's "attempt N ended" lines.
+
+    Each interruption is split two ways. From the start-up records (this engine): detection +
+    teardown, relaunch (attempt ended -> rank process start), time to first step. From the attempt
+    walls alone (any engine, so the BEFORE run too): detection + teardown, "between attempts"
+    (attempt ended -> the next one launched, flow bookkeeping) and "restart overhead" (the next
+    attempt's wall minus its step times and minus the detection of the fault that ended it:
+    process start, imports, engine, restore, and the checkpoint commits inside the attempt)."""
     wall_s = t_end - t_start
     done: set[int] = set()
     redone_s, step_times = 0.0, []
     for attempt in attempts:
+        attempt["steps_s"] = sum(row["step_time_s"] for row in attempt["rows"])
         for row in attempt["rows"]:
             if row["step"] in done:
                 redone_s += row["step_time_s"]
@@ -157,28 +174,50 @@ def breakdown(attempts: list[dict], ends: list[tuple[float, str]], fired: list[t
             step_times.append(row["step_time_s"])
     iteration_s = statistics.median(step_times)
     productive_s = len(done) * iteration_s
-    lost = {"detection+teardown": 0.0, "relaunch": 0.0, "time to first step": 0.0, "steps redone": redone_s}
+    records = all(a["startup"] is not None for a in attempts)
+
+    def detection(i: int) -> float:  # fault fired -> attempt i ended (0 for a clean end)
+        if i >= len(ends) or ends[i][1] == "completed":
+            return 0.0
+        before = [t for t, _ in fired if t <= ends[i][0] and (i == 0 or t > ends[i - 1][0])]
+        return ends[i][0] - max(before) if before else 0.0
+
+    lost = {"detection+teardown": 0.0, "between attempts": 0.0, "restart overhead": 0.0, "steps redone": redone_s}
     interruptions = []
-    for i, (t_attempt_end, status) in enumerate(ends[:-1]):
-        if i + 1 >= len(attempts):
-            break
-        start = attempts[i + 1]["startup"]
-        before = [t for t, _ in fired if t <= t_attempt_end]
-        t_fault = max(before) if before else t_attempt_end
-        parts = {"detection+teardown": t_attempt_end - t_fault, "relaunch": start["started_at"] - t_attempt_end,
-                 "time to first step": start["first_step_at"] - start["started_at"]}
+    for i in range(min(len(ends), len(attempts)) - 1):
+        t_attempt_end, status, _ = ends[i]
+        nxt_end, _, nxt_wall = ends[i + 1]
+        parts = {"detection+teardown": detection(i), "between attempts": nxt_end - nxt_wall - t_attempt_end,
+                 "restart overhead": nxt_wall - attempts[i + 1]["steps_s"] - detection(i + 1)}
         for key, value in parts.items():
             lost[key] += value
+        if records:
+            start = attempts[i + 1]["startup"]
+            parts["relaunch (to process start)"] = start["started_at"] - t_attempt_end
+            parts["time to first step"] = start["first_step_at"] - start["started_at"]
         interruptions.append({"status": status, **{k: round(v, 2) for k, v in parts.items()}})
-    first = attempts[0]["startup"]
-    lost["flow start, sharding, first launch"] = first["started_at"] - t_start
-    lost["first start (to first step)"] = first["first_step_at"] - first["started_at"]
+    lost["flow start, sharding, first launch"] = (ends[0][0] - ends[0][2] - t_start) if ends else 0.0
+    lost["first attempt's start-up"] = (ends[0][2] - attempts[0]["steps_s"] - detection(0)) if ends else 0.0
     lost["flow wrap-up after the last attempt"] = t_end - ends[-1][0] if ends else 0.0
     # steps slower than the median (load from other jobs, checkpoint staging inside the step)
     lost["slow steps (above the median)"] = sum(step_times) - redone_s - productive_s
-    lost["other (checkpoint commits, loop, rollbacks)"] = wall_s - productive_s - sum(lost.values())
-    return {"ettr": productive_s / wall_s, "wall_s": wall_s, "productive_steps": len(done),
-            "iteration_s": iteration_s, "productive_s": productive_s, "lost_s": lost, "interruptions": interruptions}
+    lost["other"] = wall_s - productive_s - sum(lost.values())
+    result = {"ettr": productive_s / wall_s, "wall_s": wall_s, "productive_steps": len(done),
+              "iteration_s": iteration_s, "productive_s": productive_s, "lost_s": lost,
+              "interruptions": interruptions, "startup_records": records}
+    if records:
+        restarts = [a["startup"] for a in attempts[1:]]
+        result["restart_phases_s"] = [s["phases_s"] for s in restarts]
+    return result
+
+
+def engine_commit() -> str:
+    """The commit of the megatrain that ran (PYTHONPATH picks it: the BEFORE run uses an old tree)."""
+    import megatrain
+
+    tree = Path(megatrain.__file__).resolve().parents[1]
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"{tree} @ {done.stdout.strip() or '?'}"
 
 
 def run_ettr(args, out: Path) -> int:
@@ -186,15 +225,16 @@ def run_ettr(args, out: Path) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     rng = random.Random(args.seed)
-    step_s = probe_step_time(out)
+    step_s = args.step_s or probe_step_time(out)
     steps = int(args.minutes * 60 / step_s)
     redis = RestartingRedis(out)
     faults = plan_faults(rng, args.minutes, args.every, step_s, redis.pidfile)
-    print(f"probe: {step_s:.3f} s/step -> {steps} steps for {args.minutes:g} min; faults: "
+    print(f"engine {engine_commit()}; step time {step_s:.3f} s/step -> {steps} steps for {args.minutes:g} min; faults: "
           + ", ".join(f"{f['kind']}@{f['step']}" for f in faults), flush=True)
     doc = {"id": f"ettr-{int(time.time())}", "recipe": str(ROOT / "configs/tiny-cpu.yaml"), "nproc_per_node": 2,
            "root_dir": str(out / "campaigns"), "self_check": False,
-           "overrides": [*BASE, f"checkpoint.interval={args.ckpt_interval}", f"reliability.redis_url={redis.url}"],
+           "overrides": [*BASE, f"checkpoint.interval={args.ckpt_interval}", f"reliability.redis_url={redis.url}",
+                         *args.set],
            "stages": [{"name": "chaos", "steps": steps, "overrides": ["reliability.faults=" + json.dumps(faults)]}]}
     path = out / "campaign.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -216,17 +256,19 @@ def run_ettr(args, out: Path) -> int:
     wall_s = t_end - start
     run_dir = Path(stage_config(load_campaign(path), 0).train.run_dir)
     fired = sorted((m.stat().st_mtime, m.name) for m in (run_dir / "faults").glob("fired-*.json"))
-    ends = [(t, m.group(2)) for t, m in records.find_all(r"attempt (\d+) ended: (\w+)")]
+    ends = [(t, m.group(2), float(m.group(3))) for t, m in records.find_all(r"attempt (\d+) ended: (\w+) after ([\d.]+) s")]
     result = breakdown(attempts_from_metrics(run_dir / "metrics.jsonl"), ends, fired, start, t_end)
     result.update(raw={"flow": [start, t_end], "attempt_ends": ends, "fired": fired},faults_planned=faults, faults_fired=[name for _, name in fired], redis_restarts=redis.restarts,
                   stage=report["stages"][0], minutes=args.minutes, every_s=args.every, probe_step_s=step_s,
-                  load_avg=os.getloadavg())
+                  load_avg=os.getloadavg(), engine=engine_commit())
     print(f"\nETTR {100 * result['ettr']:.1f}% over {wall_s / 60:.1f} min: {result['productive_steps']} productive "
           f"steps x {result['iteration_s']:.3f} s; {len(fired)} faults fired ({', '.join(result['faults_fired'])}); "
           f"{len(result['interruptions'])} restarts/rollbacks; Redis restarted {redis.restarts}x")
     print(f"{'lost time':<48} {'s':>8} {'% of wall':>9}")
     for key, value in result["lost_s"].items():
         print(f"{key:<48} {value:>8.1f} {100 * value / wall_s:>8.1f}%")
+    for phases in result.get("restart_phases_s", []):
+        print("  restart start-up: " + "  ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     for i, row in enumerate(result["interruptions"], 1):
         print(f"  interruption {i} ({row['status']}): " + ", ".join(f"{k} {v:.1f} s" for k, v in row.items() if k != "status"))
     print(f"(2 CPU cores shared with other work: load average {result['load_avg']})")
