@@ -13,12 +13,17 @@ into steps with the probe's step time. The flow detects and recovers from each b
 ETTR = productive iterations x iteration time / wall time (MegaScale §6): productive iterations
 are the steps of the final run (redone steps count once), the iteration time is the median step
 time of the run's steps. Lost time, per interruption: detection + teardown (fault fired -> the
-flow sees the attempt ended), relaunch (-> the next rank process starts), time to first step
-(process start -> end of its first step, from the start-up record of megatrain/startup.py), steps
-redone (steps run again after restoring the last committed checkpoint). The rest of the wall time
-not spent on productive steps (the first start, data sharding, checkpoint stalls, slower steps)
-is listed as other. Each attempt's first step is in both its time to first step (as start-up
-defines it: compile and warm-up included) and the step rows: under a second per attempt.
+flow sees the attempt ended), between attempts (-> the next attempt is launched), restart overhead
+(the next attempt's wall minus its step times: process start, imports, engine, restore), steps
+redone (steps run again after restoring the last committed checkpoint). With the start-up records
+of megatrain/startup.py the restart is split further (relaunch to the rank process start, time to
+first step, its phases); an engine without them (the BEFORE run) is split where the step number
+goes back. The rest: the flow start and sharding, the first attempt's start-up, steps slower than
+the median (checkpoint staging, other jobs' load), the flow's wrap-up.
+
+``--step-s`` fixes the step time that turns ``--minutes`` into steps (and fault times into fault
+steps), so two runs with the same seed train the same steps under the same faults; ``--set``
+adds recipe overrides (``reliability.warm_standby=true``). The run samples the machine's load.
 """
 
 from __future__ import annotations
@@ -247,11 +252,16 @@ def run_ettr(args, out: Path) -> int:
     from flows.pretrain import pretrain
     from megatrain.campaign import load_campaign, stage_config
 
+    loads: list[float] = []  # the machine's 1-minute load every 10 s: other jobs share its cores
+    sampling = threading.Event()
+    threading.Thread(target=lambda: [loads.append(os.getloadavg()[0]) for _ in iter(lambda: sampling.wait(10), True)],
+                     daemon=True).start()
     start = time.time()
     try:
         report = pretrain(str(path))
     finally:
         redis.stop()
+        sampling.set()
     t_end = time.time()
     wall_s = t_end - start
     run_dir = Path(stage_config(load_campaign(path), 0).train.run_dir)
@@ -260,7 +270,9 @@ def run_ettr(args, out: Path) -> int:
     result = breakdown(attempts_from_metrics(run_dir / "metrics.jsonl"), ends, fired, start, t_end)
     result.update(raw={"flow": [start, t_end], "attempt_ends": ends, "fired": fired},faults_planned=faults, faults_fired=[name for _, name in fired], redis_restarts=redis.restarts,
                   stage=report["stages"][0], minutes=args.minutes, every_s=args.every, probe_step_s=step_s,
-                  load_avg=os.getloadavg(), engine=engine_commit())
+                  load_avg=os.getloadavg(), engine=engine_commit(),
+                  load_1min={"mean": statistics.mean(loads or [0.0]), "max": max(loads or [0.0]), "samples": loads},
+                  cpus=os.cpu_count())
     print(f"\nETTR {100 * result['ettr']:.1f}% over {wall_s / 60:.1f} min: {result['productive_steps']} productive "
           f"steps x {result['iteration_s']:.3f} s; {len(fired)} faults fired ({', '.join(result['faults_fired'])}); "
           f"{len(result['interruptions'])} restarts/rollbacks; Redis restarted {redis.restarts}x")
@@ -271,7 +283,8 @@ def run_ettr(args, out: Path) -> int:
         print("  restart start-up: " + "  ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     for i, row in enumerate(result["interruptions"], 1):
         print(f"  interruption {i} ({row['status']}): " + ", ".join(f"{k} {v:.1f} s" for k, v in row.items() if k != "status"))
-    print(f"(2 CPU cores shared with other work: load average {result['load_avg']})")
+    print(f"({os.cpu_count()} CPU cores shared with other work: 1-minute load mean "
+          f"{result['load_1min']['mean']:.1f}, max {result['load_1min']['max']:.1f} over the run)")
     (out / "ettr.json").write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {out}/ettr.json")
     return 0
