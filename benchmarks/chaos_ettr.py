@@ -156,22 +156,32 @@ def attempts_from_metrics(path: Path) -> list[dict]:
     return attempts
 
 
-def breakdown(attempts: list[dict], ends: list[tuple[float, str, float]], fired: list[tuple[float, str]],
-              t_start: float, t_end: float) -> dict:
-    """ETTR and the lost time by cause (see the module doc). ``ends``: (time, status, attempt wall
-    s) per attempt, from the flow's "attempt N ended" lines.
+def first_step_times(attempts: list[dict], launches: list[float], step_lines: list[tuple[float, int]]) -> list[float]:
+    """When each attempt ended its first step: from its start-up record, else (an engine without
+    them) from rank 0's first "step N/M" log line after the launch, less the step times of the
+    steps after the first up to N (checked against the records: within 0.2 s)."""
+    times = []
+    for k, attempt in enumerate(attempts):
+        if attempt["startup"] is not None:
+            times.append(attempt["startup"]["first_step_at"])
+            continue
+        t_next = launches[k + 1] if k + 1 < len(launches) else float("inf")
+        t_line, step = next((t, n) for t, n in step_lines if launches[k] <= t < t_next)
+        first = attempt["rows"][0]["step"]
+        times.append(t_line - sum(r["step_time_s"] for r in attempt["rows"] if first < r["step"] <= step))
+    return times
 
-    Each interruption is split two ways. From the start-up records (this engine): detection +
-    teardown, relaunch (attempt ended -> rank process start), time to first step. From the attempt
-    walls alone (any engine, so the BEFORE run too): detection + teardown, "between attempts"
-    (attempt ended -> the next one launched, flow bookkeeping) and "restart overhead" (the next
-    attempt's wall minus its step times and minus the detection of the fault that ended it:
-    process start, imports, engine, restore, and the checkpoint commits inside the attempt)."""
+
+def breakdown(attempts: list[dict], launches: list[float], ends: list[tuple[float, str, float]],
+              fired: list[tuple[float, str]], step_lines: list[tuple[float, int]], t_start: float,
+              t_end: float) -> dict:
+    """ETTR and the lost time by cause (see the module doc). ``launches``: when each attempt was
+    launched; ``ends``: (time, status, wall s) per attempt, from the flow's "attempt N ended"
+    lines; ``step_lines``: (time, step) of rank 0's progress lines."""
     wall_s = t_end - t_start
     done: set[int] = set()
     redone_s, step_times = 0.0, []
     for attempt in attempts:
-        attempt["steps_s"] = sum(row["step_time_s"] for row in attempt["rows"])
         for row in attempt["rows"]:
             if row["step"] in done:
                 redone_s += row["step_time_s"]
@@ -179,41 +189,105 @@ def breakdown(attempts: list[dict], ends: list[tuple[float, str, float]], fired:
             step_times.append(row["step_time_s"])
     iteration_s = statistics.median(step_times)
     productive_s = len(done) * iteration_s
-    records = all(a["startup"] is not None for a in attempts)
+    first_at = first_step_times(attempts, launches, step_lines)
 
-    def detection(i: int) -> float:  # fault fired -> attempt i ended (0 for a clean end)
-        if i >= len(ends) or ends[i][1] == "completed":
+    def detection(i: int) -> float:  # fault fired -> attempt i ended (0 for a clean end or a false alarm)
+        if ends[i][1] == "completed":
             return 0.0
-        before = [t for t, _ in fired if t <= ends[i][0] and (i == 0 or t > ends[i - 1][0])]
+        before = [t for t, _ in fired if launches[i] <= t <= ends[i][0]]
         return ends[i][0] - max(before) if before else 0.0
 
-    lost = {"detection+teardown": 0.0, "between attempts": 0.0, "restart overhead": 0.0, "steps redone": redone_s}
+    lost = {"detection+teardown": 0.0, "between attempts": 0.0, "launch -> first step (restarts)": 0.0,
+            "steps redone": redone_s}
     interruptions = []
-    for i in range(min(len(ends), len(attempts)) - 1):
-        t_attempt_end, status, _ = ends[i]
-        nxt_end, _, nxt_wall = ends[i + 1]
-        parts = {"detection+teardown": detection(i), "between attempts": nxt_end - nxt_wall - t_attempt_end,
-                 "restart overhead": nxt_wall - attempts[i + 1]["steps_s"] - detection(i + 1)}
+    outside_s = 0.0  # in the loop, outside the step timer: checkpoint saves, logging, heartbeats
+    for i, attempt in enumerate(attempts):
+        after_first = sum(r["step_time_s"] for r in attempt["rows"][1:])
+        outside_s += ends[i][0] - detection(i) - first_at[i] - after_first
+        if i == 0:
+            continue
+        parts = {"detection+teardown": detection(i - 1), "between attempts": launches[i] - ends[i - 1][0],
+                 "launch -> first step (restarts)": first_at[i] - launches[i]}
         for key, value in parts.items():
             lost[key] += value
-        if records:
-            start = attempts[i + 1]["startup"]
-            parts["relaunch (to process start)"] = start["started_at"] - t_attempt_end
-            parts["time to first step"] = start["first_step_at"] - start["started_at"]
-        interruptions.append({"status": status, **{k: round(v, 2) for k, v in parts.items()}})
-    lost["flow start, sharding, first launch"] = (ends[0][0] - ends[0][2] - t_start) if ends else 0.0
-    lost["first attempt's start-up"] = (ends[0][2] - attempts[0]["steps_s"] - detection(0)) if ends else 0.0
-    lost["flow wrap-up after the last attempt"] = t_end - ends[-1][0] if ends else 0.0
+        interruptions.append({"status": ends[i - 1][1], **{k: round(v, 2) for k, v in parts.items()}})
+    lost["flow start, sharding, first launch"] = launches[0] - t_start
+    lost["first attempt: launch -> first step"] = first_at[0] - launches[0]
+    lost["loop outside the step timer (checkpoint saves, logging)"] = outside_s
+    lost["flow wrap-up after the last attempt"] = t_end - ends[-1][0]
     # steps slower than the median (load from other jobs, checkpoint staging inside the step)
     lost["slow steps (above the median)"] = sum(step_times) - redone_s - productive_s
     lost["other"] = wall_s - productive_s - sum(lost.values())
     result = {"ettr": productive_s / wall_s, "wall_s": wall_s, "productive_steps": len(done),
               "iteration_s": iteration_s, "productive_s": productive_s, "lost_s": lost,
-              "interruptions": interruptions, "startup_records": records}
-    if records:
-        restarts = [a["startup"] for a in attempts[1:]]
-        result["restart_phases_s"] = [s["phases_s"] for s in restarts]
+              "interruptions": interruptions, "startup_records": all(a["startup"] is not None for a in attempts)}
+    if result["startup_records"]:
+        result["restart_phases_s"] = [a["startup"]["phases_s"] for a in attempts[1:]]
     return result
+
+
+ATTEMPT_LAUNCHED = r"attempt (\d+): \d+ ranks"
+ATTEMPT_ENDED = r"attempt (\d+) ended: (\w+) after ([\d.]+) s"
+STEP_LINE = r"\[rank 0\] INFO megatrain: step (\d+)/\d+"
+
+
+def analyse(records: Records, run_dir: Path, t_start: float, t_end: float) -> dict:
+    """The breakdown from the flow's log records and the run's files."""
+    fired = sorted((m.stat().st_mtime, m.name) for m in (run_dir / "faults").glob("fired-*.json"))
+    launches = [t for t, _ in records.find_all(ATTEMPT_LAUNCHED)]
+    ends = [(t, m.group(2), float(m.group(3))) for t, m in records.find_all(ATTEMPT_ENDED)]
+    step_lines = [(t, int(m.group(1))) for t, m in records.find_all(STEP_LINE)]
+    result = breakdown(attempts_from_metrics(run_dir / "metrics.jsonl"), launches, ends, fired, step_lines,
+                       t_start, t_end)
+    result.update(raw={"flow": [t_start, t_end], "launches": launches, "attempt_ends": ends, "fired": fired},
+                  faults_fired=[name for _, name in fired])
+    return result
+
+
+def records_from_console(path: Path, day: str) -> Records:
+    """A run's console output (Prefect's "HH:MM:SS.mmm | LEVEL | ... - message" lines, UTC) as
+    records, to analyse a run again with this module's breakdown."""
+    import datetime
+
+    records = Records()
+    for line in path.read_text().splitlines():
+        match = re.match(r"(\d\d:\d\d:\d\d\.\d+) \| \w+ +\| .*? - (.*)$", line)
+        if match:
+            when = datetime.datetime.strptime(f"{day} {match.group(1)}", "%Y%m%d %H:%M:%S.%f")
+            records.records.append((when.replace(tzinfo=datetime.timezone.utc).timestamp(), match.group(2)))
+    return records
+
+
+def print_result(result: dict, out: Path) -> None:
+    wall_s = result["wall_s"]
+    print(f"\nETTR {100 * result['ettr']:.1f}% over {wall_s / 60:.1f} min: {result['productive_steps']} productive "
+          f"steps x {result['iteration_s']:.3f} s; {len(result['faults_fired'])} faults fired "
+          f"({', '.join(result['faults_fired'])}); {len(result['interruptions'])} restarts/rollbacks")
+    print(f"{'lost time':<56} {'s':>8} {'% of wall':>9}")
+    for key, value in result["lost_s"].items():
+        print(f"{key:<56} {value:>8.1f} {100 * value / wall_s:>8.1f}%")
+    for phases in result.get("restart_phases_s", []):
+        print("  restart start-up: " + "  ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    for i, row in enumerate(result["interruptions"], 1):
+        print(f"  interruption {i} ({row['status']}): " + ", ".join(f"{k} {v:.1f} s" for k, v in row.items() if k != "status"))
+    if "load_1min" in result:
+        print(f"({result['cpus']} CPU cores shared with other work: 1-minute load mean "
+              f"{result['load_1min']['mean']:.1f}, max {result['load_1min']['max']:.1f} over the run)")
+    (out / "ettr.json").write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {out}/ettr.json")
+
+
+def reanalyse(out: Path, console: Path) -> int:
+    """``--reanalyse OUT --console LOG``: the breakdown of a finished run again, from its files and
+    its console log (the start and end of the flow are kept in OUT/ettr.json)."""
+    old = json.loads((out / "ettr.json").read_text())
+    t_start, t_end = old["raw"]["flow"]
+    records = records_from_console(console, out.name.split("-")[0])
+    run_dir = next((out / "campaigns").glob("*/chaos"))
+    result = analyse(records, run_dir, t_start, t_end)
+    result.update({k: v for k, v in old.items() if k not in result and k not in ("restart_phases_s",)})
+    print_result(result, out)
+    return 0
 
 
 def engine_commit() -> str:
@@ -263,28 +337,10 @@ def run_ettr(args, out: Path) -> int:
         redis.stop()
         sampling.set()
     t_end = time.time()
-    wall_s = t_end - start
-    run_dir = Path(stage_config(load_campaign(path), 0).train.run_dir)
-    fired = sorted((m.stat().st_mtime, m.name) for m in (run_dir / "faults").glob("fired-*.json"))
-    ends = [(t, m.group(2), float(m.group(3))) for t, m in records.find_all(r"attempt (\d+) ended: (\w+) after ([\d.]+) s")]
-    result = breakdown(attempts_from_metrics(run_dir / "metrics.jsonl"), ends, fired, start, t_end)
-    result.update(raw={"flow": [start, t_end], "attempt_ends": ends, "fired": fired},faults_planned=faults, faults_fired=[name for _, name in fired], redis_restarts=redis.restarts,
-                  stage=report["stages"][0], minutes=args.minutes, every_s=args.every, probe_step_s=step_s,
-                  load_avg=os.getloadavg(), engine=engine_commit(),
+    result = analyse(records, Path(stage_config(load_campaign(path), 0).train.run_dir), start, t_end)
+    result.update(faults_planned=faults, redis_restarts=redis.restarts, stage=report["stages"][0],
+                  minutes=args.minutes, every_s=args.every, probe_step_s=step_s, engine=engine_commit(),
                   load_1min={"mean": statistics.mean(loads or [0.0]), "max": max(loads or [0.0]), "samples": loads},
                   cpus=os.cpu_count())
-    print(f"\nETTR {100 * result['ettr']:.1f}% over {wall_s / 60:.1f} min: {result['productive_steps']} productive "
-          f"steps x {result['iteration_s']:.3f} s; {len(fired)} faults fired ({', '.join(result['faults_fired'])}); "
-          f"{len(result['interruptions'])} restarts/rollbacks; Redis restarted {redis.restarts}x")
-    print(f"{'lost time':<48} {'s':>8} {'% of wall':>9}")
-    for key, value in result["lost_s"].items():
-        print(f"{key:<48} {value:>8.1f} {100 * value / wall_s:>8.1f}%")
-    for phases in result.get("restart_phases_s", []):
-        print("  restart start-up: " + "  ".join(f"{k} {v:.1f}" for k, v in phases.items()))
-    for i, row in enumerate(result["interruptions"], 1):
-        print(f"  interruption {i} ({row['status']}): " + ", ".join(f"{k} {v:.1f} s" for k, v in row.items() if k != "status"))
-    print(f"({os.cpu_count()} CPU cores shared with other work: 1-minute load mean "
-          f"{result['load_1min']['mean']:.1f}, max {result['load_1min']['max']:.1f} over the run)")
-    (out / "ettr.json").write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}/ettr.json")
+    print_result(result, out)
     return 0
