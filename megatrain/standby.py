@@ -37,6 +37,7 @@ from pathlib import Path
 
 from megatrain.startup import HANDED_OVER_ENV  # the rank's start time, for its start-up breakdown
 
+READY_LINE = "megatrain: standby ready"  # printed once the imports are done
 WARM_NICE = 10  # the standby imports at this niceness, then returns to the launcher's
 
 
@@ -56,7 +57,7 @@ def standby_main() -> int:
     base_nice = os.getpriority(os.PRIO_PROCESS, 0)
     os.setpriority(os.PRIO_PROCESS, 0, min(19, base_nice + WARM_NICE))
     warm_imports()
-    print("megatrain: standby ready", flush=True)
+    print(READY_LINE, flush=True)
     line = sys.stdin.readline()
     if not line.strip():  # the launcher closed the pool: nothing to run
         return 0
@@ -87,19 +88,52 @@ def rank_env(rank: int, world: int, master_port: int) -> dict[str, str]:
 
 
 class StandbySet:
-    """``nproc`` standby processes, each in its own session, importing."""
+    """``nproc`` standby processes, each in its own session, importing. Their output is read from
+    the start (so ``ready`` can be told) and held until the hand-over attaches a reader."""
 
     def __init__(self, nproc: int, env: dict[str, str] | None, cwd: str | Path | None) -> None:
         from megatrain.launch import die_with_parent
 
-        self.key = standby_key(nproc, env, cwd)
-        self.started_at = time.time()
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "megatrain.standby"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                              start_new_session=True, preexec_fn=die_with_parent, env=env, cwd=cwd)
             for _ in range(nproc)
         ]
+        self.ready = [threading.Event() for _ in self.procs]
+        self._held: list[list[str]] = [[] for _ in self.procs]
+        self._readers: list[Callable[[str], None] | None] = [None] * nproc
+        self._lock = threading.Lock()
+        self.pumps = [threading.Thread(target=self._read, args=(i,), daemon=True) for i in range(nproc)]
+        for pump in self.pumps:
+            pump.start()
+
+    def _read(self, index: int) -> None:
+        stream = self.procs[index].stdout
+        for line in iter(stream.readline, ""):
+            line = line.rstrip("\n")
+            if line == READY_LINE:
+                self.ready[index].set()
+            with self._lock:
+                reader = self._readers[index]
+                if reader is None:
+                    self._held[index].append(line)
+            if reader is not None:
+                reader(line)
+        stream.close()
+
+    def attach(self, index: int, reader: Callable[[str], None]) -> None:
+        """Send process ``index``'s output to ``reader``: what it printed so far, then every line."""
+        with self._lock:
+            held, self._held[index] = self._held[index], []
+            self._readers[index] = reader
+        for line in held:
+            reader(line)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether every process finished its imports within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        return all(event.wait(max(0.0, deadline - time.monotonic())) for event in self.ready)
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -172,12 +206,12 @@ class StandbyLaunch:
 
     def start(self, env: dict[str, str] | None, cwd: str | Path | None, on_line: Callable[[str], None],
               tail: collections.deque) -> RankGroup:
-        from megatrain.launch import _free_port, _pump
+        from megatrain.launch import _free_port
 
         ready = take_standby(self.nproc_per_node, env, cwd)
         port, handed_over_at = _free_port(), time.time()
         tails = [collections.deque(maxlen=400) for _ in ready.procs]
-        group = RankGroup(ready.procs, tails)
+        group = RankGroup(ready.procs, tails, ready.pumps)
         for rank, proc in enumerate(ready.procs):
             order = {"env": rank_env(rank, self.nproc_per_node, port), "argv": self.argv,
                      "handed_over_at": handed_over_at}
@@ -189,8 +223,7 @@ class StandbyLaunch:
                 tail.append(line)
                 on_line(line)
 
-            group.pumps.append(threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True))
-            group.pumps[-1].start()
+            ready.attach(rank, lines)
         return group
 
     def prepare_next(self, env: dict[str, str] | None, cwd: str | Path | None) -> None:
