@@ -2,8 +2,9 @@
 
 On CPU ranks most of a restart's time to first step is Python importing torch, DeepSpeed and what
 their first calls pull in (``torch.optim.Optimizer.__init__`` imports ``torch._dynamo``, DeepSpeed's
-ZeRO check its Muon module): 15-20 s of a 35-40 s restart here (benchmarks/RESULTS.md). A standby
-process does that work ahead of time, then waits on its stdin:
+ZeRO check its Muon module): 15-20 s of a 35-40 s restart here. A standby process does that work
+ahead of time, then waits on its stdin (launch -> first step of a restart under chaos: 5-20 s
+before, 0.9-2.5 s with it; benchmarks/RESULTS.md, "ETTR under chaos"):
 
     python -m megatrain.standby          # imports, then blocks reading one line
     {"env": {"RANK": "1", ...}, "argv": ["--config", ...], "handed_over_at": <time>}
@@ -48,7 +49,10 @@ def warm_imports() -> None:
     import torch
 
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # Optimizer.__init__ imports torch._dynamo
-    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (DeepSpeed's ZeRO optimizer check)
+    try:  # DeepSpeed's ZeRO optimizer check imports it (a DeepSpeed without Muon has nothing to warm)
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:
+        pass
 
 
 def standby_main() -> int:
@@ -215,8 +219,11 @@ class StandbyLaunch:
         for rank, proc in enumerate(ready.procs):
             order = {"env": rank_env(rank, self.nproc_per_node, port), "argv": self.argv,
                      "handed_over_at": handed_over_at}
-            proc.stdin.write(json.dumps(order) + "\n")
-            proc.stdin.flush()
+            try:
+                proc.stdin.write(json.dumps(order) + "\n")
+                proc.stdin.flush()
+            except BrokenPipeError:  # it died while waiting: the group reports its exit and output
+                pass
 
             def lines(line: str, rank_tail=tails[rank]) -> None:
                 rank_tail.append(line)
