@@ -181,6 +181,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=float, default=180.0, help="--ettr: mean seconds between faults")
     parser.add_argument("--ckpt-interval", type=int, default=20, help="--ettr: checkpoint interval (steps)")
     parser.add_argument("--seed", type=int, default=0, help="--ettr: fault draw")
+    parser.add_argument("--step-s", type=float, default=None,
+                        help="--ettr: step time that turns minutes into steps (default: a probe run measures it); "
+                             "the same value, seed and minutes give two runs the same steps and fault schedule")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="--ettr: a recipe override for the campaign (repeatable), e.g. reliability.warm_standby=true")
+    parser.add_argument("--reanalyse", metavar="OUT", help="--ettr: the breakdown of the finished run in OUT again")
+    parser.add_argument("--console", metavar="LOG", help="--reanalyse: that run's console output")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # internal: run one stand-in rank
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=400, help=argparse.SUPPRESS)
@@ -188,6 +195,10 @@ def main(argv: list[str]) -> int:
     if args.rank is not None:
         return rank_main(args.rank, Path(args.run_dir), args.interval, args.steps)
 
+    if args.ettr and args.reanalyse:
+        from chaos_ettr import reanalyse
+
+        return reanalyse(Path(args.reanalyse), Path(args.console))
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     if args.ettr:
         from chaos_ettr import run_ettr

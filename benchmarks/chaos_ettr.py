@@ -13,12 +13,17 @@ into steps with the probe's step time. The flow detects and recovers from each b
 ETTR = productive iterations x iteration time / wall time (MegaScale §6): productive iterations
 are the steps of the final run (redone steps count once), the iteration time is the median step
 time of the run's steps. Lost time, per interruption: detection + teardown (fault fired -> the
-flow sees the attempt ended), relaunch (-> the next rank process starts), time to first step
-(process start -> end of its first step, from the start-up record of megatrain/startup.py), steps
-redone (steps run again after restoring the last committed checkpoint). The rest of the wall time
-not spent on productive steps (the first start, data sharding, checkpoint stalls, slower steps)
-is listed as other. Each attempt's first step is in both its time to first step (as start-up
-defines it: compile and warm-up included) and the step rows: under a second per attempt.
+flow sees the attempt ended), between attempts (-> the next attempt is launched), restart overhead
+(the next attempt's wall minus its step times: process start, imports, engine, restore), steps
+redone (steps run again after restoring the last committed checkpoint). With the start-up records
+of megatrain/startup.py the restart is split further (relaunch to the rank process start, time to
+first step, its phases); an engine without them (the BEFORE run) is split where the step number
+goes back. The rest: the flow start and sharding, the first attempt's start-up, steps slower than
+the median (checkpoint staging, other jobs' load), the flow's wrap-up.
+
+``--step-s`` fixes the step time that turns ``--minutes`` into steps (and fault times into fault
+steps), so two runs with the same seed train the same steps under the same faults; ``--set``
+adds recipe overrides (``reliability.warm_standby=true``). The run samples the machine's load.
 """
 
 from __future__ import annotations
@@ -132,20 +137,47 @@ class Records(logging.Handler):
 
 def attempts_from_metrics(path: Path) -> list[dict]:
     """metrics.jsonl split at the rows that carry a start-up record (each attempt's first step):
-    one {startup, rows} per attempt, in order."""
+    one {startup, rows} per attempt, in order. An engine that writes no start-up records (before
+    megatrain/startup.py) is split where the step number goes back (each restart resumes at or
+    before the step it died in); its attempts have ``startup`` None."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     attempts: list[dict] = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if "startup" in row:
-            attempts.append({"startup": row["startup"], "rows": []})
-        if attempts:
-            attempts[-1]["rows"].append(row)
+    if any("startup" in row for row in rows):
+        for row in rows:
+            if "startup" in row:
+                attempts.append({"startup": row["startup"], "rows": []})
+            if attempts:
+                attempts[-1]["rows"].append(row)
+        return attempts
+    for row in rows:
+        if not attempts or row["step"] <= attempts[-1]["rows"][-1]["step"]:
+            attempts.append({"startup": None, "rows": []})
+        attempts[-1]["rows"].append(row)
     return attempts
 
 
-def breakdown(attempts: list[dict], ends: list[tuple[float, str]], fired: list[tuple[float, str]],
-              t_start: float, t_end: float) -> dict:
-    """ETTR and the lost time by cause (see the module doc)."""
+def first_step_times(attempts: list[dict], launches: list[float], step_lines: list[tuple[float, int]]) -> list[float]:
+    """When each attempt ended its first step: from its start-up record, else (an engine without
+    them) from rank 0's first "step N/M" log line after the launch, less the step times of the
+    steps after the first up to N (checked against the records: within 0.2 s)."""
+    times = []
+    for k, attempt in enumerate(attempts):
+        if attempt["startup"] is not None:
+            times.append(attempt["startup"]["first_step_at"])
+            continue
+        t_next = launches[k + 1] if k + 1 < len(launches) else float("inf")
+        t_line, step = next((t, n) for t, n in step_lines if launches[k] <= t < t_next)
+        first = attempt["rows"][0]["step"]
+        times.append(t_line - sum(r["step_time_s"] for r in attempt["rows"] if first < r["step"] <= step))
+    return times
+
+
+def breakdown(attempts: list[dict], launches: list[float], ends: list[tuple[float, str, float]],
+              fired: list[tuple[float, str]], step_lines: list[tuple[float, int]], t_start: float,
+              t_end: float) -> dict:
+    """ETTR and the lost time by cause (see the module doc). ``launches``: when each attempt was
+    launched; ``ends``: (time, status, wall s) per attempt, from the flow's "attempt N ended"
+    lines; ``step_lines``: (time, step) of rank 0's progress lines."""
     wall_s = t_end - t_start
     done: set[int] = set()
     redone_s, step_times = 0.0, []
@@ -157,28 +189,114 @@ def breakdown(attempts: list[dict], ends: list[tuple[float, str]], fired: list[t
             step_times.append(row["step_time_s"])
     iteration_s = statistics.median(step_times)
     productive_s = len(done) * iteration_s
-    lost = {"detection+teardown": 0.0, "relaunch": 0.0, "time to first step": 0.0, "steps redone": redone_s}
+    first_at = first_step_times(attempts, launches, step_lines)
+
+    def detection(i: int) -> float:  # fault fired -> attempt i ended (0 for a clean end or a false alarm)
+        if ends[i][1] == "completed":
+            return 0.0
+        before = [t for t, _ in fired if launches[i] <= t <= ends[i][0]]
+        return ends[i][0] - max(before) if before else 0.0
+
+    lost = {"detection+teardown": 0.0, "between attempts": 0.0, "launch -> first step (restarts)": 0.0,
+            "steps redone": redone_s}
     interruptions = []
-    for i, (t_attempt_end, status) in enumerate(ends[:-1]):
-        if i + 1 >= len(attempts):
-            break
-        start = attempts[i + 1]["startup"]
-        before = [t for t, _ in fired if t <= t_attempt_end]
-        t_fault = max(before) if before else t_attempt_end
-        parts = {"detection+teardown": t_attempt_end - t_fault, "relaunch": start["started_at"] - t_attempt_end,
-                 "time to first step": start["first_step_at"] - start["started_at"]}
+    outside_s = 0.0  # in the loop, outside the step timer: checkpoint saves, logging, heartbeats
+    for i, attempt in enumerate(attempts):
+        after_first = sum(r["step_time_s"] for r in attempt["rows"][1:])
+        outside_s += ends[i][0] - detection(i) - first_at[i] - after_first
+        if i == 0:
+            continue
+        parts = {"detection+teardown": detection(i - 1), "between attempts": launches[i] - ends[i - 1][0],
+                 "launch -> first step (restarts)": first_at[i] - launches[i]}
         for key, value in parts.items():
             lost[key] += value
-        interruptions.append({"status": status, **{k: round(v, 2) for k, v in parts.items()}})
-    first = attempts[0]["startup"]
-    lost["flow start, sharding, first launch"] = first["started_at"] - t_start
-    lost["first start (to first step)"] = first["first_step_at"] - first["started_at"]
-    lost["flow wrap-up after the last attempt"] = t_end - ends[-1][0] if ends else 0.0
+        interruptions.append({"status": ends[i - 1][1], **{k: round(v, 2) for k, v in parts.items()}})
+    lost["flow start, sharding, first launch"] = launches[0] - t_start
+    lost["first attempt: launch -> first step"] = first_at[0] - launches[0]
+    lost["loop outside the step timer (checkpoint saves, logging)"] = outside_s
+    lost["flow wrap-up after the last attempt"] = t_end - ends[-1][0]
     # steps slower than the median (load from other jobs, checkpoint staging inside the step)
     lost["slow steps (above the median)"] = sum(step_times) - redone_s - productive_s
-    lost["other (checkpoint commits, loop, rollbacks)"] = wall_s - productive_s - sum(lost.values())
-    return {"ettr": productive_s / wall_s, "wall_s": wall_s, "productive_steps": len(done),
-            "iteration_s": iteration_s, "productive_s": productive_s, "lost_s": lost, "interruptions": interruptions}
+    lost["other"] = wall_s - productive_s - sum(lost.values())
+    result = {"ettr": productive_s / wall_s, "wall_s": wall_s, "productive_steps": len(done),
+              "iteration_s": iteration_s, "productive_s": productive_s, "lost_s": lost,
+              "interruptions": interruptions, "startup_records": all(a["startup"] is not None for a in attempts)}
+    if result["startup_records"]:
+        result["restart_phases_s"] = [a["startup"]["phases_s"] for a in attempts[1:]]
+    return result
+
+
+ATTEMPT_LAUNCHED = r"attempt (\d+): \d+ ranks"
+ATTEMPT_ENDED = r"attempt (\d+) ended: (\w+) after ([\d.]+) s"
+STEP_LINE = r"\[rank 0\] INFO megatrain: step (\d+)/\d+"
+
+
+def analyse(records: Records, run_dir: Path, t_start: float, t_end: float) -> dict:
+    """The breakdown from the flow's log records and the run's files."""
+    fired = sorted((m.stat().st_mtime, m.name) for m in (run_dir / "faults").glob("fired-*.json"))
+    launches = [t for t, _ in records.find_all(ATTEMPT_LAUNCHED)]
+    ends = [(t, m.group(2), float(m.group(3))) for t, m in records.find_all(ATTEMPT_ENDED)]
+    step_lines = [(t, int(m.group(1))) for t, m in records.find_all(STEP_LINE)]
+    result = breakdown(attempts_from_metrics(run_dir / "metrics.jsonl"), launches, ends, fired, step_lines,
+                       t_start, t_end)
+    result.update(raw={"flow": [t_start, t_end], "launches": launches, "attempt_ends": ends, "fired": fired},
+                  faults_fired=[name for _, name in fired])
+    return result
+
+
+def records_from_console(path: Path, day: str) -> Records:
+    """A run's console output (Prefect's "HH:MM:SS.mmm | LEVEL | ... - message" lines, UTC) as
+    records, to analyse a run again with this module's breakdown."""
+    import datetime
+
+    records = Records()
+    for line in path.read_text().splitlines():
+        match = re.match(r"(\d\d:\d\d:\d\d\.\d+) \| \w+ +\| .*? - (.*)$", line)
+        if match:
+            when = datetime.datetime.strptime(f"{day} {match.group(1)}", "%Y%m%d %H:%M:%S.%f")
+            records.records.append((when.replace(tzinfo=datetime.timezone.utc).timestamp(), match.group(2)))
+    return records
+
+
+def print_result(result: dict, out: Path) -> None:
+    wall_s = result["wall_s"]
+    print(f"\nETTR {100 * result['ettr']:.1f}% over {wall_s / 60:.1f} min: {result['productive_steps']} productive "
+          f"steps x {result['iteration_s']:.3f} s; {len(result['faults_fired'])} faults fired "
+          f"({', '.join(result['faults_fired'])}); {len(result['interruptions'])} restarts/rollbacks")
+    print(f"{'lost time':<56} {'s':>8} {'% of wall':>9}")
+    for key, value in result["lost_s"].items():
+        print(f"{key:<56} {value:>8.1f} {100 * value / wall_s:>8.1f}%")
+    for phases in result.get("restart_phases_s", []):
+        print("  restart start-up: " + "  ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    for i, row in enumerate(result["interruptions"], 1):
+        print(f"  interruption {i} ({row['status']}): " + ", ".join(f"{k} {v:.1f} s" for k, v in row.items() if k != "status"))
+    if "load_1min" in result:
+        print(f"({result['cpus']} CPU cores shared with other work: 1-minute load mean "
+              f"{result['load_1min']['mean']:.1f}, max {result['load_1min']['max']:.1f} over the run)")
+    (out / "ettr.json").write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {out}/ettr.json")
+
+
+def reanalyse(out: Path, console: Path) -> int:
+    """``--reanalyse OUT --console LOG``: the breakdown of a finished run again, from its files and
+    its console log (the start and end of the flow are kept in OUT/ettr.json)."""
+    old = json.loads((out / "ettr.json").read_text())
+    t_start, t_end = old["raw"]["flow"]
+    records = records_from_console(console, out.name.split("-")[0])
+    run_dir = next((out / "campaigns").glob("*/chaos"))
+    result = analyse(records, run_dir, t_start, t_end)
+    result.update({k: v for k, v in old.items() if k not in result and k not in ("restart_phases_s",)})
+    print_result(result, out)
+    return 0
+
+
+def engine_commit() -> str:
+    """The commit of the megatrain that ran (PYTHONPATH picks it: the BEFORE run uses an old tree)."""
+    import megatrain
+
+    tree = Path(megatrain.__file__).resolve().parents[1]
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"{tree} @ {done.stdout.strip() or '?'}"
 
 
 def run_ettr(args, out: Path) -> int:
@@ -186,15 +304,16 @@ def run_ettr(args, out: Path) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     rng = random.Random(args.seed)
-    step_s = probe_step_time(out)
+    step_s = args.step_s or probe_step_time(out)
     steps = int(args.minutes * 60 / step_s)
     redis = RestartingRedis(out)
     faults = plan_faults(rng, args.minutes, args.every, step_s, redis.pidfile)
-    print(f"probe: {step_s:.3f} s/step -> {steps} steps for {args.minutes:g} min; faults: "
+    print(f"engine {engine_commit()}; step time {step_s:.3f} s/step -> {steps} steps for {args.minutes:g} min; faults: "
           + ", ".join(f"{f['kind']}@{f['step']}" for f in faults), flush=True)
     doc = {"id": f"ettr-{int(time.time())}", "recipe": str(ROOT / "configs/tiny-cpu.yaml"), "nproc_per_node": 2,
            "root_dir": str(out / "campaigns"), "self_check": False,
-           "overrides": [*BASE, f"checkpoint.interval={args.ckpt_interval}", f"reliability.redis_url={redis.url}"],
+           "overrides": [*BASE, f"checkpoint.interval={args.ckpt_interval}", f"reliability.redis_url={redis.url}",
+                         *args.set],
            "stages": [{"name": "chaos", "steps": steps, "overrides": ["reliability.faults=" + json.dumps(faults)]}]}
     path = out / "campaign.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -207,29 +326,21 @@ def run_ettr(args, out: Path) -> int:
     from flows.pretrain import pretrain
     from megatrain.campaign import load_campaign, stage_config
 
+    loads: list[float] = []  # the machine's 1-minute load every 10 s: other jobs share its cores
+    sampling = threading.Event()
+    threading.Thread(target=lambda: [loads.append(os.getloadavg()[0]) for _ in iter(lambda: sampling.wait(10), True)],
+                     daemon=True).start()
     start = time.time()
     try:
         report = pretrain(str(path))
     finally:
         redis.stop()
+        sampling.set()
     t_end = time.time()
-    wall_s = t_end - start
-    run_dir = Path(stage_config(load_campaign(path), 0).train.run_dir)
-    fired = sorted((m.stat().st_mtime, m.name) for m in (run_dir / "faults").glob("fired-*.json"))
-    ends = [(t, m.group(2)) for t, m in records.find_all(r"attempt (\d+) ended: (\w+)")]
-    result = breakdown(attempts_from_metrics(run_dir / "metrics.jsonl"), ends, fired, start, t_end)
-    result.update(raw={"flow": [start, t_end], "attempt_ends": ends, "fired": fired},faults_planned=faults, faults_fired=[name for _, name in fired], redis_restarts=redis.restarts,
-                  stage=report["stages"][0], minutes=args.minutes, every_s=args.every, probe_step_s=step_s,
-                  load_avg=os.getloadavg())
-    print(f"\nETTR {100 * result['ettr']:.1f}% over {wall_s / 60:.1f} min: {result['productive_steps']} productive "
-          f"steps x {result['iteration_s']:.3f} s; {len(fired)} faults fired ({', '.join(result['faults_fired'])}); "
-          f"{len(result['interruptions'])} restarts/rollbacks; Redis restarted {redis.restarts}x")
-    print(f"{'lost time':<48} {'s':>8} {'% of wall':>9}")
-    for key, value in result["lost_s"].items():
-        print(f"{key:<48} {value:>8.1f} {100 * value / wall_s:>8.1f}%")
-    for i, row in enumerate(result["interruptions"], 1):
-        print(f"  interruption {i} ({row['status']}): " + ", ".join(f"{k} {v:.1f} s" for k, v in row.items() if k != "status"))
-    print(f"(2 CPU cores shared with other work: load average {result['load_avg']})")
-    (out / "ettr.json").write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}/ettr.json")
+    result = analyse(records, Path(stage_config(load_campaign(path), 0).train.run_dir), start, t_end)
+    result.update(faults_planned=faults, redis_restarts=redis.restarts, stage=report["stages"][0],
+                  minutes=args.minutes, every_s=args.every, probe_step_s=step_s, engine=engine_commit(),
+                  load_1min={"mean": statistics.mean(loads or [0.0]), "max": max(loads or [0.0]), "samples": loads},
+                  cpus=os.cpu_count())
+    print_result(result, out)
     return 0

@@ -472,6 +472,11 @@ class ReliabilityConfig(_Section):
     )
     straggler_steps: int = Field(3, ge=1)
     max_restarts: int = Field(3, ge=0, description="per stage")
+    warm_standby: bool = Field(
+        False, description="start the next attempt's rank processes (imported, waiting) once an attempt has "
+        "trained a step, so a restart skips Python/torch/DeepSpeed imports (megatrain/standby.py); costs one idle "
+        "set of rank processes' memory and their import CPU, at low priority, during training",
+    )
     on_node_loss: Literal["wait", "shrink"] = Field(
         "wait", description="a multi-node stage whose node fails its self-check: wait up to node_wait_s for it "
         "to pass, then fail the stage (wait), or go on without it after node_wait_s (shrink: dp shrinks, "

@@ -170,7 +170,7 @@ def describe_root_cause(cause: dict, step: int | None = None) -> str:
 
 
 def run_ranks(
-    command: list[str],
+    command,
     *,
     on_line: Callable[[str], None] = print,
     watcher=None,
@@ -184,31 +184,44 @@ def run_ranks(
 ) -> LaunchResult:
     """Start ``command`` in its own session and supervise it until it exits or is stopped.
 
-    ``watcher``: a ``HeartbeatWatcher`` (or None); a fault it reports stops the job.
+    ``command``: a torchrun command line, or a ``megatrain.standby.StandbyLaunch`` (the ranks come
+    from a warm standby set, and the next set starts once this attempt has trained a step).
+    ``watcher``: a ``HeartbeatWatcher`` (or None); a fault it reports stops the job at once (a
+    dead or hung job has nothing to save: its state is the last committed checkpoint).
     ``verdict_reader``: returns the trainer's anomaly verdict (as a dict) after an EXIT_ANOMALY.
     ``should_stop``: polled; True (the flow run was cancelled) stops the job.
     ``on_fault``: called with the watcher's result when it reports a fault, before the job stops
     (the flow draws who hung from it).
     """
     start = time.monotonic()
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        start_new_session=True, preexec_fn=die_with_parent, env=env, cwd=cwd,
-    )
     tail: collections.deque = collections.deque(maxlen=400)
-    pump = threading.Thread(target=_pump, args=(proc.stdout, on_line, tail), daemon=True)
-    pump.start()
+    standby = None if isinstance(command, list) else command
+    if standby is not None:
+        job = standby.start(env, cwd, on_line, tail)
+        stop = job.stop
+        next_prepared = False
+    else:
+        job = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            start_new_session=True, preexec_fn=die_with_parent, env=env, cwd=cwd,
+        )
+        pump = threading.Thread(target=_pump, args=(job.stdout, on_line, tail), daemon=True)
+        pump.start()
+
+        def stop(grace_s: float = 10.0) -> None:
+            stop_process_group(job, grace_s)
+            pump.join(timeout=5)
+    result = None
     try:
-        while proc.poll() is None:
-            time.sleep(poll_s)
+        while _wait(job, poll_s) is None:
             if timeout_s is not None and time.monotonic() - start > timeout_s:
-                stop_process_group(proc)
-                return LaunchResult("timeout", proc.returncode, time.monotonic() - start,
+                stop()
+                return LaunchResult("timeout", job.returncode, time.monotonic() - start,
                                     f"stage attempt exceeded {timeout_s:.0f} s and was stopped")
             if should_stop is not None and should_stop():
-                stop_process_group(proc)
-                return LaunchResult("crashed", proc.returncode, time.monotonic() - start, "stopped on request")
-            if watcher is not None and proc.poll() is None:
+                stop()
+                return LaunchResult("crashed", job.returncode, time.monotonic() - start, "stopped on request")
+            if watcher is not None and job.poll() is None:
                 result = watcher.check()
                 for note in result.notes:  # the store went down or came back, a rank turned slow
                     on_line(f"[watcher] {note}")
@@ -217,25 +230,52 @@ def run_ranks(
                     stacks = watcher.collect_stacks(result, result.faulty)
                     if on_fault is not None:
                         on_fault(result)
-                    stop_process_group(proc)
-                    return LaunchResult("hung", proc.returncode, time.monotonic() - start,
+                    stop(grace_s=0.0)
+                    return LaunchResult("hung", job.returncode, time.monotonic() - start,
                                         result.message(stacks), faulty_ranks=result.faulty)
+            if standby is not None and not next_prepared and _trained_a_step(result, watcher):
+                standby.prepare_next(env, cwd)  # imports beside the training, at low priority
+                next_prepared = True
     finally:
-        stop_process_group(proc)  # on any exception (or a cancelled task) no rank outlives us
-        pump.join(timeout=5)
+        stop()  # on any exception (or a cancelled task) no rank outlives us
 
-    wall = time.monotonic() - start
-    if proc.returncode == EXIT_OK:
+    outcome = _outcome(job, tail, time.monotonic() - start, verdict_reader)
+    if standby is not None and outcome.status in ("completed", "deterministic"):
+        standby.release(env, cwd)  # no attempt follows
+    return outcome
+
+
+def _wait(job, timeout_s: float) -> int | None:
+    """The job's exit code, waiting up to ``timeout_s`` (an exit is seen at once, not a poll later)."""
+    if isinstance(job, subprocess.Popen):
+        try:
+            return job.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+    return job.wait(timeout_s)
+
+
+def _trained_a_step(result, watcher) -> bool:
+    """Every rank has finished a step (per the last heartbeat check; at once without a watcher)."""
+    if watcher is None:
+        return True
+    return (result is not None and len(result.records) == watcher.world_size
+            and all(r.first_step_done and r.timestamp >= watcher.since for r in result.records.values()))
+
+
+def _outcome(job, tail, wall: float, verdict_reader) -> LaunchResult:
+    """How a job that exited by itself ended, from its exit code, the verdict and its output."""
+    if job.returncode == EXIT_OK:
         return LaunchResult("completed", 0, wall)
     verdict = verdict_reader() if verdict_reader is not None else None
-    if proc.returncode == EXIT_ANOMALY or verdict is not None:
-        return LaunchResult("anomaly", proc.returncode, wall, (verdict or {}).get("message", "anomaly"), verdict)
+    if job.returncode == EXIT_ANOMALY or verdict is not None:
+        return LaunchResult("anomaly", job.returncode, wall, (verdict or {}).get("message", "anomaly"), verdict)
     deterministic = _deterministic_error(tail)
-    if proc.returncode == EXIT_DETERMINISTIC or deterministic:
-        return LaunchResult("deterministic", proc.returncode, wall, deterministic or "a rank failed deterministically")
-    first = root_cause(tail)
+    if job.returncode == EXIT_DETERMINISTIC or deterministic:
+        return LaunchResult("deterministic", job.returncode, wall, deterministic or "a rank failed deterministically")
+    first = getattr(job, "first_failure", None) or root_cause(tail)
     if first is not None:
-        return LaunchResult("crashed", proc.returncode, wall, describe_root_cause(first), root_cause=first)
+        return LaunchResult("crashed", job.returncode, wall, describe_root_cause(first), root_cause=first)
     cause = last_error(tail)
-    return LaunchResult("crashed", proc.returncode, wall,
-                        f"ranks exited with code {proc.returncode}" + (f": {cause}" if cause else ""))
+    return LaunchResult("crashed", job.returncode, wall,
+                        f"ranks exited with code {job.returncode}" + (f": {cause}" if cause else ""))

@@ -4,7 +4,8 @@ MegaScale (§3.5) found that initialisation, not training, set the recovery time
 its restarts: 1,047 s at 2,048 GPUs before its fixes. A ``StartupTimer`` records the phases of
 one rank's start-up in order:
 
-    imports            process start -> the timer exists (Python, torch, DeepSpeed imports)
+    imports            process start -> the timer exists (Python, torch, DeepSpeed imports; from
+                       the hand-over for a warm standby, which imported before its attempt)
     store_connect      connect to the rendezvous store (TCPStore or Redis)
     rendezvous         every rank checks in (the join barrier: missing ranks are named)
     world_group        ``init_process_group`` (the world communicator)
@@ -34,12 +35,17 @@ from pathlib import Path
 
 log = logging.getLogger("megatrain")
 
+HANDED_OVER_ENV = "MEGATRAIN_HANDED_OVER_AT"  # set by megatrain/standby.py when a warm process gets its rank
 PHASES = ("imports", "store_connect", "rendezvous", "world_group", "layout_groups", "data_index", "model",
           "engine", "checkpoint_restore", "first_step")
 
 
 def process_start_time() -> float:
-    """Wall-clock time this process was created (from /proc via psutil); now if unknown."""
+    """Wall-clock time this process was created (from /proc via psutil); now if unknown. A warm
+    standby (megatrain/standby.py) was created before its attempt: it starts when handed its rank."""
+    handed_over = os.environ.get(HANDED_OVER_ENV)
+    if handed_over:
+        return float(handed_over)
     try:
         import psutil
 

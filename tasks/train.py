@@ -63,6 +63,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     wall-clock limit, process-group kill) lives in the engine's ``run_ranks``.
     """
     from megatrain.launch import describe_root_cause, run_ranks, torchrun_command
+    from megatrain.standby import StandbyLaunch
     from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.watcher import HeartbeatWatcher
@@ -95,7 +96,8 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     abandoned = abandoned_event(config_path)
     try:
         result = run_ranks(
-            torchrun_command(config_path, nproc_per_node), on_line=attempt_log, watcher=watcher,
+            StandbyLaunch(["--config", config_path], nproc_per_node) if cfg.reliability.warm_standby
+            else torchrun_command(config_path, nproc_per_node), on_line=attempt_log, watcher=watcher,
             timeout_s=timeout_s, env=env, verdict_reader=verdict, on_fault=draw_who_hung,
             poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
             should_stop=should_stop(abandoned),
