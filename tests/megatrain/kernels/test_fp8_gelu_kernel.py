@@ -87,6 +87,7 @@ def _fused_vs_reference(device: str, shape, dtype, bias: bool, emulate: bool):
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="TRITON_INTERPRET=1 runs Triton on CPU")
 
 
+@pytest.mark.gpu  # needs Triton, which the GPU image has and the CPU install does not
 @interpreted
 @pytest.mark.parametrize("bias", [True, False])
 def test_fused_matches_reference_bit_for_bit_interpreted(bias):
