@@ -111,6 +111,24 @@ def test_a_dead_holders_lease_is_taken_over_and_released_on_exit(backend):
         assert third.took_over is None
 
 
+def test_a_killed_holder_not_yet_reaped_holds_nothing(backend):
+    """A SIGKILLed rank whose parent died too waits as a zombie until pid 1 reaps it: its
+    /proc entry remains, but it is dead and its lease is taken over at once."""
+    kind, where, make_store = backend
+    holder = start_holder(kind, where, "killed, unreaped")
+    assert wait_line(holder) == "WON killed, unreaped"
+    os.kill(holder.pid, signal.SIGKILL)  # not waited for: a zombie until holder.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the holder never became a zombie"
+        time.sleep(0.05)
+    try:
+        with Lease(make_store(), "restarted rank", log=lambda note: None) as lease:
+            assert lease.took_over is not None and lease.took_over.pid == holder.pid
+    finally:
+        holder.wait()
+
+
 def test_racing_contenders_for_a_stale_lease_have_exactly_one_winner(backend):
     kind, where, make_store = backend
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
