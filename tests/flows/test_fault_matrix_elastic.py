@@ -214,7 +214,7 @@ def test_a_stop_request_stops_every_nodes_ranks_within_seconds(tmp_path, shard_r
     from megatrain.launch import write_run_config
     from tasks import train as train_tasks
     from tasks.elastic import launch_nodes
-    from tests.flows.test_pretrain import ranks_alive
+    from process_table import processes_mentioning
 
     doc = yaml.safe_load(nodes_campaign(tmp_path, shard_root).read_text())
     doc.update(nproc_per_node=1, self_check=False)
@@ -232,14 +232,14 @@ def test_a_stop_request_stops_every_nodes_ranks_within_seconds(tmp_path, shard_r
         deadline = time.monotonic() + 300
         while not (campaign.stage_dir(0) / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert ranks_alive(config_path), "the ranks never started"
+        assert processes_mentioning(config_path), "the ranks never started"
         train_tasks._ABANDONED[config_path].set()  # what the stage does when it gives up; STOP is the same path
         stopped_at = time.monotonic()
         launch.join(60)
         gone = time.monotonic()
-        while ranks_alive(config_path) and time.monotonic() - gone < 10:
+        while processes_mentioning(config_path) and time.monotonic() - gone < 10:
             time.sleep(0.2)
-        assert not ranks_alive(config_path), "ranks outlived the stop"
+        assert not processes_mentioning(config_path), "ranks outlived the stop"
     finally:
         train_tasks._ABANDONED.pop(config_path).set()
         launch.join(60)

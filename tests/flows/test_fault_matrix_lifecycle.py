@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_table import processes_mentioning
 
 from megatrain.campaign import load_campaign
 from megatrain.checkpoint import catalog
@@ -50,20 +51,6 @@ def wait_for(predicate, timeout_s: float, what: str) -> float:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(0.1)
     return time.monotonic() - start
-
-
-def processes_mentioning(marker: str) -> list[int]:
-    """PIDs whose command line contains ``marker`` (torchrun and its ranks carry the stage's
-    config path)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if marker in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="ignore"):
-                    found.append(int(proc.name))
-            except OSError:
-                continue
-    return found
 
 
 def children_of(pid: int) -> list[int]:

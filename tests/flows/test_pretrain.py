@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_table import processes_mentioning
 
 from megatrain.campaign import load_campaign, stage_config
 from megatrain.checkpoint.files import load_safetensors, step_dir_name
@@ -47,19 +48,6 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def ranks_alive(marker: str) -> list[int]:
-    """PIDs whose command line mentions ``marker`` (the stage's config path)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if marker in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="ignore"):
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
-
-
 @pytest.mark.slow
 def test_killed_flow_run_resumes_skips_finished_stages_and_matches_bit_for_bit(prefect_api, campaign_file):
     from flows.pretrain import pretrain
@@ -86,7 +74,7 @@ def test_killed_flow_run_resumes_skips_finished_stages_and_matches_bit_for_bit(p
         flow_process.wait()
     # the ranks die with their parents (PR_SET_PDEATHSIG), nobody is left training
     stage_config_path = str(campaign.stage_dir(1) / "config.yaml")
-    wait_for(lambda: not ranks_alive(stage_config_path), 30, "the ranks to die with the flow")
+    wait_for(lambda: not processes_mentioning(stage_config_path), 30, "the ranks to die with the flow")
     first_stage_rows = len((campaign.stage_dir(0) / "metrics.jsonl").read_text().splitlines())
     assert not (Path(second_durable) / step_dir_name(6) / "manifest.json").exists()
 
