@@ -188,12 +188,15 @@ class Lease:
     """Hold the lease of ``store`` while the ``with`` block runs.
 
     ``wait_s``: how long to wait for a live holder to let go (0: refuse at once). ``on_lost``:
-    called (from the heartbeat thread) if the lease is found taken over by another run.
+    called (from the heartbeat thread) if the lease is found taken over by another run. ``log``
+    gets the problems (a failed heartbeat, a lost lease); ``log_takeover`` the takeover of a gone
+    holder's lease (default ``log``; routine for a rank restarted after a crash).
     """
 
     def __init__(self, store: FileLeaseStore | RedisLeaseStore, owner: str, *, stale_after_s: float = 60.0,
                  heartbeat_s: float | None = None, wait_s: float = 0.0,
-                 on_lost: Callable[[str], None] | None = None, log: Callable[[str], None] = print) -> None:
+                 on_lost: Callable[[str], None] | None = None, log: Callable[[str], None] = print,
+                 log_takeover: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.record = LeaseRecord(owner=owner)
         self.stale_after_s = stale_after_s
@@ -201,6 +204,7 @@ class Lease:
         self.wait_s = wait_s
         self.on_lost = on_lost
         self.log = log
+        self.log_takeover = log_takeover or log
         self.lost = False
         self.took_over: LeaseRecord | None = None  # the stale holder this lease replaced
         self._stop = threading.Event()
@@ -219,7 +223,7 @@ class Lease:
             if won:
                 if before is not None:
                     self.took_over = before
-                    self.log(f"took over the stale lease of {self.store.where} from {before.owner}: {verdict['reason']}")
+                    self.log_takeover(f"took over the stale lease of {self.store.where} from {before.owner}: {verdict['reason']}")
                 break
             if before is None:  # freed between the read and the write: try again at once
                 continue

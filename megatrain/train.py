@@ -62,12 +62,8 @@ def hold_run_dir(cfg) -> Lease:
     """One writer per run dir: rank 0 holds ``<run_dir>/lease.json`` while it trains (a restart
     after a crash takes over the dead attempt's lease)."""
     store = FileLeaseStore(cfg.train.run_dir)
-    log = logging.getLogger("megatrain")
-
-    def say(message: str) -> None:  # taking over a crashed attempt's lease is routine; losing one is not
-        (log.info if message.startswith("took over") else log.warning)(message)
-
-    return Lease(store, f"megatrain train of {cfg.run_id}", log=say).acquire()
+    log = logging.getLogger("megatrain")  # taking over a crashed attempt's lease is routine; losing one is not
+    return Lease(store, f"megatrain train of {cfg.run_id}", log=log.warning, log_takeover=log.info).acquire()
 
 
 def _train(cfg) -> int:
