@@ -464,6 +464,12 @@ class ReliabilityConfig(_Section):
     init_timeout_s: float = Field(
         900.0, gt=0, description="grace for the init phase (compile, checkpoint load) and for ranks never seen"
     )
+    stall_factor: float | None = Field(
+        20.0, gt=1, description="a step frozen longer than this x the ranks' median step-to-step time (and "
+        "stall_min_s) while every rank is in compute or a collective is hung, before heartbeat_timeout_s "
+        "(None = heartbeat_timeout_s only); data reads, saves, evaluation and logging keep the full timeout",
+    )
+    stall_min_s: float = Field(5.0, gt=0, description="the stall rule never calls a step hung sooner than this")
     redis_url: str | None = Field(None, description="redis://host:port/db; None = a local directory")
     collective_timeout_s: float = Field(600.0, gt=0, description="NCCL/gloo timeout")
     straggler_slowdown: float | None = Field(

@@ -245,7 +245,10 @@ class Trainer:
         try:
             while self.step < self.cfg.train.steps:
                 metrics = self.train_step()
-                self.evaluator.after_step(self.engine, metrics)  # held-out loss on its steps
+                if self.evaluator.due(metrics.step):  # held-out loss: as long as it takes, never a stalled step
+                    self.heartbeat.beat(phase="eval")
+                    self.evaluator.after_step(self.engine, metrics)
+                self.heartbeat.beat(phase="log")  # the sinks may wait on a disk or a server: not a stalled step
                 metrics.startup = self.startup.first_step(metrics.step_time_s, self.cfg.train.run_dir, self.step)
                 self.metrics.log(metrics)
                 # forward time of the previous step (timers read one step late): a straggler's own

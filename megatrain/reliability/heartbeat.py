@@ -48,7 +48,12 @@ from megatrain.reliability.stacks import STACK_SIGNAL, install_stack_dump, stack
 log = logging.getLogger(__name__)
 
 RECENT_STEPS = 8  # steps of forward time each record carries
-PHASES = ("init", "data", "forward", "backward", "optimizer", "pipeline", "checkpoint", "collective", "done")
+PHASES = ("init", "data", "forward", "backward", "optimizer", "pipeline", "checkpoint", "collective", "eval", "log",
+          "done")
+# The phases of a step whose length is the step's own: compute and the collectives between ranks.
+# A frozen step is called hung sooner (the watcher's stall rule) only while every rank is in one
+# of these; data reads, checkpoint saves, evaluation and logging may legitimately take longer.
+STEP_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "collective"})
 
 
 @dataclass
@@ -74,6 +79,7 @@ class HeartbeatRecord:
     first_step_done: bool = False
     step_phase_s: dict[str, float] | None = None  # seconds per phase of the last finished step
     recent_forward_s: list[list[float]] | None = None  # [step, forward seconds] of the last steps
+    recent_step_s: list[float] | None = None  # seconds from step to step of the last steps (the stall rule's scale)
     init_phase: str | None = None  # during phase "init": the start-up phase (megatrain/startup.py)
 
     def to_dict(self) -> dict[str, Any]:
@@ -217,6 +223,7 @@ class HeartbeatWriter:
         self._phase_s: dict[str, float] = {}  # the current step's seconds per phase so far
         # A watcher polling slower than steps finish still sees every step's own compute time.
         self._recent_forward: collections.deque[list[float]] = collections.deque(maxlen=RECENT_STEPS)
+        self._recent_step: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self._stack_handle: IO[str] | None = None
         if stacks_dir is not None:
             self._stack_handle = install_stack_dump(stack_file(stacks_dir, rank))
@@ -254,6 +261,8 @@ class HeartbeatWriter:
                     record.step_phase_s = {k: round(v, 6) for k, v in self._phase_s.items()}
                     self._recent_forward.append([step, record.step_phase_s.get("forward", 0.0)])
                     record.recent_forward_s = list(self._recent_forward)
+                    self._recent_step.append(round(now - record.step_since, 6))
+                    record.recent_step_s = list(self._recent_step)
                 self._phase_s = {}
                 record.step = step
                 record.step_since = now

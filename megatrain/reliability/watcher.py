@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from megatrain.config import ReliabilityConfig
 from megatrain.observe.straggler import slow_ranks
-from megatrain.reliability.heartbeat import HeartbeatRecord, HeartbeatSink, make_sink
+from megatrain.reliability.heartbeat import STEP_PHASES, HeartbeatRecord, HeartbeatSink, make_sink
 from megatrain.reliability.stacks import collect_stacks
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,13 @@ class HeartbeatWatcher:
     again, a rank not heard from since is dead only after a full ``timeout_s`` from that moment
     (a restarted Redis comes back empty; the writers refill it within one interval).
 
+    ``stall_factor``: a hang shows sooner than ``timeout_s`` where steps are short. While every
+    rank is mid-step in compute or a collective (``STEP_PHASES``), a step frozen longer than
+    ``stall_factor`` x the ranks' median step-to-step time (and at least ``stall_min_s``) is hung: a
+    step of 0.1 s frozen for 5 s is no slow step. Data reads, checkpoint saves, evaluation and
+    logging take as long as they take, so a rank in one of those keeps the full ``timeout_s`` for
+    the whole job (its peers wait for it in a collective). ``None`` turns the rule off.
+
     ``slow_factor``: a rank whose forward time of a step exceeds ``1 + slow_factor`` times its
     peers' median in ``slow_steps`` of the last ``slow_steps + 1`` steps seen is reported slow
     (``observe.straggler.slow_ranks``' ratio rule, at any world size; ``None`` turns it off).
@@ -129,6 +137,8 @@ class HeartbeatWatcher:
         since: float | None = None,
         slow_factor: float | None = 0.5,
         slow_steps: int = 3,
+        stall_factor: float | None = None,
+        stall_min_s: float = 5.0,
     ) -> None:
         self.sink = sink
         self.world_size = world_size
@@ -139,6 +149,7 @@ class HeartbeatWatcher:
         self.since = self.started_at if since is None else since
         self.slow_factor = slow_factor
         self.slow_steps = slow_steps
+        self.stall_factor, self.stall_min_s = stall_factor, stall_min_s
         # Last record seen per rank: a dead rank's Redis hash may expire, and it must stay dead.
         self._last: dict[int, HeartbeatRecord] = {}
         self._unreadable_since: float | None = None  # the store has failed every read since then
@@ -155,6 +166,7 @@ class HeartbeatWatcher:
             make_sink(cfg, run_dir, run_id), world_size, cfg.heartbeat_timeout_s,
             init_timeout_s=cfg.init_timeout_s, stacks_dir=Path(run_dir) / "stacks",
             slow_factor=cfg.straggler_slowdown, slow_steps=cfg.straggler_steps,
+            stall_factor=cfg.stall_factor, stall_min_s=cfg.stall_min_s,
         )
 
     def check(self) -> WatchResult:
@@ -180,6 +192,7 @@ class HeartbeatWatcher:
         fresh = {r: rec for r, rec in read.items() if rec.timestamp >= self.since}
         self._last.update(fresh)
         result = WatchResult(checked_at=now, records=dict(self._last), notes=notes)
+        stall_limit = self._stall_limit()
         for rank in range(self.world_size):
             record = self._last.get(rank)
             if record is None:
@@ -199,10 +212,35 @@ class HeartbeatWatcher:
                 continue
             warming_up = record.phase == "init" or not record.first_step_done
             limit = self.init_timeout_s if warming_up else self.timeout_s
-            if now - record.step_since > limit:
+            frozen_s = now - record.step_since
+            if frozen_s > limit:
                 result.hung.append(rank)
+            elif not warming_up and stall_limit is not None and frozen_s > stall_limit:
+                result.hung.append(rank)
+                result.notes.append(f"rank {rank}: step {record.step + 1} frozen {frozen_s:.1f} s in {record.phase}, "
+                                    f"over the stall limit {stall_limit:.1f} s (before the {self.timeout_s:g} s timeout)")
         self._find_slow(fresh, result)
         return result
+
+    def _stall_limit(self) -> float | None:
+        """Seconds after which a frozen step is hung by the stall rule now, or None where the rule
+        does not apply: off, a rank not heard from (or not since the store came back), warming
+        up, finished, or in a phase that may take long (see the class doc)."""
+        if self.stall_factor is None:
+            return None
+        step_s: list[float] = []
+        for rank in range(self.world_size):
+            record = self._last.get(rank)
+            if record is None or record.timestamp < self._readable_again_at:
+                return None
+            if record.phase == "done":
+                continue
+            if record.phase not in STEP_PHASES or not record.first_step_done or not record.recent_step_s:
+                return None
+            step_s += record.recent_step_s
+        if not step_s:
+            return None
+        return max(self.stall_min_s, self.stall_factor * statistics.median(step_s))
 
     def _find_slow(self, fresh: dict[int, HeartbeatRecord], result: WatchResult) -> None:
         """Compare each rank's forward time with its peers' on the steps all of them reported."""

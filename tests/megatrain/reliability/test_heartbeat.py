@@ -57,3 +57,6 @@ def test_writer_publishes_the_seconds_of_each_phase_of_the_last_step(tmp_path):
     assert 0.11 <= phases["forward"] < 0.3 and 0.015 <= phases["backward"] < 0.2, phases
     assert [step for step, _ in record.recent_forward_s] == [1, 2]
     assert record.recent_forward_s[1][1] == phases["forward"]
+    # step to step (the watcher's stall scale): the steps' own seconds, not the restore before them
+    first, second = record.recent_step_s
+    assert 0.075 <= first < 0.3 and 0.135 <= second < 0.4 and second > first, record.recent_step_s

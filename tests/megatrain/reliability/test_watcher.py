@@ -62,6 +62,49 @@ def test_watcher_verdicts_from_records(tmp_path: Path) -> None:
     assert "dead=[1]" in text and "collective" in text
 
 
+def _stall_case(phases: dict[int, str], frozen_s: float, steps_s: list[float] | None = (0.1, 0.1, 0.2)):
+    """A watcher with the stall rule on (20 x median step, at least 5 s; timeout 30 s) over ranks
+    in ``phases`` whose step has been frozen ``frozen_s``; returns its hung ranks and notes."""
+    sink = _FlakySink()
+    now = time.time()
+    for rank, phase in phases.items():
+        sink.publish(HeartbeatRecord(rank, step=40, phase=phase, timestamp=now, step_since=now - frozen_s,
+                                     first_step_done=True, recent_step_s=list(steps_s) if steps_s else None))
+    watcher = HeartbeatWatcher(sink, world_size=len(phases), timeout_s=30.0, since=0,
+                               stall_factor=20.0, stall_min_s=5.0)
+    result = watcher.check()
+    return result.hung, result.notes
+
+
+def test_a_frozen_step_of_short_steps_is_hung_long_before_the_timeout() -> None:
+    # a rank hung in forward, its peer waiting in the gradients' all-reduce: 6 s >> 20 x 0.1 s
+    hung, notes = _stall_case({0: "forward", 1: "backward"}, frozen_s=6.0)
+    assert hung == [0, 1]
+    assert "over the stall limit 5.0 s" in notes[0] and "before the 30 s timeout" in notes[0]
+    # never sooner than stall_min_s, however short the steps
+    assert _stall_case({0: "forward", 1: "collective"}, frozen_s=4.0)[0] == []
+    # the limit scales with the step: 20 x 0.5 s = 10 s
+    assert _stall_case({0: "optimizer", 1: "backward"}, frozen_s=8.0, steps_s=[0.5, 0.5])[0] == []
+    assert _stall_case({0: "optimizer", 1: "backward"}, frozen_s=11.0, steps_s=[0.5, 0.5])[0] == [0, 1]
+
+
+@pytest.mark.parametrize("slow_phase", ["data", "checkpoint", "eval", "log", "init"])
+def test_a_rank_in_a_phase_that_may_take_long_keeps_the_full_timeout_for_the_job(slow_phase: str) -> None:
+    # one rank reads a shard, saves, evaluates or logs; its peer waits for it in a collective
+    assert _stall_case({0: slow_phase, 1: "collective"}, frozen_s=20.0)[0] == []
+    assert _stall_case({0: slow_phase, 1: "collective"}, frozen_s=31.0)[0] == [0, 1]
+
+
+def test_the_stall_rule_needs_step_times_and_can_be_turned_off() -> None:
+    assert _stall_case({0: "forward", 1: "backward"}, frozen_s=20.0, steps_s=None)[0] == []
+    sink = _FlakySink()
+    now = time.time()
+    for rank in (0, 1):
+        sink.publish(HeartbeatRecord(rank, step=40, phase="forward", timestamp=now, step_since=now - 20,
+                                     first_step_done=True, recent_step_s=[0.1]))
+    assert HeartbeatWatcher(sink, world_size=2, timeout_s=30.0, since=0, stall_factor=None).check().hung == []
+
+
 def test_records_of_a_previous_attempt_are_ignored(tmp_path: Path) -> None:
     sink = DirectorySink(tmp_path)
     old = time.time() - 100  # attempt 1: rank 1 died long ago
