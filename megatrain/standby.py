@@ -14,7 +14,8 @@ The launcher hands each one its rank (the environment torchrun would set) and it
 breakdown shows what the restart itself cost. The launcher supervises the handed-over ranks as
 torchrun would (the first rank to fail stops the others, which are killed, not asked: their
 state is in the last committed checkpoint) and, once the new attempt has trained a step, starts
-the next standby set at low CPU priority, so it imports in the CPU time the ranks leave idle.
+the next standby set at the lowest CPU priority (SCHED_IDLE), so it imports in the CPU time the
+ranks leave idle.
 
 Engine code: ``run_ranks`` (megatrain/launch.py) runs a ``StandbyLaunch`` in place of a torchrun
 command; ``reliability.warm_standby`` turns it on for a stage's ``launch-ranks`` task.
@@ -39,7 +40,8 @@ from pathlib import Path
 from megatrain.startup import HANDED_OVER_ENV  # the rank's start time, for its start-up breakdown
 
 READY_LINE = "megatrain: standby ready"  # printed once the imports are done
-WARM_NICE = 10  # the standby imports at this niceness, then returns to the launcher's
+WARM_NICE = 10  # where SCHED_IDLE cannot be left again: the standby imports at this niceness
+CAP_SYS_NICE = 23  # the capability bit that lets a process raise its own priority back
 
 
 def warm_imports() -> None:
@@ -55,21 +57,53 @@ def warm_imports() -> None:
         pass
 
 
+def may_raise_priority() -> bool:
+    """Whether this process may give itself back a normal priority: CAP_SYS_NICE, or a
+    RLIMIT_NICE that allows its niceness (the kernel's test for leaving SCHED_IDLE)."""
+    import resource
+
+    try:
+        caps = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("CapEff:"))
+        if int(caps.split()[1], 16) >> CAP_SYS_NICE & 1:
+            return True
+    except (OSError, StopIteration, ValueError):
+        pass
+    limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    return limit == resource.RLIM_INFINITY or limit >= 20 - os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def lower_priority() -> Callable[[], None]:
+    """Run this process in the CPU time nobody else wants; returns the call that undoes it.
+
+    SCHED_IDLE takes no CPU from the training ranks (a niceness of +10 still takes ~10% of a
+    busy core, and the imports cost the same CPU time either way). A process that could not
+    leave SCHED_IDLE again would train starved, so without the right to raise its priority it
+    takes niceness +10 instead, and stays there if it cannot go back."""
+    if hasattr(os, "SCHED_IDLE") and may_raise_priority():
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return lambda: os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    base_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, min(19, base_nice + WARM_NICE))
+
+    def back_to_base() -> None:
+        try:  # allowed for root or with RLIMIT_NICE; else stay nice
+            os.setpriority(os.PRIO_PROCESS, 0, base_nice)
+        except PermissionError:
+            print(f"megatrain: standby could not leave niceness {base_nice + WARM_NICE}", file=sys.stderr, flush=True)
+    return back_to_base
+
+
 def standby_main() -> int:
     """A standby process: import at low priority, wait for a rank, become it, and exit without
     the interpreter's teardown."""
-    base_nice = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, 0, min(19, base_nice + WARM_NICE))
+    back_to_normal_priority = lower_priority()
     warm_imports()
     print(READY_LINE, flush=True)
     line = sys.stdin.readline()
     if not line.strip():  # the launcher closed the pool: nothing to run
         return 0
     order = json.loads(line)
-    try:  # back to the launcher's priority (allowed for root or with RLIMIT_NICE; else stay nice)
-        os.setpriority(os.PRIO_PROCESS, 0, base_nice)
-    except PermissionError:
-        print(f"megatrain: standby could not leave niceness {base_nice + WARM_NICE}", file=sys.stderr, flush=True)
+    back_to_normal_priority()
     os.environ.update(order["env"])
     os.environ[HANDED_OVER_ENV] = str(order["handed_over_at"])
     from megatrain.train import main
