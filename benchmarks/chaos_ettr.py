@@ -86,6 +86,46 @@ class RestartingRedis:
         self.proc.kill()
 
 
+class CpuSampler:
+    """CPU seconds used on this machine by kind of process (ranks, the flow process, the Prefect
+    server, Redis, anything else), from /proc every few seconds: who shared the cores with the
+    ranks. A process that ends between two samples loses its last few seconds."""
+
+    KINDS = (("megatrain.train", "ranks and standbys"), ("megatrain.standby", "ranks and standbys"),
+             ("torch.distributed.run", "ranks and standbys"), ("uvicorn", "Prefect server"),
+             ("redis-server", "Redis"))
+
+    def __init__(self) -> None:
+        self.seen: dict[int, float] = {}
+        self.by_kind: dict[str, float] = {}
+        self.sample()
+        self.by_kind = {}  # what ran before the campaign does not count
+
+    def kind(self, pid: int, cmdline: str) -> str:
+        if pid == os.getpid():
+            return "the flow process (watcher, launches, upload tasks, logs)"
+        return next((name for key, name in self.KINDS if key in cmdline), "everything else on the machine")
+
+    def sample(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fields = (Path("/proc") / entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = (Path("/proc") / entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            pid, used = int(entry), (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            kind = self.kind(pid, cmdline)
+            self.by_kind[kind] = self.by_kind.get(kind, 0.0) + used - self.seen.get(pid, 0.0)
+            self.seen[pid] = used
+
+    def totals(self) -> dict[str, float]:
+        self.sample()
+        return {kind: round(seconds, 1) for kind, seconds in sorted(self.by_kind.items())}
+
+
 def probe_step_time(out: Path) -> float:
     """Median step time of 2 ranks on this recipe (a short torchrun run, steps 3..12)."""
     run_dir = out / "probe"
@@ -218,7 +258,11 @@ def breakdown(attempts: list[dict], launches: list[float], ends: list[tuple[floa
     # steps slower than the median (load from other jobs, checkpoint staging inside the step)
     lost["slow steps (above the median)"] = sum(step_times) - redone_s - productive_s
     lost["other"] = wall_s - productive_s - sum(lost.values())
-    result = {"ettr": productive_s / wall_s, "wall_s": wall_s, "productive_steps": len(done),
+    # the same with each productive step at its own measured time: a slow step is then not lost
+    # time (the steps' spread on a shared machine is not a fault's cost), redone steps still are
+    measured_s = sum(step_times) - redone_s
+    result = {"ettr": productive_s / wall_s, "ettr_measured_steps": measured_s / wall_s,
+              "wall_s": wall_s, "productive_steps": len(done),
               "iteration_s": iteration_s, "productive_s": productive_s, "lost_s": lost,
               "interruptions": interruptions, "startup_records": all(a["startup"] is not None for a in attempts)}
     if result["startup_records"]:
@@ -263,6 +307,9 @@ def print_result(result: dict, out: Path) -> None:
     print(f"\nETTR {100 * result['ettr']:.1f}% over {wall_s / 60:.1f} min: {result['productive_steps']} productive "
           f"steps x {result['iteration_s']:.3f} s; {len(result['faults_fired'])} faults fired "
           f"({', '.join(result['faults_fired'])}); {len(result['interruptions'])} restarts/rollbacks")
+    if "ettr_measured_steps" in result:
+        print(f"(with each productive step at its measured time instead of the median: "
+              f"{100 * result['ettr_measured_steps']:.1f}%)")
     print(f"{'lost time':<56} {'s':>8} {'% of wall':>9}")
     for key, value in result["lost_s"].items():
         print(f"{key:<56} {value:>8.1f} {100 * value / wall_s:>8.1f}%")
@@ -270,6 +317,8 @@ def print_result(result: dict, out: Path) -> None:
         print("  restart start-up: " + "  ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     for i, row in enumerate(result["interruptions"], 1):
         print(f"  interruption {i} ({row['status']}): " + ", ".join(f"{k} {v:.1f} s" for k, v in row.items() if k != "status"))
+    if "cpu_s" in result:
+        print("CPU seconds over the run: " + ", ".join(f"{k} {v:.0f}" for k, v in result["cpu_s"].items()))
     if "load_1min" in result:
         print(f"({result['cpus']} CPU cores shared with other work: 1-minute load mean "
               f"{result['load_1min']['mean']:.1f}, max {result['load_1min']['max']:.1f} over the run)")
@@ -328,8 +377,13 @@ def run_ettr(args, out: Path) -> int:
 
     loads: list[float] = []  # the machine's 1-minute load every 10 s: other jobs share its cores
     sampling = threading.Event()
-    threading.Thread(target=lambda: [loads.append(os.getloadavg()[0]) for _ in iter(lambda: sampling.wait(10), True)],
-                     daemon=True).start()
+    cpu = CpuSampler()
+
+    def sample() -> None:
+        loads.append(os.getloadavg()[0])
+        cpu.sample()
+
+    threading.Thread(target=lambda: [sample() for _ in iter(lambda: sampling.wait(5), True)], daemon=True).start()
     start = time.time()
     try:
         report = pretrain(str(path))
@@ -337,10 +391,11 @@ def run_ettr(args, out: Path) -> int:
         redis.stop()
         sampling.set()
     t_end = time.time()
+    cpu_s = {**cpu.totals(), "available (cores x wall)": (os.cpu_count() or 1) * (t_end - start)}
     result = analyse(records, Path(stage_config(load_campaign(path), 0).train.run_dir), start, t_end)
     result.update(faults_planned=faults, redis_restarts=redis.restarts, stage=report["stages"][0],
                   minutes=args.minutes, every_s=args.every, probe_step_s=step_s, engine=engine_commit(),
                   load_1min={"mean": statistics.mean(loads or [0.0]), "max": max(loads or [0.0]), "samples": loads},
-                  cpus=os.cpu_count())
+                  cpus=os.cpu_count(), cpu_s=cpu_s)
     print_result(result, out)
     return 0

@@ -53,6 +53,8 @@ def test_ettr_and_the_lost_time_add_up_to_the_wall(tmp_path, startup) -> None:
     assert lost["flow start, sharding, first launch"] == pytest.approx(5.0)
     assert lost["flow wrap-up after the last attempt"] == pytest.approx(1.0)
     assert sum(lost.values()) + result["productive_s"] == pytest.approx(26.0)
+    # each productive step at its own time (here all 1 s, so the same less nothing slow)
+    assert result["ettr_measured_steps"] == pytest.approx((sum(t for _, t in STEPS) - 2.0) / 26)
     assert result["startup_records"] is startup
     assert result["interruptions"] == [{"status": "crashed", "detection+teardown": 2.0, "between attempts": 2.0,
                                         "launch -> first step (restarts)": 4.0}]
@@ -69,3 +71,13 @@ def test_a_console_log_reads_back_as_records(tmp_path) -> None:
     records = records_from_console(log, "20261124")
     [(when, match)] = records.find_all(ATTEMPT_ENDED)
     assert when == 1795527166.155 and match.group(2) == "crashed" and match.group(3) == "76.5"
+
+
+def test_a_slow_step_is_lost_time_by_the_median_but_productive_at_its_measured_time() -> None:
+    rows = [{"step": s, "step_time_s": t} for s, t in [(1, 1.0), (2, 3.0), (3, 1.0), (4, 1.0)]]
+    rows[0]["startup"] = {"started_at": 100.5, "first_step_at": 101.0, "phases_s": {}}
+    result = breakdown([{"startup": rows[0]["startup"], "rows": rows}], [100.0], [(107.0, "completed", 7.0)], [],
+                       [], t_start=99.0, t_end=108.0)
+    assert result["ettr"] == pytest.approx(4 * 1.0 / 9)  # 4 steps at the median 1 s
+    assert result["lost_s"]["slow steps (above the median)"] == pytest.approx(2.0)
+    assert result["ettr_measured_steps"] == pytest.approx(6.0 / 9)  # the slow step's 3 s count
