@@ -1,6 +1,7 @@
 """FP8 rows of benchmarks/mfu.py (issue 16): in one process, on the recipe's shape and batch,
 
-    (a) the bf16 baseline: mfu.py's nanoGPT + whole-model torch.compile (its "baseline" part);
+    (a) the bf16 baseline: mfu.py's nanoGPT (nanogpt_baseline.py) + whole-model torch.compile
+        (its "baseline" part);
     (b) the same baseline with torchao float8 tensorwise on every Linear but the LM head, then
         torch.compile: the standard FP8 recipe a user adds in two lines ("fp8" part, here);
     (c) megatrain's default in bf16 (mfu.py's "default" part);

@@ -1,6 +1,6 @@
 """The Llama baseline of ``benchmarks/mfu.py``: Hugging Face's ``LlamaForCausalLM`` built from a
 config of the recipe's shape, as a user would set it up (SDPA attention, fp32 weights under bf16
-autocast, fused AdamW and ``torch.compile`` of the whole model, by mfu.py's baseline loop).
+autocast, fused AdamW and ``torch.compile`` of the whole model, by mfu.py's baseline loop in mfu_baseline.py).
 
 ``hf_llama_config`` translates a ``ModelConfig`` of the Llama family (RoPE + RMSNorm + SwiGLU,
 any n_kv_head) into a ``LlamaConfig``: same layers, widths, heads, KV heads, vocabulary, RoPE

@@ -1,0 +1,151 @@
+"""The baseline row of ``benchmarks/mfu.py``: a standard PyTorch model of the recipe's shape
+(nanoGPT, ``nanogpt_baseline.py``; for the Llama family Hugging Face's ``LlamaForCausalLM``,
+``llama_baseline.py``) with fp32 weights under bf16 autocast, fused AdamW, a global grad-norm clip
+and whole-model ``torch.compile``, fed by megatrain's real loader, timed like megatrain's rows
+(host wall clock of each optimizer step, phases by ``StepTimers``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from mfu_data import Data
+from mfu_device import allocated_gib, peak_gib, reset_memory, sync
+from mfu_profile import export_trace, summarize_profile
+from mfu_report import Bench, Result, log, median_phases
+from nanogpt_baseline import NanoGPT
+
+
+def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int, steps: int,
+                 profile_it: bool = False, convert: Callable[[nn.Module], Any] | None = None,
+                 key: str = "baseline", label: str = "", precision: str = "") -> Result:
+    """``convert``: applied to the built model before the optimizer and compile (fp8_rows.py's
+    torchao float8 row); ``key``/``label``/``precision`` name that row."""
+    from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
+    from megatrain.observe.timers import StepTimers
+
+    device = env.device
+    m = cfg.model
+    accumulation = global_batch // mb
+    llama = m.position == "rope"  # the Llama family: HF LlamaForCausalLM (benchmarks/llama_baseline.py)
+    name = "baseline HF LlamaForCausalLM (SDPA) + torch.compile" if llama else "baseline nanoGPT + torch.compile"
+    res = Result(key=f"{key}-mb{mb}", label=f"{label or name}, mb {mb}", kind="baseline" if convert is None else "baseline-variant",
+                 micro_batch=mb, global_batch=global_batch,
+                 settings={"block": "serial", "attention": "full", "kernels": "torch", "compile": "whole model",
+                           "optim": "AdamW (fused)", "precision": precision or "fp32 weights, bf16 autocast"})
+    reset_memory(device)
+    t = time.perf_counter()
+    with torch.device(device):
+        if llama:
+            from llama_baseline import HFLlama
+
+            model = HFLlama(m, cfg.seq_len)
+        else:
+            model = NanoGPT(m.vocab_size, cfg.seq_len, m.n_layer, m.n_head, m.d_model, m.ffn_dim, m.bias, m.norm_eps)
+    n_params = sum(p.numel() for p in model.parameters())
+    if convert is not None:
+        convert(model)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=6e-4, betas=(0.9, 0.95), fused=fused or None)
+    compiled = torch.compile(model, dynamic=False)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    timers = StepTimers(device)
+    res.init_s = time.perf_counter() - t
+
+    def step(batches, timed: bool = True) -> torch.Tensor:
+        total = torch.zeros((), device=device)
+        for _ in range(accumulation):
+            with timers.phase("data"):
+                x, y = next(batches)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with timers.phase("forward"), amp:
+                loss = compiled(x, y) / accumulation
+            with timers.phase("backward"):
+                loss.backward()
+            total += loss.detach()
+        with timers.phase("optimizer"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return total
+
+    def random_batches():
+        while True:
+            tok = torch.randint(0, m.vocab_size, (mb, cfg.seq_len + 1))
+            yield tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+
+    loader = None
+    try:
+        # Compile on random tokens while the shards are being written (same shapes, same graphs).
+        t = time.perf_counter()
+        warm_accumulation, accumulation = accumulation, min(2, accumulation)
+        step(random_batches()).item()
+        accumulation = warm_accumulation
+        timers = StepTimers(device)  # the timed loop's step indices start at 0 (its warm step)
+        res.first_step_s = time.perf_counter() - t
+        log(f"  {res.key}: compiled + first steps in {res.first_step_s:.1f}s")
+        loader = data.loader(cfg, mb)
+
+        def batches():
+            while True:
+                yield next(loader)
+
+        it = batches()
+        phases, times = [], []
+        for i in range(1 + steps):  # one warm step on real data, then timed steps
+            t = time.perf_counter()
+            loss = step(it).item()
+            dt = time.perf_counter() - t
+            p = timers.end_step()
+            if i >= 1:
+                times.append(dt)
+            if p and timers.reported_index is not None and timers.reported_index >= 1:
+                phases.append(p)
+        phases += [p for p in timers.flush()][-(steps - len(phases)):] if len(phases) < steps else []
+        res.step_times_s = times
+        res.step_s = statistics.median(times)
+        res.tokens_per_s = global_batch * cfg.seq_len / res.step_s
+        res.tokens_per_s_mean = global_batch * cfg.seq_len * len(times) / sum(times)
+        res.flops_per_token = flops_per_token(m.model_copy(update={"seq_len": cfg.seq_len, "attention": "full"}), n_params)
+        peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        res.mfu = mfu(res.tokens_per_s, res.flops_per_token, peak)
+        res.phases_ms = median_phases(phases, global_batch // mb)
+        res.loss = loss
+        res.peak_gib = peak_gib(device)
+        if profile_it:  # one optimizer step of two micro-batches, as the default's profile
+            from torch.profiler import ProfilerActivity, profile
+
+            accumulation = 2
+            sync(device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                step(it).item()
+                wall_ms = (time.perf_counter() - t) * 1e3
+            report = summarize_profile(prof, wall_ms, cfg, 2, mb)
+            bench.report["profile_baseline" if convert is None else f"profile_{key}"] = report
+            if bench.args.trace:
+                export_trace(prof, Path(bench.args.out).with_name("mfu_trace_baseline.json"))
+            log(f"  baseline profile: wall {wall_ms:.0f} ms, GPU kernels {report['gpu_kernel_ms']:.0f} ms; " +
+                ", ".join(f"{k} {v:.0f}" for k, v in report["by_kind_ms"].items()))
+    except torch.cuda.OutOfMemoryError as exc:
+        res.error = f"OOM: {str(exc)[:200]}"
+    except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
+        res.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+        traceback.print_exc()
+    finally:
+        if loader is not None:
+            loader.close()
+        model = compiled = opt = decay = no_decay = None  # free them (not del: step() refers to them)
+        torch._dynamo.reset()  # compiled code keeps the model alive otherwise
+        reset_memory(device)
+        res.leftover_gib = allocated_gib(device)
+    return res

@@ -1,0 +1,123 @@
+"""The profile of ``benchmarks/mfu.py``: one optimizer step under ``torch.profiler``, its GPU time
+summed by kernel and by kind (GEMM, attention, Triton, ...) and the GEMMs' achieved rate;
+optionally the chrome trace (``--trace``, gzip).
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import shutil
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from mfu_data import Data
+from mfu_device import reset_memory, sync
+from mfu_megatrain import close_trainer, make_trainer
+from mfu_report import Bench, log
+
+KINDS = (
+    ("attention (cuDNN)", re.compile(r"cudnn|fmha|flash|sdpa", re.I)),
+    ("gemm (cuBLAS)", re.compile(r"nvjet|gemm|cutlass|xmma|cublas", re.I)),
+    ("gemm (inductor template)", re.compile(r"^triton_tem")),  # max-autotune's Triton GEMMs, epilogues fused
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("memcpy/memset", re.compile(r"memcpy|memset", re.I)),
+    ("inductor (triton)", re.compile(r"^triton_")),
+    ("megatrain triton", re.compile(r"^_[a-z_]+_kernel")),
+    ("aten elementwise/reduce", re.compile(r"at::native|^void at::|^void \(anonymous|elementwise|reduce", re.I)),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch: int) -> dict[str, Any]:
+    """GPU time by kernel and by kind over one profiled optimizer step; the GEMM rate counts the
+    6N matmul FLOPs of the step (the blocks' four projections and the LM head)."""
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue
+        if "#" in event.name or event.name.startswith(("ProfilerStep", "Optimizer.")):
+            continue  # GPU-side ranges of record_function annotations, not kernels
+        totals[event.name] += event.time_range.elapsed_us() / 1e3
+        counts[event.name] += 1
+    gpu_ms = sum(totals.values())
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, ms in totals.items():
+        by_kind[kind_of(name)] += ms
+    m = cfg.model
+    tokens = micro_batches * micro_batch * cfg.seq_len
+    # per layer: qkv [d, d + 2 kv] (kv = d without GQA), attention proj [d, d], 2 or 3 (SwiGLU) MLP matrices
+    kv, mlp_mats = m.kv_heads * m.head_dim, (3 if m.mlp == "swiglu" else 2)
+    gemm_flops = 6 * tokens * (m.n_layer * (m.d_model * (2 * m.d_model + 2 * kv) + mlp_mats * m.d_model * m.ffn_dim)
+                               + m.vocab_size * m.d_model)
+    gemm_ms = by_kind.get("gemm (cuBLAS)", 0.0) + by_kind.get("gemm (inductor template)", 0.0)
+    return {
+        "config": {"micro_batch": micro_batch, "micro_batches": micro_batches},
+        "wall_ms": wall_ms, "gpu_kernel_ms": gpu_ms, "gpu_idle_ms": wall_ms - gpu_ms,
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "gemm_tflops": gemm_flops / gemm_ms / 1e9 if gemm_ms else None,
+        "top_kernels": [{"name": n[:140], "ms": ms, "calls": counts[n], "kind": kind_of(n),
+                         "share": ms / gpu_ms if gpu_ms else None}
+                        for n, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:30]],
+    }
+
+
+def export_trace(prof, path: Path) -> None:
+    prof.export_chrome_trace(str(path))
+    with path.open("rb") as src, gzip.open(str(path) + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+
+
+def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int, compile_options: dict | None = None,
+                report_key: str = "profile") -> None:
+    """Two micro-batches (one optimizer step) of the default under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import megatrain.parallel.parallelize as parallelize_module
+
+    device = env.device
+    data.ready(cfg)
+    reset_memory(device)
+    parallelize_module.COMPILE_OPTIONS = compile_options
+    trainer = None
+    try:
+        trainer = make_trainer(cfg, env)
+        for _ in range(2):
+            trainer.train_step()
+        sync(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            t = time.perf_counter()
+            metric = trainer.train_step()
+            sync(device)
+            wall_ms = (time.perf_counter() - t) * 1e3
+        prof_report = summarize_profile(prof, wall_ms, cfg, micro_batches, cfg.train.micro_batch_size)
+        prof_report["step_ms_trainer"] = metric.step_time_s * 1e3
+        prof_report["compile_options"] = compile_options
+        bench.report[report_key] = prof_report
+        if bench.args.trace and device.type == "cuda":
+            export_trace(prof, Path(bench.args.out).with_name(f"mfu_trace_{report_key}.json"))
+        log(f"profile: wall {wall_ms:.0f} ms, GPU kernels {prof_report['gpu_kernel_ms']:.0f} ms; " +
+            ", ".join(f"{k} {v:.0f}" for k, v in prof_report["by_kind_ms"].items()))
+    except Exception as exc:  # noqa: BLE001
+        bench.report[report_key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+        traceback.print_exc()
+    finally:
+        if trainer is not None:
+            close_trainer(trainer)
+        del trainer
+        parallelize_module.COMPILE_OPTIONS = None
+        reset_memory(device)
+    bench.save()
