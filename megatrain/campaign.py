@@ -19,9 +19,10 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from megatrain.checkpoint import compat
-from megatrain.config import Config, _Section
+from megatrain.config import Config
 from megatrain.config import ReliabilityConfig  # noqa: F401  (re-exported for flows)
 from megatrain.config_load import ConfigError, format_validation_error, load_config, merge, parse_overrides, read_yaml
+from megatrain.config_section import _Section
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
