@@ -16,10 +16,10 @@ Scenarios and what counts as detected:
   slow_rank   find_stragglers names the rank            (bound: warm-up + window steps)
 Prints a table and writes chaos.json, the who-hung grid and the straggler heat map to --out.
 
-``--campaign`` runs the end-to-end fault matrix instead (tests/flows/test_fault_matrix.py: the
-real ``pretrain`` flow, real ranks, one case per fault, bit-exact checks against a fault-free
-run) ``--repeat`` times and prints each fault's detection and recovery times (median and max over
-the repeats); it writes campaign.json. Several minutes per repeat on 2 CPU cores.
+``--campaign`` runs the end-to-end fault matrix instead (tests/flows/test_fault_matrix_ranks.py and
+test_fault_matrix_services.py: the real ``pretrain`` flow, real ranks, one case per fault, bit-exact
+checks against a fault-free run) ``--repeat`` times and prints each fault's detection and recovery
+times (median and max over the repeats); it writes campaign.json. Several minutes per repeat on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from megatrain.reliability.watcher import HeartbeatWatcher
 
 STEP_S = 0.05  # a stand-in step's compute time
 STRAGGLER_ARGS = {"warmup_steps": 3, "window": 20}
+# --campaign: the flow-level cases of the fault matrix (one module for faults of a rank, one for the rest)
+CAMPAIGN_MATRIX = ["tests/flows/test_fault_matrix_ranks.py", "tests/flows/test_fault_matrix_services.py"]
 
 
 def rank_main(rank: int, run_dir: Path, interval_s: float, steps: int) -> int:
@@ -139,7 +141,7 @@ def run_campaign_matrix(args: argparse.Namespace, out: Path) -> int:
     for i in range(args.repeat):
         table = out / f"campaign-{i + 1}.json"
         command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                   "tests/flows/test_fault_matrix.py", *(["-k", args.k] if args.k else [])]
+                   *CAMPAIGN_MATRIX, *(["-k", args.k] if args.k else [])]
         start = time.monotonic()
         done = subprocess.run(command, cwd=root, env={**os.environ, "MEGATRAIN_FAULT_TABLE": str(table)})
         failed += done.returncode != 0

@@ -18,9 +18,11 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from megatrain.config import Config, _Section
+from megatrain.checkpoint import compat
+from megatrain.config import Config
 from megatrain.config import ReliabilityConfig  # noqa: F401  (re-exported for flows)
 from megatrain.config_load import ConfigError, format_validation_error, load_config, merge, parse_overrides, read_yaml
+from megatrain.config_section import _Section
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +85,7 @@ class CampaignConfig(_Section):
 
     def fingerprint(self) -> str:
         """What the campaign computes: each stage's config fingerprint, in order."""
-        parts = [stage_config(self, i).fingerprint() for i in range(len(self.stages))]
+        parts = [compat.fingerprint(stage_config(self, i)) for i in range(len(self.stages))]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 

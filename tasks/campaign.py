@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import task
 
 from megatrain.campaign import CampaignConfig, load_campaign, stage_config
+from megatrain.checkpoint import compat
 from megatrain.errors import InputError
 from tasks._log import run_logger
 
@@ -39,5 +40,5 @@ def validate_campaign(campaign_path: str, overrides: list[str] | None = None) ->
         cfg = stage_config(campaign, index)
         logger.info("stage %s: %d steps, seq %d, global batch %d, %s block, lr %.1e (config %s)",
                     stage.name, stage.steps, cfg.seq_len, cfg.train.global_batch_size,
-                    cfg.model.block, cfg.optim.lr, cfg.fingerprint())
+                    cfg.model.block, cfg.optim.lr, compat.fingerprint(cfg))
     return campaign

@@ -25,6 +25,7 @@ from prefect.states import Cancelled, Failed
 from prefect.transactions import CommitMode, transaction
 
 from megatrain.campaign import CampaignConfig, stage_config
+from megatrain.checkpoint import compat
 from megatrain.config_load import load_config
 from tasks.checkpoint import staged_steps, upload_checkpoint
 from tasks.rollback import RollbackLimitExceeded, rollback
@@ -51,7 +52,7 @@ def _stage_cache_key(context, parameters) -> str:
     index = parameters["index"]
     return "-".join([
         "stage", campaign.id, campaign.stages[index].name,
-        stage_config(campaign, index).fingerprint(), parameters["data_version"],
+        compat.fingerprint(stage_config(campaign, index)), parameters["data_version"],
     ])
 
 

@@ -2,8 +2,8 @@
 
 1. Global rank 0 lists the committed checkpoints (newest first) and checks that this run can
    continue them: the fields that define the model, optimizer, data and seed must match
-   (``Config.state_fields``), the batch size and LR schedule too unless
-   ``checkpoint.allow_schedule_change`` (``Config.schedule_fields``). A mismatch is an error naming
+   (``compat.state_fields``), the batch size and LR schedule too unless
+   ``checkpoint.allow_schedule_change`` (``compat.schedule_fields``). A mismatch is an error naming
    each field, not a fallback. It broadcasts the candidates to all ranks. A checkpoint written at
    another parallel layout is resharded (reshard.py) instead of read as below.
 2. For a candidate, every rank reads the files it needs and checks each file's size and sha256
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain import errors, storage
-from megatrain.checkpoint import catalog, reshard, state
+from megatrain.checkpoint import catalog, compat, reshard, state
 from megatrain.checkpoint.files import (
     ChecksumError, check_bytes, check_parses, model_file, parse_json, parse_safetensors, rank_meta_file,
     rank_tensor_file, sha256_stream,
@@ -51,7 +51,7 @@ class CheckpointMismatch(CheckpointError, errors.CheckpointMismatch):
 
 @dataclass(frozen=True)
 class RunIdentity:
-    """What this run must share with a checkpoint to continue it (see ``Config.state_fields``)."""
+    """What this run must share with a checkpoint to continue it (see ``compat.state_fields``)."""
 
     fingerprint: str
     state: dict[str, Any]
@@ -60,7 +60,8 @@ class RunIdentity:
 
     @classmethod
     def of(cls, cfg: Any) -> RunIdentity:
-        return cls(cfg.fingerprint(), cfg.state_fields(), cfg.schedule_fields(), cfg.checkpoint.allow_schedule_change)
+        return cls(compat.fingerprint(cfg), compat.state_fields(cfg), compat.schedule_fields(cfg),
+                   cfg.checkpoint.allow_schedule_change)
 
 
 def _differences(saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, list]:

@@ -25,7 +25,7 @@ from megatrain.kernels import resolve
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling=None, device: torch.device | None = None) -> torch.Tensor:
-    """[hd/2] fp32 angular frequencies theta^(-2i/hd); ``scaling`` (config.RopeScaling) applies Llama 3's
+    """[hd/2] fp32 angular frequencies theta^(-2i/hd); ``scaling`` (config_model.RopeScaling) applies Llama 3's
     rule: keep high frequencies, divide low ones by ``factor``, interpolate the band between."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     if scaling is None:

@@ -27,7 +27,7 @@ from process_table import processes_mentioning
 
 from megatrain.campaign import load_campaign
 from megatrain.checkpoint import catalog
-from test_fault_matrix import (  # noqa: F401  (reproducible_cpu_math: autouse, pins MKL for bit-exactness)
+from fault_matrix_common import (  # noqa: F401  (reproducible_cpu_math: autouse, pins MKL for bit-exactness)
     STEPS, assert_bit_exact, assert_committed_intact, logs, reproducible_cpu_math, run_campaign,
     write_campaign,
 )

@@ -7,7 +7,7 @@ its message names the cause, that nothing committed is corrupted or lost (commit
 verify; what training went on to produce is bit-exact with a fault-free run), and that the exit
 state is honest: a stage that lost a checkpoint never reports Completed (the flow raises).
 
-Helpers and fixtures come from test_fault_matrix.py (the same campaign, reference run and log
+Helpers and fixtures come from fault_matrix_common.py (the same campaign, reference run and log
 capture); run with ``-s`` to see the rows' table.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_fault_matrix import (  # noqa: F401  (fixtures are found by name)
+from fault_matrix_common import (  # noqa: F401  (fixtures are found by name)
     COMMITTED, TABLE, assert_bit_exact, assert_committed_intact, checkpoint_tensors, durable_url, fault_table, logs,
     record_row, reference, reproducible_cpu_math, run_campaign, workdir, write_campaign,
 )

@@ -1,4 +1,4 @@
-"""Which config changes keep a checkpoint usable (``Config.state_fields`` / ``schedule_fields``).
+"""Which config changes keep a checkpoint usable (``megatrain.checkpoint.compat``: state / schedule fields).
 
 Fast: the split of the fields. End to end (the real trainer, one process each): a run resumed
 twice while extending ``train.steps``, changing the micro-batch at the same global batch and
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from megatrain.checkpoint.compat import schedule_fields, state_fields
 from megatrain.config import Config
 from megatrain.errors import DETERMINISTIC_PREFIX, EXIT_DETERMINISTIC
 
@@ -32,19 +33,19 @@ def test_state_and_schedule_fields_split_the_config():
 
     for override in kept:
         other = load_config(None, [override])
-        assert other.state_fields() == base.state_fields(), override
+        assert state_fields(other) == state_fields(base), override
     for override, field in [("model.n_layer=3", "model.n_layer"), ("optim.name=adamw", "optim.name"),
                             ("train.seed=1", "train.seed"), ("data.seed=5", "data.seed"),
                             ("data.shuffle_shards=0", "data.shuffle_shards"), ("model.d_model=384", "model.d_model")]:
         other = load_config(None, [override])
-        diff = {k for k in base.state_fields() if base.state_fields()[k] != other.state_fields()[k]}
+        diff = {k for k in state_fields(base) if state_fields(base)[k] != state_fields(other)[k]}
         assert diff == {field}, override
     # the cosine length follows train.steps unless optim.decay_steps is set: extending changes the schedule
     longer = load_config(None, ["train.steps=200"])
-    assert longer.schedule_fields()["optim.decay_steps"] == 200 != base.schedule_fields()["optim.decay_steps"]
-    pinned = [load_config(None, ["optim.decay_steps=100", f"train.steps={n}"]).schedule_fields() for n in (100, 200)]
+    assert schedule_fields(longer)["optim.decay_steps"] == 200 != schedule_fields(base)["optim.decay_steps"]
+    pinned = [schedule_fields(load_config(None, ["optim.decay_steps=100", f"train.steps={n}"])) for n in (100, 200)]
     assert pinned[0] == pinned[1]
-    assert load_config(None, ["train.global_batch_size=8"]).schedule_fields()["train.global_batch_size"] == 8
+    assert schedule_fields(load_config(None, ["train.global_batch_size=8"]))["train.global_batch_size"] == 8
 
 
 @pytest.fixture(scope="module")

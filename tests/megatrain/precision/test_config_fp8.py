@@ -3,6 +3,7 @@ their field, and FP8 with tensor parallelism is refused with its reason."""
 
 import pytest
 
+from megatrain.checkpoint.compat import fingerprint, state_fields
 from megatrain.config_load import ConfigError, load_config
 from megatrain.precision.fp8 import float8_linear_config
 
@@ -56,10 +57,10 @@ def test_precision_is_part_of_the_fingerprint_only_when_fp8():
     """A bf16 run keeps the fingerprint it had before FP8 existed (its checkpoints resume); an FP8
     run and each FP8 option are different math (a checkpoint resumes only into the same)."""
     bf16 = load_config(None, [])
-    assert load_config(None, ["train.fp8.recipe=rowwise"]).fingerprint() == bf16.fingerprint()  # unused in bf16
+    assert fingerprint(load_config(None, ["train.fp8.recipe=rowwise"])) == fingerprint(bf16)  # unused in bf16
     fp8 = load_config(None, ["train.precision=fp8"])
-    assert fp8.fingerprint() != bf16.fingerprint()
-    assert load_config(None, ["train.precision=fp8", "train.fp8.keep_first_block=true"]).fingerprint() != fp8.fingerprint()
+    assert fingerprint(fp8) != fingerprint(bf16)
+    assert fingerprint(load_config(None, ["train.precision=fp8", "train.fp8.keep_first_block=true"])) != fingerprint(fp8)
 
 
 def test_who_casts_changes_neither_the_fp8_fingerprint_nor_the_state():
@@ -67,8 +68,8 @@ def test_who_casts_changes_neither_the_fp8_fingerprint_nor_the_state():
     the fingerprint FP8 runs had before the knob existed, and a checkpoint resumes under any value."""
     fp8 = load_config(None, ["train.precision=fp8"])
     # recorded on the fp8 branch, before train.fp8.casts and parallel.init existed
-    assert fp8.fingerprint() == "d086dbf9d687810b"
+    assert fingerprint(fp8) == "d086dbf9d687810b"
     fused = load_config(None, ["train.precision=fp8", "train.fp8.casts=fused"])
-    assert fused.fingerprint() != fp8.fingerprint()  # set away from its default it counts, as model.kernels
-    assert fused.state_fields() == fp8.state_fields()
-    assert "train.fp8.recipe" in fp8.state_fields() and "train.fp8.casts" not in fp8.state_fields()
+    assert fingerprint(fused) != fingerprint(fp8)  # set away from its default it counts, as model.kernels
+    assert state_fields(fused) == state_fields(fp8)
+    assert "train.fp8.recipe" in state_fields(fp8) and "train.fp8.casts" not in state_fields(fp8)
