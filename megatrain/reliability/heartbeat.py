@@ -257,12 +257,13 @@ class HeartbeatWriter:
             if step is not None and step != record.step:
                 # A step set while still in "init" is the one restored from a checkpoint, not progress.
                 if record.phase != "init":
+                    if record.first_step_done:  # the first step's time is the warm-up's, not a step's
+                        self._recent_step.append(round(now - record.step_since, 6))
+                        record.recent_step_s = list(self._recent_step)
                     record.first_step_done = True
                     record.step_phase_s = {k: round(v, 6) for k, v in self._phase_s.items()}
                     self._recent_forward.append([step, record.step_phase_s.get("forward", 0.0)])
                     record.recent_forward_s = list(self._recent_forward)
-                    self._recent_step.append(round(now - record.step_since, 6))
-                    record.recent_step_s = list(self._recent_step)
                 self._phase_s = {}
                 record.step = step
                 record.step_since = now
