@@ -70,6 +70,7 @@ class HeartbeatRecord:
     tokens_per_s: float | None = None
     timestamp: float = 0.0
     step_since: float = 0.0
+    phase_since: float = 0.0  # when the rank entered ``phase`` (any phase change is progress)
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     dp_rank: int | None = None
@@ -212,7 +213,8 @@ class HeartbeatWriter:
         self.min_gap_s = interval_s / 20 if min_gap_s is None else min_gap_s
         now = time.time()
         self._record = HeartbeatRecord(
-            rank=rank, timestamp=now, step_since=now, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank
+            rank=rank, timestamp=now, step_since=now, phase_since=now, dp_rank=dp_rank, tp_rank=tp_rank,
+            pp_rank=pp_rank,
         )
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -267,8 +269,8 @@ class HeartbeatWriter:
                 self._phase_s = {}
                 record.step = step
                 record.step_since = now
-            if phase is not None:
-                record.phase = phase
+            if phase_changed:
+                record.phase, record.phase_since = phase, now
             if loss is not None:
                 record.loss = float(loss)
             if tokens_per_s is not None:

@@ -117,7 +117,8 @@ class HeartbeatWatcher:
     ``stall_factor``: a hang shows sooner than ``timeout_s`` where steps are short. While every
     rank is mid-step in compute or a collective (``STEP_PHASES``), a step frozen longer than
     ``stall_factor`` x the ranks' median step-to-step time (and at least ``stall_min_s``) is hung: a
-    step of 0.1 s frozen for 5 s is no slow step. Data reads, checkpoint saves, evaluation and
+    step of 0.1 s frozen for 5 s is no slow step. The stall counts from the later of the step's
+    start and the rank's last phase change, so the save or evaluation before a step never counts. Data reads, checkpoint saves, evaluation and
     logging take as long as they take, so a rank in one of those keeps the full ``timeout_s`` for
     the whole job (its peers wait for it in a collective). ``None`` turns the rule off.
 
@@ -212,12 +213,15 @@ class HeartbeatWatcher:
                 continue
             warming_up = record.phase == "init" or not record.first_step_done
             limit = self.init_timeout_s if warming_up else self.timeout_s
-            frozen_s = now - record.step_since
-            if frozen_s > limit:
+            if now - record.step_since > limit:
                 result.hung.append(rank)
-            elif not warming_up and stall_limit is not None and frozen_s > stall_limit:
+                continue
+            # the stall rule counts from the last sign of progress: a step that began after a long
+            # save or evaluation has only been stuck since it entered its phase
+            stuck_s = now - max(record.step_since, record.phase_since)
+            if not warming_up and stall_limit is not None and stuck_s > stall_limit:
                 result.hung.append(rank)
-                result.notes.append(f"rank {rank}: step {record.step + 1} frozen {frozen_s:.1f} s in {record.phase}, "
+                result.notes.append(f"rank {rank}: step {record.step + 1} stuck {stuck_s:.1f} s in {record.phase}, "
                                     f"over the stall limit {stall_limit:.1f} s (before the {self.timeout_s:g} s timeout)")
         self._find_slow(fresh, result)
         return result

@@ -50,9 +50,13 @@ def test_writer_publishes_the_seconds_of_each_phase_of_the_last_step(tmp_path):
             writer.beat(phase="backward")
             time.sleep(0.02)
             writer.beat(step=step, phase="checkpoint")
+        saved = writer.record
+        time.sleep(0.02)
+        writer.beat(phase="forward")  # the next step begins: progress, though the step is the same
         record = writer.record
     finally:
         writer.close()
+    assert saved.phase_since == saved.step_since and record.phase_since >= record.step_since + 0.015
     phases = record.step_phase_s
     assert 0.17 <= phases["forward"] < 0.4 and 0.015 <= phases["backward"] < 0.2, phases
     assert [step for step, _ in record.recent_forward_s] == [1, 2, 3]

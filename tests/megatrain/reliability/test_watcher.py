@@ -62,14 +62,18 @@ def test_watcher_verdicts_from_records(tmp_path: Path) -> None:
     assert "dead=[1]" in text and "collective" in text
 
 
-def _stall_case(phases: dict[int, str], frozen_s: float, steps_s: list[float] | None = (0.1, 0.1, 0.2)):
+def _stall_case(phases: dict[int, str], frozen_s: float, steps_s: list[float] | None = (0.1, 0.1, 0.2),
+                in_phase_s: float | None = None):
     """A watcher with the stall rule on (20 x median step, at least 5 s; timeout 30 s) over ranks
-    in ``phases`` whose step has been frozen ``frozen_s``; returns its hung ranks and notes."""
+    in ``phases`` whose step has been frozen ``frozen_s`` (in its phase ``in_phase_s``, default
+    the same); returns its hung ranks and notes."""
     sink = _FlakySink()
     now = time.time()
+    in_phase_s = frozen_s if in_phase_s is None else in_phase_s
     for rank, phase in phases.items():
         sink.publish(HeartbeatRecord(rank, step=40, phase=phase, timestamp=now, step_since=now - frozen_s,
-                                     first_step_done=True, recent_step_s=list(steps_s) if steps_s else None))
+                                     phase_since=now - in_phase_s, first_step_done=True,
+                                     recent_step_s=list(steps_s) if steps_s else None))
     watcher = HeartbeatWatcher(sink, world_size=len(phases), timeout_s=30.0, since=0,
                                stall_factor=20.0, stall_min_s=5.0)
     result = watcher.check()
@@ -80,12 +84,20 @@ def test_a_frozen_step_of_short_steps_is_hung_long_before_the_timeout() -> None:
     # a rank hung in forward, its peer waiting in the gradients' all-reduce: 6 s >> 20 x 0.1 s
     hung, notes = _stall_case({0: "forward", 1: "backward"}, frozen_s=6.0)
     assert hung == [0, 1]
-    assert "over the stall limit 5.0 s" in notes[0] and "before the 30 s timeout" in notes[0]
+    assert "stuck 6.0 s in forward, over the stall limit 5.0 s" in notes[0] and "before the 30 s timeout" in notes[0]
     # never sooner than stall_min_s, however short the steps
     assert _stall_case({0: "forward", 1: "collective"}, frozen_s=4.0)[0] == []
     # the limit scales with the step: 20 x 0.5 s = 10 s
     assert _stall_case({0: "optimizer", 1: "backward"}, frozen_s=8.0, steps_s=[0.5, 0.5])[0] == []
     assert _stall_case({0: "optimizer", 1: "backward"}, frozen_s=11.0, steps_s=[0.5, 0.5])[0] == [0, 1]
+
+
+def test_the_stall_counts_from_the_last_phase_change_not_from_a_long_save_before_the_step() -> None:
+    # step 40 ended 20 s ago, then a 19 s save or evaluation; the ranks are 1 s into the next step
+    assert _stall_case({0: "forward", 1: "backward"}, frozen_s=20.0, in_phase_s=1.0)[0] == []
+    assert _stall_case({0: "forward", 1: "backward"}, frozen_s=26.0, in_phase_s=6.0)[0] == [0, 1]
+    # the timeout still counts from the step: 31 s without a step is hung whatever the phase did
+    assert _stall_case({0: "forward", 1: "backward"}, frozen_s=31.0, in_phase_s=1.0)[0] == [0, 1]
 
 
 @pytest.mark.parametrize("slow_phase", ["data", "checkpoint", "eval", "log", "init"])
