@@ -196,18 +196,25 @@ def attempts_from_metrics(path: Path) -> list[dict]:
     return attempts
 
 
-def first_step_times(attempts: list[dict], launches: list[float], step_lines: list[tuple[float, int]]) -> list[float]:
+def first_step_times(attempts: list[dict], launches: list[float], step_lines: list[tuple[float, int]],
+                     ends: list[tuple[float, str, float]]) -> list[float]:
     """When each attempt ended its first step: from its start-up record, else (an engine without
     them) from rank 0's first "step N/M" log line after the launch, less the step times of the
-    steps after the first up to N (checked against the records: within 0.2 s)."""
+    steps after the first up to N (checked against the records: within 0.2 s). An attempt too
+    short for a progress line (a rollback a few steps after its start) ended its first step when
+    it ended less its later steps' times (its teardown then counts as start-up, < 1 s)."""
     times = []
     for k, attempt in enumerate(attempts):
         if attempt["startup"] is not None:
             times.append(attempt["startup"]["first_step_at"])
             continue
         t_next = launches[k + 1] if k + 1 < len(launches) else float("inf")
-        t_line, step = next((t, n) for t, n in step_lines if launches[k] <= t < t_next)
         first = attempt["rows"][0]["step"]
+        line = next(((t, n) for t, n in step_lines if launches[k] <= t < t_next), None)
+        if line is None:
+            times.append(ends[k][0] - sum(r["step_time_s"] for r in attempt["rows"][1:]))
+            continue
+        t_line, step = line
         times.append(t_line - sum(r["step_time_s"] for r in attempt["rows"] if first < r["step"] <= step))
     return times
 
@@ -229,7 +236,7 @@ def breakdown(attempts: list[dict], launches: list[float], ends: list[tuple[floa
             step_times.append(row["step_time_s"])
     iteration_s = statistics.median(step_times)
     productive_s = len(done) * iteration_s
-    first_at = first_step_times(attempts, launches, step_lines)
+    first_at = first_step_times(attempts, launches, step_lines, ends)
 
     def detection(i: int) -> float:  # fault fired -> attempt i ended (0 for a clean end or a false alarm)
         if ends[i][1] == "completed":
@@ -392,10 +399,12 @@ def run_ettr(args, out: Path) -> int:
         sampling.set()
     t_end = time.time()
     cpu_s = {**cpu.totals(), "available (cores x wall)": (os.cpu_count() or 1) * (t_end - start)}
+    run_facts = dict(raw={"flow": [start, t_end]}, faults_planned=faults, redis_restarts=redis.restarts,
+                     minutes=args.minutes, every_s=args.every, probe_step_s=step_s, engine=engine_commit(),
+                     cpus=os.cpu_count(), cpu_s=cpu_s,
+                     load_1min={"mean": statistics.mean(loads or [0.0]), "max": max(loads or [0.0]), "samples": loads})
+    (out / "ettr.json").write_text(json.dumps(run_facts, indent=2, default=str))  # --reanalyse can start from it
     result = analyse(records, Path(stage_config(load_campaign(path), 0).train.run_dir), start, t_end)
-    result.update(faults_planned=faults, redis_restarts=redis.restarts, stage=report["stages"][0],
-                  minutes=args.minutes, every_s=args.every, probe_step_s=step_s, engine=engine_commit(),
-                  load_1min={"mean": statistics.mean(loads or [0.0]), "max": max(loads or [0.0]), "samples": loads},
-                  cpus=os.cpu_count(), cpu_s=cpu_s)
+    result.update({k: v for k, v in run_facts.items() if k != "raw"}, stage=report["stages"][0])
     print_result(result, out)
     return 0
