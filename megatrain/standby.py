@@ -3,8 +3,8 @@
 On CPU ranks most of a restart's time to first step is Python importing torch, DeepSpeed and what
 their first calls pull in (``torch.optim.Optimizer.__init__`` imports ``torch._dynamo``, DeepSpeed's
 ZeRO check its Muon module): 15-20 s of a 35-40 s restart here. A standby process does that work
-ahead of time, then waits on its stdin (launch -> first step of a restart under chaos: 5-20 s
-before, 0.9-2.5 s with it; benchmarks/RESULTS.md, "ETTR under chaos"):
+ahead of time, then waits on its stdin (launch -> first step of a restart under chaos: 4.7-7.0 s
+before, 0.6-1.3 s with it on an idle machine; benchmarks/RESULTS.md, "ETTR under chaos"):
 
     python -m megatrain.standby          # imports, then blocks reading one line
     {"env": {"RANK": "1", ...}, "argv": ["--config", ...], "handed_over_at": <time>}
