@@ -43,6 +43,8 @@ from pathlib import Path
 
 import yaml
 
+from megatrain.observe.log_records import TimedLogRecords
+
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("kill_rank", "hang_rank", "nan_loss", "storage_outage", "kill_redis")
 BASE = ["train.device=cpu", "model.n_layer=1", "data.max_source_bytes=400000", "train.micro_batch_size=8",
@@ -159,22 +161,6 @@ def plan_faults(rng: random.Random, minutes: float, every_s: float, step_s: floa
     return faults
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.NOTSET)
-        self.records: list[tuple[float, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.records.append((record.created, record.getMessage()))
-        except Exception:
-            pass
-
-    def find_all(self, pattern: str) -> list[tuple[float, re.Match]]:
-        regex = re.compile(pattern)
-        return [(t, m) for t, msg in list(self.records) if (m := regex.search(msg))]
-
-
 def attempts_from_metrics(path: Path) -> list[dict]:
     """metrics.jsonl split at the rows that carry a start-up record (each attempt's first step):
     one {startup, rows} per attempt, in order. An engine that writes no start-up records (before
@@ -282,7 +268,7 @@ ATTEMPT_ENDED = r"attempt (\d+) ended: (\w+) after ([\d.]+) s"
 STEP_LINE = r"\[rank 0\] INFO megatrain: step (\d+)/\d+"
 
 
-def analyse(records: Records, run_dir: Path, t_start: float, t_end: float) -> dict:
+def analyse(records: TimedLogRecords, run_dir: Path, t_start: float, t_end: float) -> dict:
     """The breakdown from the flow's log records and the run's files."""
     fired = sorted((m.stat().st_mtime, m.name) for m in (run_dir / "faults").glob("fired-*.json"))
     launches = [t for t, _ in records.find_all(ATTEMPT_LAUNCHED)]
@@ -295,12 +281,12 @@ def analyse(records: Records, run_dir: Path, t_start: float, t_end: float) -> di
     return result
 
 
-def records_from_console(path: Path, day: str) -> Records:
+def records_from_console(path: Path, day: str) -> TimedLogRecords:
     """A run's console output (Prefect's "HH:MM:SS.mmm | LEVEL | ... - message" lines, UTC) as
     records, to analyse a run again with this module's breakdown."""
     import datetime
 
-    records = Records()
+    records = TimedLogRecords()
     for line in path.read_text().splitlines():
         match = re.match(r"(\d\d:\d\d:\d\d\.\d+) \| \w+ +\| .*? - (.*)$", line)
         if match:
@@ -377,7 +363,7 @@ def run_ettr(args, out: Path) -> int:
     from prefect.logging.configuration import ensure_logging_setup
 
     ensure_logging_setup()
-    records = Records()
+    records = TimedLogRecords()
     logging.getLogger().addHandler(records)
     from flows.pretrain import pretrain
     from megatrain.campaign import load_campaign, stage_config

@@ -14,6 +14,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+# imported only where TensorBoard is on (metrics.build_sinks imports this module lazily)
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
 
 class TensorBoardSink:
     """One event per step holding all of its scalars: a step's ~15 ``add_scalar`` calls cost
@@ -21,15 +26,10 @@ class TensorBoardSink:
     whose 10-event queue they fill and wait on); one event holding them all costs 0.07 ms."""
 
     def __init__(self, log_dir: str | Path):
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
         self.log_dir = Path(log_dir)
         self.writer = EventFileWriter(str(self.log_dir), max_queue_size=100, flush_secs=10)
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()])
         self.writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+
+from megatrain.observe.log_records import TimedLogRecords
 
 from megatrain.campaign import load_campaign, stage_config
 from megatrain.checkpoint import catalog
@@ -66,23 +67,9 @@ def write_campaign(directory: Path, campaign_id: str, *, shard_url: Path, nproc:
     return path
 
 
-class LogCapture(logging.Handler):
+class LogCapture(TimedLogRecords):
     """Every log record of this process (the flow runs in it; rank output arrives as task-run
-    records), with its time."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.NOTSET)
-        self.records: list[tuple[float, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.records.append((record.created, record.getMessage()))
-        except Exception:  # a record that cannot format is not ours to fail on
-            pass
-
-    def find(self, pattern: str, after: float = 0.0) -> tuple[float, str] | None:
-        regex = re.compile(pattern)
-        return next(((t, m) for t, m in list(self.records) if t >= after and regex.search(m)), None)
+    records), with its time; ``need`` fails the test naming what is missing."""
 
     def need(self, pattern: str, after: float = 0.0) -> tuple[float, str]:
         found = self.find(pattern, after)
