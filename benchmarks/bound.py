@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/bound/bound.json")
     args = parser.parse_args(argv)
 
-    from megatrain.config_load import load_config
+    from megatrain.config import load_config
 
     cfg = load_config(args.config)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from megatrain.config import AnomalyConfig, FaultConfig
-from megatrain.observe.hang_view import Layout, grid_from_watch, plot_hang_grid, render_markdown
+from megatrain.report.hang_view import Layout, grid_from_watch, plot_hang_grid, render_markdown
 from megatrain.observe.straggler import find_stragglers, plot_heatmap
 from megatrain.reliability.anomaly import AnomalyDetector, read_verdict, write_verdict
 from megatrain.reliability.faults import FAULTS_ENV, FaultInjector, faults_from_env

@@ -16,7 +16,7 @@ time of the run's steps. Lost time, per interruption: detection + teardown (faul
 flow sees the attempt ended), between attempts (-> the next attempt is launched), restart overhead
 (the next attempt's wall minus its step times: process start, imports, engine, restore), steps
 redone (steps run again after restoring the last committed checkpoint). With the start-up records
-of megatrain/startup.py the restart is split further (relaunch to the rank process start, time to
+of megatrain/observe/startup.py the restart is split further (relaunch to the rank process start, time to
 first step, its phases); an engine without them (the BEFORE run) is split where the step number
 goes back. The rest: the flow start and sharding, the first attempt's start-up, steps slower than
 the median (checkpoint staging, other jobs' load), the flow's wrap-up.
@@ -93,7 +93,7 @@ class CpuSampler:
     server, Redis, anything else), from /proc every few seconds: who shared the cores with the
     ranks. A process that ends between two samples loses its last few seconds."""
 
-    KINDS = (("megatrain.train", "ranks and standbys"), ("megatrain.standby", "ranks and standbys"),
+    KINDS = (("megatrain.train", "ranks and standbys"), ("megatrain.training.standby", "ranks and standbys"),
              ("torch.distributed.run", "ranks and standbys"), ("uvicorn", "Prefect server"),
              ("redis-server", "Redis"))
 
@@ -164,7 +164,7 @@ def plan_faults(rng: random.Random, minutes: float, every_s: float, step_s: floa
 def attempts_from_metrics(path: Path) -> list[dict]:
     """metrics.jsonl split at the rows that carry a start-up record (each attempt's first step):
     one {startup, rows} per attempt, in order. An engine that writes no start-up records (before
-    megatrain/startup.py) is split where the step number goes back (each restart resumes at or
+    megatrain/observe/startup.py) is split where the step number goes back (each restart resumes at or
     before the step it died in); its attempts have ``startup`` None."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     attempts: list[dict] = []
@@ -366,7 +366,7 @@ def run_ettr(args, out: Path) -> int:
     records = TimedLogRecords()
     logging.getLogger().addHandler(records)
     from flows.pretrain import pretrain
-    from megatrain.campaign import load_campaign, stage_config
+    from megatrain.config.campaign import load_campaign, stage_config
 
     loads: list[float] = []  # the machine's 1-minute load every 10 s: other jobs share its cores
     sampling = threading.Event()

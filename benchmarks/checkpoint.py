@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatrain.checkpoint.snapshot import RankSnapshot, Snapshotter  # noqa: E402
 from megatrain.checkpoint.upload import upload_checkpoint  # noqa: E402
-from megatrain.config_load import load_config  # noqa: E402
+from megatrain.config import load_config  # noqa: E402
 from megatrain.model import GPT  # noqa: E402
 
 

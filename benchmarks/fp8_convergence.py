@@ -39,7 +39,7 @@ import torch  # noqa: E402
 def train(cfg, env, steps: int, run: dict, log, save) -> None:
     """Step a Trainer, filling ``run`` (losses, FP8 guard statistics, step times) as it goes;
     ``save()`` every 250 steps, so a run cut short still leaves its curve."""
-    from megatrain.trainer import Trainer
+    from megatrain.training.trainer import Trainer
 
     with torch.device(env.device):
         trainer = Trainer(cfg, env)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
 
     logging.basicConfig(level=logging.WARNING)
-    from megatrain.config_load import load_config
+    from megatrain.config import load_config
     from megatrain.parallel.init import init_distributed, shutdown_distributed
 
     env = init_distributed()

@@ -3,7 +3,7 @@ simulated ranks against a real redis-server and a real libuv TCPStore server.
 
 Each simulated rank is an asyncio task with its own TCP connection speaking the server's wire
 protocol, issuing exactly the requests megatrain's store client would: for Redis those of
-``megatrain.reliability.redis_store.RedisStore`` (set and add in a MULTI with the notify RPUSH,
+``megatrain.parallel.redis_store.RedisStore`` (set and add in a MULTI with the notify RPUSH,
 compare_set as one EVALSHA, wait as EXISTS then BLPOP + RPUSH on the notify list); for the
 TCPStore those of torch's C++ client (VALIDATE, then SET / GET / ADD / COMPARE_SET / WAIT,
 where a get is WAIT + GET). The server's CPU time (user + system, from /proc) is the measured
@@ -235,7 +235,7 @@ async def _replay(kind: str, port: int, programs: list[list[tuple]], prefix: str
     gate = asyncio.Semaphore(connect_limit)
     sha = None
     if kind == "redis":
-        from megatrain.reliability.redis_store import _COMPARE_SET
+        from megatrain.parallel.redis_store import _COMPARE_SET
 
         r, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(_resp("SCRIPT", "LOAD", _COMPARE_SET))

@@ -179,7 +179,7 @@ def bench_gelu() -> list[dict]:
 
 def bench_cross_entropy() -> list[dict]:
     from megatrain.kernels.cross_entropy import lm_head_cross_entropy
-    from megatrain.kernels.cross_entropy_triton import lm_head_cross_entropy_fused
+    from megatrain.kernels.cross_entropy import lm_head_cross_entropy_fused
 
     hidden = torch.randn(TOKENS, D, device="cuda", dtype=BF16, requires_grad=True)
     weight = (0.02 * torch.randn(VOCAB, D, device="cuda")).requires_grad_()  # fp32 param under autocast

@@ -19,7 +19,7 @@ every measurement, so a run cut short still leaves its numbers):
    micro-batch of ``--baseline-mbs``, fed by ``megatrain.data.loader`` from webdataset shards
    on local disk (``shard_corpus`` on the standard library's source, sharded in a background
    process while the baseline compiles);
-3. megatrain's default: ``megatrain.trainer.Trainer`` built from the recipe (DeepSpeed engine,
+3. megatrain's default: ``megatrain.training.trainer.Trainer`` built from the recipe (DeepSpeed engine,
    bf16, real loader) and ``trainer.train_step()`` called repeatedly, at each of
    ``--default-mbs``;
 4. a ``torch.profiler`` trace of two micro-batches of the default: GPU time by kernel and by
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.config.cache_size_limit = 64
     torch.set_float32_matmul_precision("high")
 
-    from megatrain.config_load import load_config
+    from megatrain.config import load_config
     from megatrain.parallel.init import init_distributed
 
     env = init_distributed(device=args.device)

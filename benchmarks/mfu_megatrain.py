@@ -1,5 +1,5 @@
 """One megatrain row of ``benchmarks/mfu.py``: a ``Spec`` (config overrides, and the module
-switches that are not config fields) built into a real ``megatrain.trainer.Trainer`` on the device
+switches that are not config fields) built into a real ``megatrain.training.trainer.Trainer`` on the device
 and timed over ``trainer.train_step()`` calls; the A/B variants of the default (``--variants``).
 A configuration measured before (same config, same switches) is not measured again.
 """
@@ -77,7 +77,7 @@ def close_trainer(trainer) -> None:
 
 
 def build_config(args, spec_overrides: list[str], common: list[str], mb: int | None, global_batch: int | None):
-    from megatrain.config_load import load_config
+    from megatrain.config import load_config
 
     extra = []
     if mb is not None:
@@ -88,7 +88,7 @@ def build_config(args, spec_overrides: list[str], common: list[str], mb: int | N
 
 
 def make_trainer(cfg, env):
-    from megatrain.trainer import Trainer
+    from megatrain.training.trainer import Trainer
 
     # Build the model straight on the device: 1.3B parameters initialised on the host take
     # longer than the whole measurement (the trainer moves the model there anyway).

@@ -7,7 +7,7 @@
     python3 benchmarks/parallel.py --cpu --quick --out cpu.json  # the same on 2 CPU processes (gloo)
     python3 benchmarks/parallel.py --cpu --quick --schedule 4 --out cpu4.json  # 4 CPU processes, tiny "13B"
 
-Every configuration is the real ``megatrain.trainer.Trainer`` on ``configs/gpt-1.3b.yaml`` (with
+Every configuration is the real ``megatrain.training.trainer.Trainer`` on ``configs/gpt-1.3b.yaml`` (with
 the overrides listed in ``parallel_configs.CONFIGS``) on real data, launched with torchrun::
 
     python3 -m torch.distributed.run --nproc-per-node N benchmarks/parallel.py --worker \

@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 
 def recipe_micro_batch(args) -> int:
-    from megatrain.config_load import load_config
+    from megatrain.config import load_config
 
     return load_config(args.config, args.common).train.micro_batch_size
 

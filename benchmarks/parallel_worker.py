@@ -52,8 +52,8 @@ def _timed_trainer(trainer, records: list[dict], sync) -> None:
 def _run_variant(variant: dict, env, args, log) -> None:
     import torch
 
-    import megatrain.trainer as trainer_module
-    from megatrain.config_load import load_config
+    import megatrain.training.trainer as trainer_module
+    from megatrain.config import load_config
     from megatrain.model import GPT
     from megatrain.parallel.overlap import attach_dp_overlap
 
@@ -121,9 +121,9 @@ def _run_variant(variant: dict, env, args, log) -> None:
 
 
 def worker(args) -> int:
-    from megatrain.config_load import load_config
+    from megatrain.config import load_config
     from megatrain.parallel.init import init_distributed, shutdown_distributed
-    from megatrain.train import setup_logging
+    from megatrain.training.rank import setup_logging
 
     variants = json.loads(args.variants)
     rank = int(os.environ.get("RANK", 0))

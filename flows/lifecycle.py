@@ -1,6 +1,6 @@
 """What a campaign run holds while it runs, and lets go of when it ends, however it ends.
 
-- the campaign lease (``megatrain.lease``): one writer per campaign, taken before anything is
+- the campaign lease (``megatrain.launch.lease``): one writer per campaign, taken before anything is
   written; a stale one (its flow process died) is taken over, and that flow run, left RUNNING by
   its dead process, is marked Crashed;
 - the temporary Prefect server of a command-line run, started here so that it dies with this
@@ -18,8 +18,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
-from megatrain.campaign import CampaignConfig, stage_config
-from megatrain.lease import Lease, lease_store
+from megatrain.config.campaign import CampaignConfig, stage_config
+from megatrain.launch.lease import Lease, lease_store
 from tasks._log import run_logger
 from tasks.stop import STOP
 
@@ -78,7 +78,7 @@ def temporary_server() -> Iterator[None]:
 
     class ServerDyingWithUs(SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen:
-            from megatrain.launch import die_with_parent
+            from megatrain.launch.ranks import die_with_parent
 
             real_popen = subprocess.Popen
 
@@ -112,13 +112,15 @@ def _drain_to_api(timeout_s: float = 15.0) -> None:
         worker.drain_all(timeout=timeout_s)
 
 
-def run_from_command_line(argv: list[str], default_campaign: str, show: Callable[[dict], None]) -> int:
-    """``python -m flows.pretrain [campaign.yaml] [key=value ...]``: 0 when every stage is
+def run_from_command_line(campaign_flow: Callable, argv: list[str], default_campaign: str,
+                          show: Callable[[dict], None]) -> int:
+    """``python -m flows.pretrain [campaign.yaml] [key=value ...]`` runs ``campaign_flow`` (the
+    ``pretrain`` flow, called ``(path, overrides)``) under a temporary server: 0 when every stage is
     durable; 2 for a bad campaign (one line, nothing started); 130/143 after SIGINT/SIGTERM
     (the ranks stopped, what was staged committed); 1 otherwise, with the cause in one line."""
-    from megatrain.campaign import load_campaign
+    from megatrain.config.campaign import load_campaign
     from megatrain.errors import DeterministicError
-    from megatrain.config_load import ConfigError
+    from megatrain.config import ConfigError
 
     path, overrides = (argv[0] if argv else default_campaign), argv[1:]
     try:
@@ -129,10 +131,8 @@ def run_from_command_line(argv: list[str], default_campaign: str, show: Callable
     except (ConfigError, DeterministicError, OSError) as exc:
         print(f"megatrain: {exc}", file=sys.stderr)
         return 2
-    from flows.pretrain import pretrain
-
     with temporary_server():
-        state = pretrain(path, overrides, return_state=True)
+        state = campaign_flow(path, overrides, return_state=True)
     if state.is_completed():
         show(state.result())
         return 0

@@ -18,7 +18,7 @@ from prefect import flow
 from prefect.states import Cancelled, Failed
 
 from flows.lifecycle import campaign_lease, run_from_command_line
-from megatrain.lease import LeaseHeld
+from megatrain.launch.lease import LeaseHeld
 from tasks.campaign import validate_campaign
 from tasks.data import shard_campaign_data
 from tasks.report import sample_stage, write_report
@@ -94,7 +94,7 @@ def with_campaign_id(campaign_path: str, campaign_id: str, overrides: list[str])
 
         from prefect.runtime import flow_run
 
-        from megatrain.config_load import read_yaml
+        from megatrain.config import read_yaml
 
         base = read_yaml(campaign_path).get("id", "campaign")
         campaign_id = f"{base}-{str(flow_run.id or uuid4())[:8]}"  # the flow run's id: stable over Retry
@@ -104,7 +104,7 @@ def with_campaign_id(campaign_path: str, campaign_id: str, overrides: list[str])
 
 def print_summary(report: dict) -> None:
     """What `make demo` ends with: one screen, every path an operator looks for next."""
-    from megatrain.observe.console import summary_lines
+    from megatrain.report.console import summary_lines
 
     print("\n".join(summary_lines(report)))
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show every rank line on the console (the files have them anyway)")
     args = parser.parse_args(argv)
 
-    from megatrain.observe.console import campaign_finished, quiet_console
+    from megatrain.report.console import campaign_finished, quiet_console
 
     try:
         finished = campaign_finished(args.campaign_path, args.overrides)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.verbose:
         quiet_console()
-    return run_from_command_line([args.campaign_path, *args.overrides], DEFAULT_CAMPAIGN, print_summary)
+    return run_from_command_line(pretrain, [args.campaign_path, *args.overrides], DEFAULT_CAMPAIGN, print_summary)
 
 
 if __name__ == "__main__":

@@ -8,17 +8,17 @@ import sys
 
 # name -> ("module:function", help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("megatrain.train:main", "train a model from a recipe (one process; torchrun for more)"),
-    "eval": ("megatrain.evaluate:cli", "validation loss of a committed checkpoint (any layout) on held-out data"),
+    "train": ("megatrain.training.rank:main", "train a model from a recipe (one process; torchrun for more)"),
+    "eval": ("megatrain.evaluate.heldout:cli", "validation loss of a committed checkpoint (any layout) on held-out data"),
     "export": ("megatrain.interop.hf:cli", "write a committed checkpoint as a Hugging Face transformers folder"),
     "import": ("megatrain.interop.hf:import_cli", "write a recipe that starts from a local transformers checkpoint"),
-    "generate": ("megatrain.generate:cli", "sample text from a committed checkpoint (KV cache, greedy/top-k/top-p)"),
+    "generate": ("megatrain.evaluate.generate:cli", "sample text from a committed checkpoint (KV cache, greedy/top-k/top-p)"),
     "shard": ("megatrain.data.shard:cli", "tokenize a corpus into webdataset shards with an index"),
     "selfcheck": ("megatrain.reliability.selfcheck:cli", "GEMM, memory, all-reduce, storage and Redis checks"),
     "checkpoints": ("megatrain.checkpoint.cli:cli", "list, verify or inspect committed checkpoints"),
     "plan": ("megatrain.parallel.plan:cli", "print the per-GPU memory plan of a recipe"),
-    "report": ("megatrain.observe.report:cli", "a campaign's report (a campaign dir), or summaries of run dirs"),
-    "status": ("megatrain.observe.campaign_status:cli", "where a campaign stands: stages, steps, loss, faults, checkpoints"),
+    "report": ("megatrain.report.cli:cli", "a campaign's report (a campaign dir), or summaries of run dirs"),
+    "status": ("megatrain.report.status:cli", "where a campaign stands: stages, steps, loss, faults, checkpoints"),
 }
 
 

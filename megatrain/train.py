@@ -1,97 +1,10 @@
-"""The per-rank entry point: ``torchrun --nproc-per-node N -m megatrain.train --config X [k=v ...]``
-(or ``megatrain train --config X`` for one process)."""
+"""The rank command: ``torchrun --nproc-per-node N -m megatrain.train --config X [k=v ...]``, or
+``python -m megatrain.train`` for one process (``megatrain train`` is the same). What a rank does
+is ``megatrain/training/rank.py``; this name stays put because launch scripts and images use it."""
 
-from __future__ import annotations
-
-import argparse
-import logging
-import math
-import os
 import sys
 
-from megatrain.config_load import ConfigError, load_config
-from megatrain.lease import FileLeaseStore, Lease, LeaseHeld
-from megatrain.errors import (
-    DETERMINISTIC_PREFIX, EXIT_ANOMALY, EXIT_CONFIG, EXIT_DETERMINISTIC, DeterministicError,
-)
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="megatrain train", description="Train a GPT from a recipe.")
-    parser.add_argument("--config", required=True, help="a YAML recipe, e.g. configs/tiny-cpu.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 train.steps=20")
-    return parser.parse_args(argv)
-
-
-def setup_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stdout, force=True,
-    )
-    for noisy in ("DeepSpeed", "deepspeed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging(int(os.environ.get("RANK", 0)))
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive the agent
-        from megatrain.launch import die_with_parent
-
-        die_with_parent()
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:  # before any process group or model exists
-        print(f"{DETERMINISTIC_PREFIX}{exc}".replace("\n", " | "), file=sys.stderr)
-        return EXIT_CONFIG
-
-    try:
-        lease = hold_run_dir(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
-    except LeaseHeld as exc:  # another run writes here: refuse, naming it (its peers stop with us)
-        print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return EXIT_DETERMINISTIC
-    try:
-        return _train(cfg)
-    finally:
-        if lease is not None:
-            lease.release()
-
-
-def hold_run_dir(cfg) -> Lease:
-    """One writer per run dir: rank 0 holds ``<run_dir>/lease.json`` while it trains (a restart
-    after a crash takes over the dead attempt's lease)."""
-    store = FileLeaseStore(cfg.train.run_dir)
-    log = logging.getLogger("megatrain")  # taking over a crashed attempt's lease is routine; losing one is not
-    return Lease(store, f"megatrain train of {cfg.run_id}", log=log.warning, log_takeover=log.info).acquire()
-
-
-def _train(cfg) -> int:
-    from megatrain.parallel.init import init_distributed, shutdown_distributed
-    from megatrain.startup import StartupTimer
-    from megatrain.trainer import Trainer
-
-    startup = StartupTimer(int(os.environ.get("RANK", 0)))  # imports so far count as its first phase
-    env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.reliability.collective_timeout_s,
-                           init=cfg.parallel.init, run_id=cfg.run_id, redis_url=cfg.reliability.redis_url,
-                           timer=startup)
-    try:
-        try:
-            result = Trainer(cfg, env, startup).train()
-        except DeterministicError as exc:  # the same on every retry: say it once, in one line
-            print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}".replace("\n", " | "), file=sys.stderr, flush=True)
-            return EXIT_DETERMINISTIC
-        if env.rank == 0 and result.status == "completed" and math.isnan(result.final_loss):  # no step ran here
-            logging.getLogger("megatrain").info("already finished: step %d is committed, nothing to train", result.steps)
-        elif env.rank == 0:
-            logging.getLogger("megatrain").info(
-                "done: %d steps, final loss %.4f, %d tokens in %.1f s (%s)",
-                result.steps, result.final_loss, result.tokens, result.wall_s, result.status,
-            )
-    finally:
-        shutdown_distributed()
-    return 0 if result.status == "completed" else EXIT_ANOMALY
-
+from megatrain.training.rank import main
 
 if __name__ == "__main__":
     sys.exit(main())

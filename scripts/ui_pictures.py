@@ -20,7 +20,7 @@ from pathlib import Path
 
 from PIL import Image
 
-TRAIN_COLOR = (0x1F, 0x77, 0xB4)  # the first stage's training loss (megatrain.observe.report.STAGE_COLORS[0])
+TRAIN_COLOR = (0x1F, 0x77, 0xB4)  # the first stage's training loss (megatrain.report.runs.STAGE_COLORS[0])
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 

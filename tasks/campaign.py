@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import task
 
-from megatrain.campaign import CampaignConfig, load_campaign, stage_config
-from megatrain.checkpoint import compat
+from megatrain.config.campaign import CampaignConfig, load_campaign, stage_config
+from megatrain.config import compat
 from megatrain.errors import InputError
 from tasks._log import run_logger
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from megatrain.campaign import CampaignConfig, stage_config
+from megatrain.config.campaign import CampaignConfig, stage_config
 from tasks._log import run_logger
 
 

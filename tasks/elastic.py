@@ -1,7 +1,7 @@
 """A multi-node stage on this machine, and what happens when a node is lost: shrink and grow.
 
 ``launch_nodes`` is one attempt of a stage whose campaign has ``nnodes > 1`` and ``launcher:
-local``: N torchrun agents of ``nproc_per_node`` ranks each (``megatrain.launch_nodes``).
+local``: N torchrun agents of ``nproc_per_node`` ranks each (``megatrain.launch.nodes``).
 Before it starts the ranks it self-checks every node of the campaign (``check_node``) and
 applies ``reliability.on_node_loss``:
 
@@ -29,9 +29,10 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.events import emit_event
 
-from megatrain.campaign import CampaignConfig, stage_config
-from megatrain.config_load import load_config
+from megatrain.config.campaign import CampaignConfig, stage_config
+from megatrain.config import load_config
 from tasks._log import run_logger
+from tasks.attempts import abandoned_event, attempt_state, should_stop
 
 
 class NodeLost(RuntimeError):
@@ -52,7 +53,7 @@ def check_node(campaign: CampaignConfig, index: int, node: int) -> list[str]:
     """The failing checks of one node (empty: healthy). A node killed by an injected
     ``evict_node`` fault fails until its stage ends; with ``self_check`` the measurements
     (GEMM, memory, storage, ...) run too, on this machine, under the node's name."""
-    from megatrain.launch_nodes import evicted_marker
+    from megatrain.launch.nodes import evicted_marker
 
     cfg = stage_config(campaign, index)
     failing = []
@@ -116,7 +117,7 @@ def record_plan(campaign: CampaignConfig, index: int, attempt: int, plan: NodePl
     path.write_text(json.dumps(rows, indent=2))
     if plan.change:
         emit_event(event=f"megatrain.elastic.{plan.change}",
-                   resource={"prefect.resource.id": f"megatrain.campaign.{campaign.id}"},
+                   resource={"prefect.resource.id": f"megatrain.config.campaign.{campaign.id}"},
                    payload={k: v for k, v in row.items() if k != "time"})
     create_table_artifact([{k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in r.items() if k != "time"}
                            for r in rows], key=f"{campaign.id}-nodes".lower().replace("_", "-").replace(".", "-"),
@@ -127,10 +128,9 @@ def record_plan(campaign: CampaignConfig, index: int, attempt: int, plan: NodePl
 @task(name="launch-nodes", retries=0, timeout_seconds=None)
 def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt: int) -> dict:
     """One attempt of a multi-node stage on this machine (see the module docstring)."""
-    from megatrain.launch import run_ranks
-    from megatrain.launch_nodes import nodes_command
+    from megatrain.launch.ranks import run_ranks
+    from megatrain.launch.nodes import nodes_command
     from megatrain.observe.attempt_log import AttemptLog
-    from tasks.train import abandoned_event, attempt_state, should_stop
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.watcher import HeartbeatWatcher
 
@@ -154,7 +154,7 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     watcher = HeartbeatWatcher.from_config(cfg.reliability, cfg.train.run_dir, cfg.run_id, world_size=plan.world_size)
     attempt_log = AttemptLog(cfg.train.run_dir, attempt, forward=logger.info)
     abandoned = abandoned_event(config_path)
-    try:  # a hung rank on any node: stacks collected, every node stopped (megatrain.launch.run_ranks)
+    try:  # a hung rank on any node: stacks collected, every node stopped (megatrain.launch.ranks.run_ranks)
         result = run_ranks(command, on_line=attempt_log, watcher=watcher, timeout_s=campaign.stage_timeout_s, env=env,
                            verdict_reader=verdict, poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
                            should_stop=should_stop(abandoned))

@@ -14,7 +14,7 @@ import time
 
 from prefect import task
 
-from megatrain.campaign import CampaignConfig
+from megatrain.config.campaign import CampaignConfig
 from tasks._log import run_logger
 
 RDZV_PORT = 29500

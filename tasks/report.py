@@ -11,7 +11,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
-from megatrain.campaign import CampaignConfig
+from megatrain.config.campaign import CampaignConfig
 from tasks._log import run_logger
 
 
@@ -26,8 +26,8 @@ def sample_stage(run_dir: str, count: int) -> list[dict]:
     its metrics for the report. Kept when present: a rerun of a finished campaign samples nothing."""
     from pathlib import Path
 
-    from megatrain.generate import DEFAULT_PROMPTS, sample_texts
-    from megatrain.observe.campaign_report import SAMPLES_FILE
+    from megatrain.evaluate.generate import DEFAULT_PROMPTS, sample_texts
+    from megatrain.report.campaign import SAMPLES_FILE
 
     path = Path(run_dir) / SAMPLES_FILE
     if path.exists():
@@ -40,8 +40,8 @@ def sample_stage(run_dir: str, count: int) -> list[dict]:
 
 @task(name="write-report", retries=1, timeout_seconds=300)
 def write_report(campaign: CampaignConfig, stage_results: list[dict]) -> dict:
-    from megatrain.observe.campaign_report import build_report
-    from megatrain.observe.report import markdown_image
+    from megatrain.report.campaign import build_report
+    from megatrain.report.runs import markdown_image
 
     report = build_report(campaign.campaign_dir, stage_results)
     summary = {**report.summary, "fingerprint": campaign.fingerprint()}  # rerun check: the same math
@@ -60,6 +60,6 @@ def write_report(campaign: CampaignConfig, stage_results: list[dict]) -> dict:
     run_logger().info("report written to %s", report_dir / "report.md")
     # `prefect deployment run ... --watch` shows events, not logs: this one names the report.
     emit_event(event="megatrain.report.written", payload={"faults": len(summary["faults"])},
-               resource={"prefect.resource.id": f"megatrain.campaign.{campaign.id}",
+               resource={"prefect.resource.id": f"megatrain.config.campaign.{campaign.id}",
                          "prefect.resource.name": str(report_dir / "report.md")})
     return summary

@@ -10,7 +10,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.reliability.rollback import RollbackRecord, append_rollback, read_rollbacks
 from tasks._log import run_logger
 
@@ -40,8 +40,8 @@ def rollback(campaign_id: str, stage: str, config_path: str, verdict: dict, coun
     run_dir = cfg.train.run_dir
     anomaly_step = int(verdict["step"])
     # The triggered self-check (prefect.yaml) reads the stage's config and the nodes from here.
-    resource = {"prefect.resource.id": f"megatrain.campaign.{campaign_id}", "megatrain.stage": stage,
-                "megatrain.campaign": campaign_id, "megatrain.config": str(Path(config_path).resolve()),
+    resource = {"prefect.resource.id": f"megatrain.config.campaign.{campaign_id}", "megatrain.stage": stage,
+                "megatrain.config.campaign": campaign_id, "megatrain.config": str(Path(config_path).resolve()),
                 "megatrain.nodes": socket.gethostname()}
 
     history = read_rollbacks(run_dir)

@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from megatrain.campaign import CampaignConfig, stage_config
+from megatrain.config.campaign import CampaignConfig, stage_config
 from tasks._log import run_logger
 
 
@@ -30,7 +30,7 @@ def check_stage_nodes(config_path: str, campaign_id: str, nodes: str = "", wait_
     and thresholds), results beside it. ``nodes`` are the hosts that raised the event. The stage
     relaunches right after a rollback: the check waits (up to ``wait_idle_s``) for its ranks to
     stop, so that it measures the nodes rather than their competition with training."""
-    from megatrain.config_load import load_config
+    from megatrain.config import load_config
 
     cfg = load_config(config_path)
     logger = run_logger()

@@ -24,22 +24,18 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled, Failed
 from prefect.transactions import CommitMode, transaction
 
-from megatrain.campaign import CampaignConfig, stage_config
-from megatrain.checkpoint import compat
-from megatrain.config_load import load_config
+from megatrain.config.campaign import CampaignConfig, stage_config
+from megatrain.config import compat
+from megatrain.config import load_config
 from tasks.checkpoint import staged_steps, upload_checkpoint
 from tasks.rollback import RollbackLimitExceeded, rollback
-from tasks.stop import STOP
 from tasks._log import run_logger
+from tasks.attempts import ABANDONED, abandoned_event, attempt_state, should_stop
+from tasks.stop import STOP
 
 
 class StageFailed(RuntimeError):
     pass
-
-
-# config path of a running stage -> set when the stage gives up on it (an upload failed for
-# good, or the task raised), so its launch thread stops the ranks instead of training on alone
-_ABANDONED: dict[str, threading.Event] = {}
 
 
 def _failed(message: str) -> Failed:
@@ -63,8 +59,8 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     ``timeout_seconds`` cannot interrupt a running thread, so the supervision (heartbeat watcher,
     wall-clock limit, process-group kill) lives in the engine's ``run_ranks``.
     """
-    from megatrain.launch import describe_root_cause, run_ranks, torchrun_command
-    from megatrain.standby import StandbyLaunch
+    from megatrain.launch.ranks import describe_root_cause, run_ranks, torchrun_command
+    from megatrain.launch.standby import StandbyLaunch
     from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.watcher import HeartbeatWatcher
@@ -83,8 +79,8 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
         return asdict(found) if found is not None else None
 
     def draw_who_hung(watch_result) -> None:
-        from megatrain.observe.hang_view import Layout, grid_from_watch, plot_hang_grid, render_markdown
-        from megatrain.observe.report import markdown_image
+        from megatrain.report.hang_view import Layout, grid_from_watch, plot_hang_grid, render_markdown
+        from megatrain.report.runs import markdown_image
 
         dims = cfg.parallel
         layout = Layout(pp=dims.pp, dp=dims.data_parallel_size(nproc_per_node), tp=dims.tp)
@@ -112,39 +108,6 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     return attempt_state(result, attempt, attempt_log, abandoned)
 
 
-def abandoned_event(config_path: str) -> threading.Event:
-    """Set when the stage gives up on its attempt (an upload failed for good); taken when the
-    launch starts, since the stage forgets it once it has ended."""
-    return _ABANDONED.get(config_path) or threading.Event()
-
-
-def should_stop(abandoned: threading.Event):
-    """What a launch polls to stop its ranks: a stop of the flow (signal, cancel) or the stage
-    giving up on this attempt."""
-    return lambda: STOP.is_set() or abandoned.is_set()
-
-
-def attempt_state(result, attempt: int, attempt_log, abandoned: threading.Event, extra: dict | None = None):
-    """An attempt's task-run state from the engine's ``LaunchResult``: the outcome dict when it
-    completed, Cancelled when it was stopped, Failed (red, with the cause) otherwise; the stage
-    reads the outcome from any of them. ``extra``: fields added to the outcome (e.g. the nodes)."""
-    stopped_by = STOP.reason if STOP.is_set() else "the stage failed" if abandoned.is_set() else None
-    if stopped_by and not result.ok:
-        result.status, result.message = "stopped", f"stopped ({stopped_by}) after {result.wall_s:.1f} s"
-    attempt_log.close(asdict(result))
-    logger = run_logger()
-    level = logger.info if result.ok else logger.warning if result.status == "stopped" else logger.error
-    level("attempt %d ended: %s after %.1f s. %s", attempt, result.status, result.wall_s, result.message)
-    outcome = asdict(result)  # one line for the states and the report; stacks stay in the log above
-    outcome["message"] = result.message.strip().splitlines()[0] if result.message.strip() else ""
-    outcome.update(extra or {})
-    if result.status == "stopped":
-        return Cancelled(message=result.message, data=outcome)
-    if not result.ok:  # a red task run with the cause; the stage reads the outcome and recovers
-        return Failed(message=f"attempt {attempt} {result.status}: {result.message}", data=outcome)
-    return outcome
-
-
 def _failed_step(watcher, run_dir: str, last: int) -> int:
     """The step the job was in when a rank failed: one past the newest finished step that any
     rank reported (heartbeats, which lag by up to an interval, and rank 0's metrics.jsonl); the
@@ -168,7 +131,7 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
     rollbacks used up, a deterministic error, an upload that failed for good, a final step that
     is not durable) or Cancelled (a stop request: the ranks were stopped and what was staged is
     committed)."""
-    from megatrain.launch import write_run_config
+    from megatrain.launch.ranks import write_run_config
 
     cfg = stage_config(campaign, index)
     if campaign.launcher == "local":
@@ -176,11 +139,11 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
         # (On Kubernetes the staging disks are the nodes' own: each rank uploads its files.)
         cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"upload_mode": "external"})})
     config_path = str(write_run_config(cfg, campaign.stage_dir(index) / "config.yaml"))
-    _ABANDONED[config_path] = threading.Event()
+    ABANDONED[config_path] = threading.Event()
     try:
         return _run_attempts(campaign, index, cfg, config_path)
     finally:  # whatever ended the stage (an upload failed for good, a bug): no rank trains on alone
-        _ABANDONED.pop(config_path).set()
+        ABANDONED.pop(config_path).set()
 
 
 def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from megatrain.campaign import load_campaign
+from megatrain.config.campaign import load_campaign
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -77,7 +77,7 @@ variable "nvidia_device_plugin_chart_version" {
 }
 
 variable "storage_env" {
-  description = "environment of the durable store's credentials for flow-run pods and ranks (megatrain/storage.py lists the names)"
+  description = "environment of the durable store's credentials for flow-run pods and ranks (megatrain/storage/ lists the names)"
   type        = map(string)
   default     = {}
   sensitive   = true

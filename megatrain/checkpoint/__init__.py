@@ -8,7 +8,8 @@ Modules, in the order a checkpoint flows through them:
 - ``snapshot``: stage 1, the only part the training loop waits for
 - ``upload``: stage 2, upload + verify + atomic commit (also a Prefect task's engine)
 - ``retention``: which committed checkpoints to keep, cleaning staged steps
-- ``compat``: which config changes a checkpoint survives (state and schedule fields, fingerprint)
 - ``catalog``: what a durable URL holds; ``restore``: newest verified checkpoint back into a trainer
 - ``manager``: the ``Checkpointer`` the trainer calls; ``cli``: ``megatrain checkpoints ...``
+
+Which config changes a checkpoint survives is a config policy: ``megatrain/config/compat.py``.
 """

@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from megatrain import storage
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import parse_step
 from megatrain.checkpoint.restore import verify_checkpoint
+from megatrain.config import read_yaml
+from megatrain.config.campaign import find_campaign_dir, stage_dirs
 
 
 def _checkpoints(url: str) -> list[catalog.CheckpointInfo]:
@@ -100,8 +103,6 @@ def cli(argv: list[str]) -> int:
         command.add_argument("url")
         command.add_argument("--step", type=int, default=None, help="only this step")
     args = parser.parse_args(argv)
-    from megatrain.observe.campaign_status import stage_durable_urls
-
     stages = stage_durable_urls(args.url)
     if stages and args.command == "inspect":
         stages = stages[-1:]  # the newest checkpoint of a campaign is its last stage's
@@ -128,3 +129,19 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def stage_durable_urls(target: str | Path) -> list[str]:
+    """Each stage's durable checkpoint URL when ``target`` is a campaign dir or its ``durable``
+    dir (checkpoints sit in per-stage folders); [] when it is anything else (a run's own URL)."""
+    path = Path(target)
+    if not path.is_dir() or any(parse_step(child.name) is not None for child in path.iterdir()):
+        return []
+    try:
+        campaign_dir = find_campaign_dir(path).resolve()
+    except FileNotFoundError:
+        campaign_dir = None
+    if campaign_dir in (path.resolve(), path.resolve().parent):
+        return [str(read_yaml(d / "config.yaml")["checkpoint"]["durable_url"]) for d in stage_dirs(campaign_dir)]
+    return sorted(str(child) for child in path.iterdir()
+                  if child.is_dir() and any(parse_step(c.name) is not None for c in child.iterdir()))

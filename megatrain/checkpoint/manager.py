@@ -1,6 +1,6 @@
 """The trainer's checkpointer: when to save, what to save, and where uploads happen.
 
-The trainer calls three things (see megatrain/trainer.py)::
+The trainer calls three things (see megatrain/training/trainer.py)::
 
     step = checkpointer.restore(trainer)   # at start: newest verified committed checkpoint, or 0
     checkpointer.maybe_save(trainer)       # after every step: acts every `interval` steps and at the last

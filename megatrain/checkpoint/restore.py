@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatrain import errors, storage
-from megatrain.checkpoint import catalog, compat, reshard, state
+from megatrain.checkpoint import catalog, reshard, state
+from megatrain.config import compat
 from megatrain.checkpoint.files import (
     ChecksumError, check_bytes, check_parses, model_file, parse_json, parse_safetensors, rank_meta_file,
     rank_tensor_file, sha256_stream,

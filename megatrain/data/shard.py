@@ -423,7 +423,7 @@ def shard_corpus(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardIn
 
 def cli(argv: list[str]) -> int:
     """``megatrain shard [--config PATH] [data.shard_url=... model.seq_len=...]``"""
-    from megatrain.config_load import ConfigError, load_config
+    from megatrain.config import ConfigError, load_config
 
     parser = argparse.ArgumentParser(prog="megatrain shard", description="tokenize a corpus into webdataset shards")
     parser.add_argument("--config", help="recipe YAML (default: built-in defaults)")

@@ -75,7 +75,7 @@ def _locate(checkpoint: str, config: str | None) -> tuple[Config, str, str | Non
     if step_url is None and record is not None and not catalog.committed(url):
         durable = record["config"]["checkpoint"]["durable_url"]  # a run dir: its record names the checkpoints
     if config is not None:
-        from megatrain.config_load import load_config
+        from megatrain.config import load_config
 
         cfg = load_config(config, [])
     elif record is not None:

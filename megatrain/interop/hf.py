@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -200,16 +201,19 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> None:
 HF_PREFIX = "hf:"
 
 
-def init_from_hf(model: torch.nn.Module, init_from: str | None) -> bool:
-    """``checkpoint.init_from: hf:<local dir>``: start from a transformers checkpoint (weights
-    only; a fresh optimizer). Called on the plain model before it is parallelized; a checkpoint
-    of the run's own, restored later, takes precedence. Returns whether it loaded anything."""
+def hf_weights(init_from: str | None) -> Callable[[torch.nn.Module], None] | None:
+    """``checkpoint.init_from: hf:<local dir>``: the function that loads that transformers checkpoint
+    into a plain model (weights only; a fresh optimizer), for ``build_parallel_model`` to call before
+    it parallelizes; None for any other ``init_from``. A checkpoint of the run's own, restored
+    later, takes precedence."""
     if not init_from or not init_from.startswith(HF_PREFIX):
-        return False
+        return None
     hf_dir = init_from[len(HF_PREFIX):]
-    load_hf_weights(model, hf_dir)
-    log.info("initialised the model from the transformers checkpoint %s", hf_dir)
-    return True
+
+    def load(model: torch.nn.Module) -> None:
+        load_hf_weights(model, hf_dir)
+        log.info("initialised the model from the transformers checkpoint %s", hf_dir)
+    return load
 
 
 def cli(argv: list[str]) -> int:
@@ -248,7 +252,7 @@ def import_cli(argv: list[str]) -> int:
     parser.add_argument("--config", help="the recipe to start from (data, optimizer, layout); default the defaults")
     parser.add_argument("--out", required=True, help="the recipe YAML to write")
     args = parser.parse_args(argv)
-    from megatrain.config_load import ConfigError, load_config, read_yaml
+    from megatrain.config import ConfigError, load_config, read_yaml
 
     try:
         fields = model_config_from_hf(args.hf)

@@ -25,6 +25,7 @@ in the mean.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -165,11 +166,18 @@ def lm_head_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tensor, ta
                                   _compute_dtype(hidden, weight))
 
 
+def lm_head_cross_entropy_fused(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                chunk_rows: int | None = None) -> torch.Tensor:
+    """The chunked loop with each chunk's softmax, loss and gradient in one Triton kernel (GPU)."""
+    from megatrain.kernels.cross_entropy_triton import softmax_cross_entropy_chunk_triton
+
+    chunk_fn = functools.partial(softmax_cross_entropy_chunk_triton, ignore_index=IGNORE_INDEX)
+    return lm_head_cross_entropy_chunked(hidden, weight, targets.contiguous(), chunk_rows, chunk_fn=chunk_fn)
+
+
 def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     choice = resolve(impl, hidden, under_compile=None)
     if choice == "fused":
-        from megatrain.kernels.cross_entropy_triton import lm_head_cross_entropy_fused
-
         return lm_head_cross_entropy_fused(hidden, weight, targets)
     if choice == "chunked":
         return lm_head_cross_entropy_chunked(hidden, weight, targets)

@@ -1,5 +1,6 @@
-"""LM head + cross-entropy on GPU: the chunked loop of ``cross_entropy.py`` with each chunk's
-softmax, loss and gradient done by one Triton kernel, in place on the logits.
+"""LM head + cross-entropy on GPU: one chunk's softmax, loss and gradient in one Triton kernel, in
+place on the logits. ``cross_entropy.py`` runs its chunked loop with this as the chunk function
+(``lm_head_cross_entropy_fused``).
 
 Per chunk the plain-torch version makes an fp32 copy of the logits and passes over it about six
 times (logsumexp, gather, subtract, exp, scale, cast back). The kernel instead reads the
@@ -12,8 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from megatrain.kernels.cross_entropy import IGNORE_INDEX, lm_head_cross_entropy_chunked
 
 
 @triton.jit
@@ -49,20 +48,14 @@ def _softmax_ce_kernel(
 
 
 def softmax_cross_entropy_chunk_triton(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                                       need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ChunkFn (see cross_entropy.py) on the GPU; returns ``logits`` itself, overwritten, as dlogits."""
+                                       need_grad: bool, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ChunkFn (see cross_entropy.py, with its ``ignore_index`` bound) on the GPU; returns ``logits``
+    itself, overwritten, as dlogits."""
     C, V = logits.shape
     assert logits.is_contiguous() and targets.is_contiguous()
     loss = torch.empty(C, dtype=torch.float32, device=logits.device)
     _softmax_ce_kernel[(C,)](
-        logits, targets, loss, scale.reshape(1).float(), V, IGNORE_INDEX,
+        logits, targets, loss, scale.reshape(1).float(), V, ignore_index,
         NEED_GRAD=need_grad, BLOCK_V=4096, num_warps=8,
     )
     return loss.sum(), (logits if need_grad else None)
-
-
-def lm_head_cross_entropy_fused(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                chunk_rows: int | None = None) -> torch.Tensor:
-    """hidden [N, d], weight [V, d], targets [N] -> mean loss (fp32); same contract as the reference."""
-    return lm_head_cross_entropy_chunked(hidden, weight, targets.contiguous(), chunk_rows,
-                                         chunk_fn=softmax_cross_entropy_chunk_triton)

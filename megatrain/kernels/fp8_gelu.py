@@ -20,7 +20,7 @@ from megatrain.kernels.gelu import bias_gelu
 
 def bias_gelu_float8_reference(h: torch.Tensor, bias: torch.Tensor | None, linear: nn.Module, impl: str = "auto") -> torch.Tensor:
     """h [..., ff] -> Float8TrainingTensor of gelu(h + bias), cast as ``linear`` (a Float8Linear) would."""
-    from megatrain.precision.fp8_casts import to_float8
+    from megatrain.kernels.fp8_ops import to_float8  # torchao: only imported for FP8
 
     return to_float8(bias_gelu(h, bias, impl), linear)
 

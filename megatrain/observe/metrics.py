@@ -32,12 +32,12 @@ class StepMetrics:
     tokens: int
     step_time_s: float
     tokens_per_s: float
-    val_loss: float | None = None  # held-out loss, on the steps the evaluator ran (megatrain/evaluate.py)
+    val_loss: float | None = None  # held-out loss, on the steps the evaluator ran (megatrain/evaluate/heldout.py)
     val_perplexity: float | None = None
     mfu: float | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
     fp8: dict[str, float] | None = None  # megatrain.precision.FP8Guard.stats() when measured this step
-    startup: dict | None = None  # a process's first step only: its start-up breakdown (megatrain/startup.py)
+    startup: dict | None = None  # a process's first step only: its start-up breakdown (megatrain/observe/startup.py)
 
 
 def scalars(metrics: StepMetrics) -> dict[str, float]:

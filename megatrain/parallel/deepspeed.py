@@ -5,7 +5,6 @@ flattens the tensors (and tensor parallelism shards them)."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 

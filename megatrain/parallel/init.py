@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatrain.config import InitConfig
 from megatrain.parallel.rendezvous import CountingStore, join
-from megatrain.startup import StartupTimer
+from megatrain.observe.startup import StartupTimer
 
 log = logging.getLogger("megatrain")
 
@@ -74,7 +74,7 @@ def connect_store(init: InitConfig, rank: int, world: int, run_id: str, redis_ur
     if kind == "redis":
         if not url:
             raise ValueError("parallel.init.store=redis needs parallel.init.redis_url or reliability.redis_url")
-        from megatrain.reliability.redis_store import RedisStore
+        from megatrain.parallel.redis_store import RedisStore
 
         probe = RedisStore(url, namespace, timeout=timeout)
         # the server's identity is part of the namespace: after a restart everyone meets afresh

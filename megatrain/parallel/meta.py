@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -116,16 +117,19 @@ def materialize(model: GPT, cfg: Config, groups: ProcessGroups, device: torch.de
     return elements
 
 
-def build_parallel_model(cfg: Config, groups: ProcessGroups, device: torch.device) -> tuple[nn.Module, int]:
-    """(this rank's parallelized model, the full model's parameter count)."""
-    from megatrain.config_load import ConfigError
-    from megatrain.interop.hf import HF_PREFIX, init_from_hf
+def build_parallel_model(cfg: Config, groups: ProcessGroups, device: torch.device,
+                         init_weights: Callable[[nn.Module], None] | None = None) -> tuple[nn.Module, int]:
+    """(this rank's parallelized model, the full model's parameter count). ``init_weights`` loads
+    starting weights into the plain, whole model before it is parallelized (the trainer passes the
+    loader of ``checkpoint.init_from: hf:<dir>``)."""
+    from megatrain.config import ConfigError
 
     if not use_meta(cfg):
         model = GPT(cfg.model).to(device)
-        init_from_hf(model, cfg.checkpoint.init_from)  # checkpoint.init_from: hf:<dir>, else nothing
+        if init_weights is not None:
+            init_weights(model)
         return parallelize(model, cfg, groups), count_parameters(model)
-    if (cfg.checkpoint.init_from or "").startswith(HF_PREFIX):
+    if init_weights is not None:
         raise ConfigError(
             "checkpoint.init_from: hf: loads a full replica on every rank, which a meta-device build exists to avoid; "
             "set parallel.init.meta_init=never (the whole model must then fit on one rank)"

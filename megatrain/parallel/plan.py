@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatrain.config import Config
-from megatrain.config_load import ConfigError, load_config
+from megatrain.config import ConfigError, load_config
 
 GIB = 1024**3
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from megatrain.config import Config, FP8Config
-from megatrain.config_load import ConfigError
+from megatrain.config import ConfigError
 
 log = logging.getLogger("megatrain")
 
@@ -115,36 +115,6 @@ def fp8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, float8_linear)]
 
 
-def fp8_matmul(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``x @ linear.weight^T`` through a converted linear's FP8 GEMM, without its bias: the body
-    of ``Float8Linear.forward`` before the bias add."""
-    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
-    if torch.is_autocast_enabled():  # as Float8Linear.forward: the GEMM's inputs in the autocast dtype
-        x = x.to(torch.get_autocast_gpu_dtype())
-    return matmul_with_hp_or_float8_args.apply(x, linear.weight.t(), linear.linear_mm_config, linear.config)
-
-
-def _mlp_forward_fp8(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
-    """``proj(activate(fc(x)))`` (GeLU MLP and SwiGLU alike) with fc's GEMM in FP8. The GeLU MLP's
-    plain forward runs ``F.linear(x, fc.weight)`` and hands fc's bias to the bias-GeLU kernel,
-    which would bypass the Float8Linear; calling the Float8Linear instead would add the bias in a
-    pass of its own over [tokens, ff] (and reduce its gradient in another). So: the FP8 GEMM
-    without bias, then the activation with the bias, as in bf16 (+2.5% tokens/s at 1.3B on an
-    H200 over calling the Float8Linear: benchmarks/RESULTS.md)."""
-    h = fp8_matmul(mlp.fc, x)  # [B, T, ff]
-    return mlp.proj(mlp.activate(h, mlp.fc.bias))
-
-
-def _route_through_converted(model: nn.Module, float8_linear: type) -> None:
-    """Feed-forward modules (``fc``, ``activate``, ``proj``: megatrain's GeLU MLP and SwiGLU) run
-    ``_mlp_forward_fp8``; the GeLU MLP's own forward reads ``fc.weight`` directly."""
-    for module in model.modules():
-        fc = getattr(module, "fc", None)
-        if isinstance(fc, float8_linear) and hasattr(module, "activate") and hasattr(module, "proj"):
-            module.forward = types.MethodType(_mlp_forward_fp8, module)
-
-
 def apply_precision(model: nn.Module, cfg: Config) -> nn.Module:
     """Convert the model in place to ``cfg.train.precision`` (bf16: nothing to do). Call it on the
     plain model, before pipeline splitting, activation checkpointing and compile (they keep the
@@ -156,9 +126,9 @@ def apply_precision(model: nn.Module, cfg: Config) -> nn.Module:
     float8.convert_to_float8_training(
         model, config=float8_linear_config(cfg.train.fp8), module_filter_fn=lambda _m, fqn: plan.get(fqn) == "fp8",
     )
-    _route_through_converted(model, float8.Float8Linear)
-    from megatrain.precision.fp8_casts import route_casts
+    from megatrain.precision.fp8_casts import route_casts, route_through_converted  # torchao at its top
 
+    route_through_converted(model, float8.Float8Linear)
     route_casts(model, cfg.train.fp8.casts, float8.Float8Linear)  # train.fp8.casts: who casts the activations
     converted = [fqn for fqn, how in plan.items() if how == "fp8"]
     log.info("fp8 (%s, casts %s): %d linears converted, %d kept in high precision", cfg.train.fp8.recipe,

@@ -6,8 +6,8 @@
 - ``anomaly``     NaN/inf loss, loss spikes, gradient explosions -> a ``Verdict`` file for rollback
 - ``faults``      fault injection (off by default) to prove that recovery works
 - ``selfcheck``   per-node GEMM, memory, all-reduce, storage and Redis checks -> eviction list
-- ``redis_store`` a Redis-backed ``torch.distributed.Store`` for fast process-group init
+- ``redis_server`` a temporary loopback Redis for a command-line run
 
 Nothing is imported here: the orchestrator imports ``watcher`` and ``anomaly`` without
-loading torch (only ``selfcheck`` and ``redis_store`` need it).
+loading torch (only ``selfcheck`` needs it).
 """

@@ -81,7 +81,7 @@ class HeartbeatRecord:
     step_phase_s: dict[str, float] | None = None  # seconds per phase of the last finished step
     recent_forward_s: list[list[float]] | None = None  # [step, forward seconds] of the last steps
     recent_step_s: list[float] | None = None  # seconds from step to step of the last steps (the stall rule's scale)
-    init_phase: str | None = None  # during phase "init": the start-up phase (megatrain/startup.py)
+    init_phase: str | None = None  # during phase "init": the start-up phase (megatrain/observe/startup.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

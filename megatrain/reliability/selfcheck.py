@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from megatrain.config import Config, SelfCheckConfig
-from megatrain.config_load import ConfigError, load_config
+from megatrain.config import ConfigError, load_config
 
 
 @dataclass

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 pytest.importorskip("transformers")
 
 import llama_baseline  # noqa: E402
-from megatrain.config_model import ModelConfig, RopeScaling  # noqa: E402
+from megatrain.config.model import ModelConfig, RopeScaling  # noqa: E402
 from megatrain.model import GPT, count_parameters  # noqa: E402
 
 SHAPE = dict(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, seq_len=32, position="rope",

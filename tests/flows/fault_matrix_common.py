@@ -30,7 +30,7 @@ import yaml
 
 from megatrain.observe.log_records import TimedLogRecords
 
-from megatrain.campaign import load_campaign, stage_config
+from megatrain.config.campaign import load_campaign, stage_config
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import load_safetensors, step_dir_name
 from megatrain.checkpoint.restore import verify_checkpoint

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatrain.campaign import load_campaign
+from megatrain.config.campaign import load_campaign
 from megatrain.checkpoint import catalog
 
 STAGE = """\
@@ -177,7 +177,7 @@ def test_evict_node_shrinks_then_grows_back(tmp_path, shard_root):
 def test_node_loss_policy_wait_refuses_and_shrink_goes_on(tmp_path, shard_root):
     """The policy alone (no ranks): node 1 marked evicted fails its check; ``wait`` names it
     after node_wait_s, ``shrink`` plans node 0 with twice the accumulation."""
-    from megatrain.launch_nodes import evicted_marker
+    from megatrain.launch.nodes import evicted_marker
     from tasks.elastic import NodeLost, plan_nodes
 
     doc = yaml.safe_load(nodes_campaign(tmp_path, shard_root).read_text())
@@ -187,8 +187,8 @@ def test_node_loss_policy_wait_refuses_and_shrink_goes_on(tmp_path, shard_root):
     path = tmp_path / "wait.yaml"
     path.write_text(yaml.safe_dump(doc))
     campaign = load_campaign(path)
-    from megatrain.campaign import stage_config
-    from megatrain.launch import write_run_config
+    from megatrain.config.campaign import stage_config
+    from megatrain.launch.ranks import write_run_config
 
     config_path = str(write_run_config(stage_config(campaign, 0), campaign.stage_dir(0) / "config.yaml"))
     assert plan_nodes(campaign, 0, config_path).nodes == [0, 1]
@@ -210,9 +210,9 @@ def test_a_stop_request_stops_every_nodes_ranks_within_seconds(tmp_path, shard_r
     ends Cancelled, not as a crash to restart."""
     import threading
 
-    from megatrain.campaign import stage_config
-    from megatrain.launch import write_run_config
-    from tasks import train as train_tasks
+    from megatrain.config.campaign import stage_config
+    from megatrain.launch.ranks import write_run_config
+    from tasks import attempts
     from tasks.elastic import launch_nodes
     from process_table import processes_mentioning
 
@@ -224,7 +224,7 @@ def test_a_stop_request_stops_every_nodes_ranks_within_seconds(tmp_path, shard_r
     path.write_text(yaml.safe_dump(doc))
     campaign = load_campaign(path)
     config_path = str(write_run_config(stage_config(campaign, 0), campaign.stage_dir(0) / "config.yaml"))
-    train_tasks._ABANDONED[config_path] = threading.Event()
+    attempts.ABANDONED[config_path] = threading.Event()
     ended = {}
     launch = threading.Thread(target=lambda: ended.update(state=launch_nodes.fn(campaign, 0, config_path, 1)))
     launch.start()
@@ -233,7 +233,7 @@ def test_a_stop_request_stops_every_nodes_ranks_within_seconds(tmp_path, shard_r
         while not (campaign.stage_dir(0) / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert processes_mentioning(config_path), "the ranks never started"
-        train_tasks._ABANDONED[config_path].set()  # what the stage does when it gives up; STOP is the same path
+        attempts.ABANDONED[config_path].set()  # what the stage does when it gives up; STOP is the same path
         stopped_at = time.monotonic()
         launch.join(60)
         gone = time.monotonic()
@@ -241,7 +241,7 @@ def test_a_stop_request_stops_every_nodes_ranks_within_seconds(tmp_path, shard_r
             time.sleep(0.2)
         assert not processes_mentioning(config_path), "ranks outlived the stop"
     finally:
-        train_tasks._ABANDONED.pop(config_path).set()
+        attempts.ABANDONED.pop(config_path).set()
         launch.join(60)
     state = ended["state"]
     assert state.is_cancelled() and "stopped (the stage failed)" in state.message, state

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from process_table import processes_mentioning
 
-from megatrain.campaign import load_campaign
+from megatrain.config.campaign import load_campaign
 from megatrain.checkpoint import catalog
 from fault_matrix_common import (  # noqa: F401  (reproducible_cpu_math: autouse, pins MKL for bit-exactness)
     STEPS, assert_bit_exact, assert_committed_intact, logs, reproducible_cpu_math, run_campaign,
@@ -257,7 +257,7 @@ def test_a_deterministic_error_in_a_rank_fails_the_stage_at_once_with_its_cause(
     path = write_campaign(workdir, "run-dir-in-use", shard_url=shard_root)
     run_dir = load_campaign(path).stage_dir(0)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom megatrain.lease import FileLeaseStore, Lease\n"
+        [sys.executable, "-c", "import sys, time\nfrom megatrain.launch.lease import FileLeaseStore, Lease\n"
          "Lease(FileLeaseStore(sys.argv[1]), 'megatrain train by hand').acquire()\nprint('held', flush=True)\n"
          "time.sleep(600)\n", str(run_dir)],
         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)

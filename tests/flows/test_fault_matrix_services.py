@@ -21,7 +21,7 @@ from fault_matrix_common import (  # noqa: F401  (fixtures are found by name; fa
     STEPS, assert_bit_exact, assert_committed_intact, durable_url, fault_table, fault_time, logs, record_row, reference,
     reproducible_cpu_math, run_campaign, workdir, write_campaign,
 )
-from megatrain.campaign import load_campaign, stage_config
+from megatrain.config.campaign import load_campaign, stage_config
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import step_dir_name
 from megatrain.reliability.heartbeat import HeartbeatRecord

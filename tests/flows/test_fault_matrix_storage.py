@@ -32,7 +32,7 @@ from fault_matrix_common import (  # noqa: F401  (fixtures are found by name)
     record_row, reference, reproducible_cpu_math, run_campaign, workdir, write_campaign,
 )
 
-from megatrain.campaign import load_campaign, stage_config
+from megatrain.config.campaign import load_campaign, stage_config
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import MANIFEST, rank_marker, step_dir_name
 from megatrain.checkpoint.restore import verify_checkpoint

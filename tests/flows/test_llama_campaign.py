@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatrain.campaign import load_campaign, stage_config
-from megatrain.observe.report import read_metrics
+from megatrain.config.campaign import load_campaign, stage_config
+from megatrain.report.runs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

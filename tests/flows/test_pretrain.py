@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from process_table import processes_mentioning
 
-from megatrain.campaign import load_campaign, stage_config
+from megatrain.config.campaign import load_campaign, stage_config
 from megatrain.checkpoint.files import load_safetensors, step_dir_name
-from megatrain.observe.report import read_metrics
+from megatrain.report.runs import read_metrics
 from megatrain.reliability.rollback import read_rollbacks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import hcl2
 import pytest
 import yaml
 
-from megatrain.campaign import load_campaign
+from megatrain.config.campaign import load_campaign
 from tasks.kubernetes import STORAGE_SECRET, stage_manifests
 
 ROOT = Path(__file__).resolve().parents[2]

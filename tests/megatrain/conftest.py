@@ -1,12 +1,16 @@
-"""Fixtures that run the real trainer in child processes (one process, or torchrun with gloo)."""
+"""Fixtures for the engine's tests: the real trainer in child processes (one process, or torchrun with
+gloo), and a real redis-server on a free loopback port (the Redis store, heartbeats, leases)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,3 +67,28 @@ def run_training(tmp_path, shard_root):
         return metrics, proc
 
     return run
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
+    """(url, process) of a throwaway redis-server: no persistence, loopback only."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: make services (apt-get install -y redis-server)")
+    from megatrain.reliability.redis_server import start_redis_server
+
+    port = free_port()
+    proc = start_redis_server(port)
+    yield f"redis://127.0.0.1:{port}/0", proc
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: tuple[str, subprocess.Popen]) -> str:
+    return redis_server[0]
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A fresh key namespace per test, so tests sharing the server never see each other's keys."""
+    return f"test-{uuid.uuid4().hex[:8]}"

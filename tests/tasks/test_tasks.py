@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from megatrain.campaign import load_campaign, stage_config
-from megatrain.config_load import ConfigError
+from megatrain.config.campaign import load_campaign, stage_config
+from megatrain.config import ConfigError
 from megatrain.reliability.rollback import read_rollbacks
 
 ONE_STAGE = "- {name: only, steps: 6}\n"
@@ -26,7 +26,7 @@ def test_validate_campaign_returns_the_campaign_and_refuses_bad_fields(campaign_
 
 
 def _stage_config_file(campaign_file, name="rb"):
-    from megatrain.launch import write_run_config
+    from megatrain.launch.ranks import write_run_config
 
     campaign = load_campaign(campaign_file(name, ONE_STAGE))
     cfg = stage_config(campaign, 0)

@@ -19,7 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from megatrain.checkpoint.manager import Checkpointer
 from megatrain.config import Config
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.parallel.dims import ParallelDims, ProcessGroups
 from megatrain.parallel.init import DistEnv
 

@@ -10,7 +10,7 @@ import os
 import sys
 
 from megatrain.data import loader
-from megatrain.train import main
+from megatrain.training.rank import main
 
 _next_raw = loader.ShardLoader.next_raw
 

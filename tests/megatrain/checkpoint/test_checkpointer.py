@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.checkpoint import catalog
-from megatrain.checkpoint.compat import fingerprint
+from megatrain.config.compat import fingerprint
 from megatrain.checkpoint.files import STAGED, step_dir_name
 from megatrain.checkpoint.manager import Checkpointer
 from megatrain.checkpoint.restore import CheckpointError, CheckpointMismatch

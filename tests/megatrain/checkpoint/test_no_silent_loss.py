@@ -20,14 +20,14 @@ import pytest
 import yaml
 
 from megatrain import storage
-from megatrain.campaign import load_campaign, stage_config
+from megatrain.config.campaign import load_campaign, stage_config
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.cli import cli as checkpoints_cli
 from megatrain.checkpoint.files import MANIFEST, step_dir_name
 from megatrain.checkpoint.manager import Checkpointer
 from megatrain.checkpoint.restore import verify_checkpoint
 from megatrain.checkpoint.upload import UploadError, upload_checkpoint
-from megatrain.config_load import ConfigError
+from megatrain.config import ConfigError
 
 from checkpoint_fakes import assert_same_state, full_state, make_trainer, run
 
@@ -66,7 +66,7 @@ def test_a_full_staging_disk_fails_the_loop_before_writing(fresh, tmp_path):
 
 def test_a_disk_that_fills_while_staging_leaves_no_partial_file(fresh, tmp_path, monkeypatch):
     with small_disk(tmp_path / "disk", "8k") as disk:
-        monkeypatch.setattr(storage, "free_bytes", lambda url: 1 << 40)  # the check is fooled; the disk is not
+        monkeypatch.setattr(storage.space, "free_bytes", lambda url: 1 << 40)  # the check is fooled; the disk is not
         _, trainer, checkpointer = fresh(interval=1, staging_dir=disk / "staging")
         run(trainer, checkpointer, 1)
         with pytest.raises(storage.NoSpaceError, match=rf"{disk / 'staging'}.*needs \d+ bytes"):
@@ -92,7 +92,7 @@ def test_a_full_durable_disk_fails_the_loop_and_the_staged_step_survives(fresh, 
 
 def test_a_write_failing_mid_upload_leaves_no_temporary_file(fresh, tmp_path, monkeypatch):
     with small_disk(tmp_path / "disk", "8k") as disk:
-        monkeypatch.setattr(storage, "free_bytes", lambda url: 1 << 40)
+        monkeypatch.setattr(storage.space, "free_bytes", lambda url: 1 << 40)
         _, trainer, checkpointer = fresh(interval=1, durable_url=disk / "durable", upload_retries=1)
         run(trainer, checkpointer, 1)
         with pytest.raises(UploadError, match=r"gave up after 2 attempts: .*No space left on device"):

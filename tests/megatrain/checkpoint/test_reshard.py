@@ -40,7 +40,7 @@ def shards() -> tuple[str, list[str]]:
     import hashlib
     import tempfile
 
-    from megatrain.config_load import load_config
+    from megatrain.config import load_config
     from megatrain.data.loader import build_loader
     from megatrain.data.shard import shard_corpus
 

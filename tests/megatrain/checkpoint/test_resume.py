@@ -30,7 +30,7 @@ STEPS, HALF = 6, 3
 @pytest.fixture(scope="module")
 def shard_url(tmp_path_factory) -> str:
     """Shard once for every run (concurrent runs must not race to write the same shards)."""
-    from megatrain.config_load import load_config
+    from megatrain.config import load_config
     from megatrain.data.shard import shard_corpus
 
     url = str(tmp_path_factory.mktemp("shards"))

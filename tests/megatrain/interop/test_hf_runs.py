@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from megatrain.data.index import load_index
-from megatrain.evaluate import held_out_windows
+from megatrain.evaluate.heldout import held_out_windows
 from megatrain.interop.checkpoint import load_run
 from tests.megatrain.conftest import ROOT, TINY, child_env
 
@@ -66,7 +66,7 @@ def test_a_run_starts_from_a_transformers_gpt2_and_exports_back(run_training, tm
 def test_a_tensor_parallel_llama_checkpoint_exports_to_llama_for_causal_lm(run_training, tmp_path):
     """GQA's qkv and SwiGLU's [gate | up] are cut block by block over TP ranks: gathered back, the
     checkpoint's held-out loss is the one the TP2 run logged, and LlamaForCausalLM computes its logits."""
-    from megatrain.evaluate import evaluate_checkpoint
+    from megatrain.evaluate.heldout import evaluate_checkpoint
 
     rows, _ = run_training(["parallel.tp=2", "data.max_source_bytes=300000", "data.val_fraction=0.1", "train.steps=1",
                             "train.eval_interval=1", "checkpoint.interval=1", "model.kernels.cross_entropy=reference"],

@@ -140,7 +140,7 @@ def test_gpu_matches_reference(impl, dtype, N, d, V):
 @pytest.mark.gpu
 @requires_cuda
 def test_fused_uses_a_fraction_of_the_reference_memory():
-    from megatrain.kernels.cross_entropy_triton import lm_head_cross_entropy_fused
+    from megatrain.kernels.cross_entropy import lm_head_cross_entropy_fused
 
     h, w, t = _problem(8192, 1024, 50304, torch.bfloat16, "cuda", seed=5)
 

@@ -109,7 +109,7 @@ def test_fused_matches_reference_bit_for_bit(shape, dtype, bias):
 def test_fused_compiles_into_a_graph_with_the_fp8_gemm():
     """Inside torch.compile (fullgraph, as the compiled blocks): the GeLU MLP's fused path gives the
     eager result."""
-    from megatrain.precision.fp8 import fp8_matmul
+    from megatrain.kernels.fp8_ops import fp8_matmul
 
     torch.manual_seed(0)
     linear = _linear(1024, "cuda", emulate=torch.cuda.get_device_capability() < (8, 9)).bfloat16()

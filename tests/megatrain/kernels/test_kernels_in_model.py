@@ -7,7 +7,7 @@ promote to fp32)."""
 import pytest
 import torch
 
-from megatrain.config_model import KernelConfig, ModelConfig
+from megatrain.config.model import KernelConfig, ModelConfig
 from megatrain.model.gpt import GPT
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -73,7 +73,7 @@ def test_rope_reference_is_the_complex_rotation(offset):
 
 
 def test_llama3_scaling_keeps_high_divides_low_and_blends_between():
-    from megatrain.config_model import RopeScaling
+    from megatrain.config.model import RopeScaling
 
     plain = rope_inv_freq(64, 500000.0)
     scaled = rope_inv_freq(64, 500000.0, RopeScaling(factor=32, low_freq_factor=1, high_freq_factor=4, original_max_position=8192))
@@ -165,7 +165,7 @@ def test_rope_fused_matches_reference_on_strided_views(B, H, T, hd, offset, dtyp
 @requires_cuda
 @pytest.mark.parametrize("block", ["parallel", "serial"])
 def test_llama_model_with_fused_kernels_matches_reference_kernels(block):
-    from megatrain.config_model import KernelConfig, ModelConfig
+    from megatrain.config.model import KernelConfig, ModelConfig
     from megatrain.model import GPT
 
     base = dict(vocab_size=512, n_layer=2, n_head=8, n_kv_head=2, d_model=256, seq_len=128, position="rope",

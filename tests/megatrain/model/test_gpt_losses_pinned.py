@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.model import GPT
 from megatrain.optim import build_optimizer, build_scheduler
 

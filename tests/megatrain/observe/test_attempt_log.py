@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from megatrain.launch import _free_port, run_ranks
+from megatrain.launch.ranks import _free_port, run_ranks
 from megatrain.observe.attempt_log import AttemptLog, read_attempts
 
 RANK_SCRIPT = textwrap.dedent("""\

@@ -9,7 +9,7 @@ import logging
 from megatrain.observe.attempt_log import AttemptLog, read_attempts
 from megatrain.observe.jsonl import open_append, read_rows
 from megatrain.observe.metrics import MetricsLogger, StepMetrics
-from megatrain.observe.report import read_metrics, read_raw_metrics, summarize_run
+from megatrain.report.runs import read_metrics, read_raw_metrics, summarize_run
 
 
 def row(step: int, loss: float) -> StepMetrics:

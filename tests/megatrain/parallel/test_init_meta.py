@@ -8,7 +8,7 @@ import os
 import psutil
 import torch
 
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.parallel.dims import ParallelDims, ProcessGroups
 from megatrain.parallel.meta import build_on_meta, materialize, stage_modules, use_meta
 from megatrain.parallel.plan import params_per_gpu

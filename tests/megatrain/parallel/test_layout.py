@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.model import GPT
 from megatrain.parallel.deepspeed import deepspeed_config, pipeline_topology
 from megatrain.parallel.dims import ParallelDims, ProcessGroups

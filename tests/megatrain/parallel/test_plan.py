@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.parallel.plan import GIB, activation_bytes_per_layer, cli, memory_plan
 
 RECIPE = str(Path(__file__).resolve().parents[3] / "configs" / "gpt-175b.yaml")

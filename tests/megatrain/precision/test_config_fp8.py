@@ -3,8 +3,8 @@ their field, and FP8 with tensor parallelism is refused with its reason."""
 
 import pytest
 
-from megatrain.checkpoint.compat import fingerprint, state_fields
-from megatrain.config_load import ConfigError, load_config
+from megatrain.config.compat import fingerprint, state_fields
+from megatrain.config import ConfigError, load_config
 from megatrain.precision.fp8 import float8_linear_config
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.model.gpt import GPT
 from megatrain.precision import apply_precision
 
@@ -32,7 +32,7 @@ def count_input_casts():
     from torchao.float8 import float8_linear
     from torchao.float8.float8_training_tensor import GemmInputRole
 
-    from megatrain.precision import fp8_casts
+    from megatrain.kernels import fp8_ops
 
     counts = {"n": 0}
     real = float8_linear.hp_tensor_to_float8_dynamic
@@ -41,11 +41,11 @@ def count_input_casts():
         counts["n"] += kwargs.get("gemm_input_role") is GemmInputRole.INPUT
         return real(*args, **kwargs)
 
-    float8_linear.hp_tensor_to_float8_dynamic = fp8_casts.hp_tensor_to_float8_dynamic = counting
+    float8_linear.hp_tensor_to_float8_dynamic = fp8_ops.hp_tensor_to_float8_dynamic = counting
     try:
         yield counts
     finally:
-        float8_linear.hp_tensor_to_float8_dynamic = fp8_casts.hp_tensor_to_float8_dynamic = real
+        float8_linear.hp_tensor_to_float8_dynamic = fp8_ops.hp_tensor_to_float8_dynamic = real
 
 
 def _loss_and_grads(cfg, state, idx, targets):

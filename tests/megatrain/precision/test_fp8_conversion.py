@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megatrain.config_load import ConfigError, load_config
+from megatrain.config import ConfigError, load_config
 from megatrain.model.gpt import GPT
 from megatrain.parallel.init import DistEnv
 from megatrain.precision import apply_precision, check_precision_supported, fp8_linears, fp8_plan
@@ -149,7 +149,7 @@ def test_fp8_without_an_fp8_gpu_fails_with_the_reason():
 
 def test_trainer_refuses_fp8_before_building_anything(monkeypatch):
     """The check is the trainer's first act: no data is sharded and no model is built."""
-    import megatrain.trainer as trainer_module
+    import megatrain.training.trainer as trainer_module
 
     built = []
     monkeypatch.setattr(trainer_module, "build_parallel_model", lambda *a, **k: built.append("model"))

@@ -5,7 +5,7 @@ and the real trainer with torch.compile trains as bf16 does."""
 import pytest
 import torch
 
-from megatrain.config_load import ConfigError, load_config
+from megatrain.config import ConfigError, load_config
 from megatrain.model.gpt import GPT
 from megatrain.precision import apply_precision, check_precision_supported
 

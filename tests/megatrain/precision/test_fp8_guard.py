@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatrain.config import AnomalyConfig
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.model.gpt import GPT
 from megatrain.precision import FP8Guard, apply_precision, fp8_linears
 from megatrain.reliability.anomaly import AnomalyDetector

@@ -8,9 +8,9 @@ import json
 import sys
 from dataclasses import asdict
 
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.parallel.init import init_distributed, shutdown_distributed
-from megatrain.trainer import Trainer
+from megatrain.training.trainer import Trainer
 
 
 def main() -> None:

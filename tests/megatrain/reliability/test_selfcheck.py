@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.config_load import load_config
+from megatrain.config import load_config
 from megatrain.reliability.selfcheck import SelfCheckReport, cli, run_node_checks
 
 

@@ -1,0 +1,189 @@
+"""A pretraining campaign: one recipe trained through an ordered list of stages.
+
+Each stage is the base recipe plus the campaign's overrides plus the stage's own (sequence length,
+batch size, LR schedule, data mix...). A stage starts from the previous stage's final checkpoint
+(weights and optimizer state, fresh step count and schedule) and keeps its own run directory and
+durable checkpoint URL, so a rerun can tell finished stages from the interrupted one.
+
+Like the rest of ``megatrain.config`` this imports neither torch nor prefect:
+the flow validates a campaign before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from megatrain.config import compat
+from megatrain.config.load import ConfigError, format_validation_error, load_config, merge, parse_overrides, read_yaml
+from megatrain.config.schema import Config
+from megatrain.config.schema import ReliabilityConfig  # noqa: F401  (re-exported for flows)
+from megatrain.config.section import _Section
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_ROOT = REPO_ROOT / "runs" / "campaigns"  # where campaign ids live (a campaign dir per id)
+
+
+class StageConfig(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                      description="used in paths and task names; starts with a letter or digit (never . or ..)")
+    steps: int = Field(gt=0, description="optimizer steps in this stage")
+    overrides: list[str] = Field(default_factory=list, description="dotted overrides for this stage only")
+
+
+class CampaignConfig(_Section):
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                    description="names the campaign's directories and cache keys; starts with a letter or digit")
+    recipe: str = Field(description="path of the base recipe (relative paths: from the repository root)")
+    overrides: list[str] = Field(default_factory=list, description="dotted overrides for every stage")
+    nproc_per_node: int = Field(1, gt=0, description="training ranks per node")
+    nnodes: int = Field(1, gt=0, description="nodes of nproc_per_node ranks; launcher local: that many torchrun "
+                        "agents on this machine meeting through a c10d rendezvous (megatrain.launch.nodes), each node "
+                        "self-checked before every attempt (reliability.on_node_loss: wait | shrink)")
+    launcher: Literal["local", "kubernetes"] = "local"
+    root_dir: str = Field("runs/campaigns", description="local directory for run dirs, staging and reports")
+    durable_url: str | None = Field(None, description="fsspec URL for committed checkpoints; default <root_dir>/<id>/durable")
+    shard_url: str | None = Field(None, description="where the shards go; default the recipe's data.shard_url")
+    self_check: bool = True
+    samples: int = Field(3, ge=0, le=3,
+                         description="texts sampled on CPU from each stage's final checkpoint for the report, one "
+                         "per prompt of megatrain.evaluate.generate.DEFAULT_PROMPTS (fixed seed); 0 = none")
+    stage_timeout_s: float = Field(6 * 3600, gt=0, description="a stage attempt is killed after this long")
+    stages: list[StageConfig] = Field(min_length=1)
+
+    @field_validator("stages")
+    @classmethod
+    def _unique_names(cls, stages: list[StageConfig]) -> list[StageConfig]:
+        names = [s.name for s in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        return stages
+
+    @model_validator(mode="after")
+    def _every_stage_is_a_valid_run(self) -> CampaignConfig:
+        for index in range(len(self.stages)):
+            stage_config(self, index)  # raises ConfigError naming the stage and field
+        return self
+
+    @property
+    def campaign_dir(self) -> Path:
+        return _resolve(self.root_dir) / self.id
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def stage_dir(self, index: int) -> Path:
+        return self.campaign_dir / self.stages[index].name
+
+    def stage_durable_url(self, index: int) -> str:
+        base = self.durable_url or str(self.campaign_dir / "durable")
+        return f"{base.rstrip('/')}/{self.stages[index].name}"
+
+    def fingerprint(self) -> str:
+        """What the campaign computes: each stage's config fingerprint, in order."""
+        parts = [compat.fingerprint(stage_config(self, i)) for i in range(len(self.stages))]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _resolve(path: str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+# Paths the campaign owns per stage: an override of one would be silently replaced, so it is refused
+# with the campaign field to use instead. checkpoint.staging_dir is honoured (see _staging_dir).
+_CAMPAIGN_PATHS = {
+    "train.run_dir": "set the campaign's root_dir (each stage gets <root_dir>/<id>/<stage>)",
+    "checkpoint.durable_url": "set the campaign's durable_url (each stage gets a subfolder)",
+    "checkpoint.init_from": "a stage starts from the previous stage's checkpoint; start a new campaign instead",
+}
+
+
+def _overridden(overrides: list[str], dotted: str) -> object | None:
+    """The value ``overrides`` give to the dotted key, or None."""
+    node: object = parse_overrides(overrides)
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _staging_dir(campaign: CampaignConfig, index: int, overrides: list[str]) -> Path:
+    """The stage's staging dir: <the user's checkpoint.staging_dir>/<id>/<stage> when the campaign
+    or the stage overrides it (a fast local disk, say), else <stage dir>/staging."""
+    chosen = _overridden(overrides, "checkpoint.staging_dir")
+    if chosen is None:
+        return campaign.stage_dir(index) / "staging"
+    return _resolve(str(chosen)) / campaign.id / campaign.stages[index].name
+
+
+def stage_config(campaign: CampaignConfig, index: int) -> Config:
+    """The full run config of one stage: recipe + campaign overrides + stage overrides + paths."""
+    stage = campaign.stages[index]
+    stage_dir = campaign.stage_dir(index)
+    user = [*campaign.overrides, *stage.overrides]
+    for dotted, instead in _CAMPAIGN_PATHS.items():
+        if _overridden(user, dotted) is not None:
+            raise ValueError(f"stage {stage.name!r}: {dotted} is set by the campaign for each stage, so an override "
+                             f"of it would be ignored; {instead}")
+    derived = [
+        f"train.steps={stage.steps}",
+        f"train.run_dir={stage_dir}",
+        f"checkpoint.staging_dir={_staging_dir(campaign, index, user)}",
+        f"checkpoint.durable_url={campaign.stage_durable_url(index)}",
+        f"parallel.world_size={campaign.world_size}",
+    ]
+    if campaign.shard_url:
+        derived.append(f"data.shard_url={campaign.shard_url}")
+    if index > 0:
+        derived.append(f"checkpoint.init_from={campaign.stage_durable_url(index - 1)}")
+    try:
+        cfg = load_config(_resolve(campaign.recipe), [*user, *derived])
+    except ConfigError as exc:  # name the stage; the fields are those of the resolved run config
+        fields = "\n".join(str(exc).splitlines()[1:]) or str(exc)
+        raise ValueError(f"stage {stage.name!r} ({campaign.recipe} + campaign and stage overrides):\n{fields}") from None
+    if "://" not in cfg.data.shard_url:  # a relative path is the repository's, whatever the cwd
+        cfg.data.shard_url = str(_resolve(cfg.data.shard_url))
+    return cfg
+
+
+def load_campaign(path: str | Path, overrides: list[str] | None = None) -> CampaignConfig:
+    """Read and validate a campaign file; every stage is validated as a full run config."""
+    raw = merge(read_yaml(path), parse_overrides(overrides))
+    try:
+        return CampaignConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(str(path), exc)) from None
+
+
+# A campaign on disk: runs/campaigns/<id>/ holds one folder per stage, each with its run config.
+
+def find_campaign_dir(target: str | Path, root: str | Path | None = None) -> Path:
+    """A campaign dir given itself, a path inside it (a stage or durable dir), or an id under
+    ``root`` (default ``runs/campaigns``). Raises FileNotFoundError naming what was looked for."""
+    path = Path(target)
+    for candidate in (path, *path.resolve().parents[:3]) if path.exists() else ():
+        if candidate.is_dir() and stage_dirs(candidate):
+            return candidate
+    by_id = Path(root or DEFAULT_ROOT) / str(target)
+    if by_id.is_dir() and stage_dirs(by_id):
+        return by_id
+    raise FileNotFoundError(f"{target}: not a campaign dir (no stage folders with config.yaml), "
+                            f"and no campaign of that id under {root or DEFAULT_ROOT}")
+
+
+def stage_dirs(campaign_dir: Path) -> list[Path]:
+    """The stage folders, in training order (by their init_from chain)."""
+    configs = {d: read_yaml(d / "config.yaml") for d in sorted(campaign_dir.iterdir())
+               if d.is_dir() and (d / "config.yaml").is_file()}
+    by_durable = {str(c.get("checkpoint", {}).get("durable_url")): d for d, c in configs.items()}
+    previous = {d: by_durable.get(str(c.get("checkpoint", {}).get("init_from"))) for d, c in configs.items()}
+    ordered, current = [], [d for d, p in previous.items() if p is None]
+    while current:  # walk the chain from the first stage
+        ordered += current
+        current = [d for d, p in previous.items() if p in current and d not in ordered]
+    return ordered + [d for d in configs if d not in ordered]

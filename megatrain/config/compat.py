@@ -1,0 +1,105 @@
+"""Which config changes a checkpoint survives: the policy, by field, kept beside the checkpoints.
+
+Three views of one ``Config``:
+
+- ``fingerprint(cfg)``: a short hash of everything that changes the computation (not logging or
+  paths): the identity of a finished result (campaign stage caches).
+- ``state_fields(cfg)``: what a checkpoint holds (model shapes and math, optimizer kind,
+  precision, data and seeds); a checkpoint written under other values cannot be continued.
+- ``schedule_fields(cfg)``: how that state moves on (global batch, LR schedule, optimizer
+  hyper-parameters); changing one on resume needs ``checkpoint.allow_schedule_change``.
+
+Restore (``restore.py``) compares the last two field by field, never the hash. Like
+``megatrain.config`` this imports neither torch nor prefect: the flow computes stage fingerprints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from megatrain.config.schema import Config
+
+# Fields added after checkpoints were first written, by dotted section: the fingerprint counts
+# each only when it is set away from its default, so older recipes keep their fingerprints (and
+# resume their checkpoints). A branch adding fields to a section lists them here too.
+_LATER_KNOBS: dict[str, tuple[str, ...]] = {
+    "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp"),
+    "model.kernels": ("rmsnorm", "swiglu", "rope"),
+    "train.fp8": ("casts",),  # an implementation choice, like model.kernels: the same e4m3 values
+}
+
+# Held-out evaluation and experiment tracking: they change what is measured, never the training math.
+_TRACKING_KNOBS = ("eval_interval", "eval_batches", "tensorboard", "tensorboard_dir", "wandb_project", "mlflow_tracking_uri")
+
+# Fields that change neither the checkpointed state nor how it evolves: the length of the run,
+# the split of the global batch into micro-batches, kernels, compile, activation checkpointing,
+# the parallel layout, where files go, and the checkpoint and reliability policies.
+_NOT_STATE = {
+    "name": True, "parallel": True, "checkpoint": True, "reliability": True,
+    "model": {"kernels", "activation_checkpointing", "compile"},
+    "train": {**dict.fromkeys(["steps", "micro_batch_size", "device", "log_interval", "run_dir", *_TRACKING_KNOBS], True),
+              "fp8": {"casts"}},  # who casts to FP8 changes no state: checkpoints resume under any
+    "data": {"shard_url", "num_workers", "prefetch_batches", "on_bad_shard", "verify_checksums"},
+}
+
+SCHEDULE_FIELDS = (
+    "train.global_batch_size", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.schedule", "optim.decay_steps",
+    "optim.betas", "optim.eps", "optim.weight_decay", "optim.max_trust_ratio", "optim.grad_clip",
+)
+
+
+def fingerprint(cfg: Config) -> str:
+    """A short hash of everything that changes the computation (not logging or paths): the
+    identity of a finished result (campaign stage caches). Whether a *checkpoint* can be
+    continued is decided by ``state_fields()`` and ``schedule_fields()``, not by this hash."""
+    # how the ranks meet (parallel.init) never changes the math, nor do the run's logs and policies
+    keep = cfg.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "parallel": {"init"},
+                                                "checkpoint": True, "reliability": True})
+    # Knobs added after the first checkpoints were written count only when set away from their
+    # defaults, so a GPT recipe keeps its fingerprint (and resumes its checkpoints).
+    for dotted, knobs in _LATER_KNOBS.items():
+        section, dumped = cfg, keep
+        for part in dotted.split("."):
+            section, dumped = getattr(section, part), dumped.get(part, {})
+        defaults = type(section)()
+        for knob in knobs:
+            if knob in dumped and getattr(section, knob) == getattr(defaults, knob):
+                dumped.pop(knob)
+    for knob in _TRACKING_KNOBS:  # what is measured, not how the model trains
+        keep["train"].pop(knob)
+    if cfg.data.val_fraction == 0.0:  # counts only when a validation split is asked for
+        keep["data"].pop("val_fraction")
+    if cfg.train.precision == "bf16":  # added with FP8; train.fp8 is unused then
+        keep["train"].pop("precision")
+        keep["train"].pop("fp8")
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def state_fields(cfg: Config) -> dict[str, object]:
+    """The fields that define what a checkpoint holds, by dotted name: the model's shapes and
+    math, the optimizer kind, the precision, the data (and so its sample order) and the seeds.
+    A checkpoint written under other values of any of these cannot be continued."""
+    dump = cfg.model_dump(mode="json", exclude=_NOT_STATE)
+    return {k: v for k, v in _flatten(dump).items() if k not in SCHEDULE_FIELDS}
+
+
+def schedule_fields(cfg: Config) -> dict[str, object]:
+    """How the state moves on: global batch, LR schedule (with its effective decay length) and
+    optimizer hyper-parameters. Changing one on resume needs ``checkpoint.allow_schedule_change``."""
+    flat = _flatten(cfg.model_dump(mode="json"))
+    out = {k: flat[k] for k in SCHEDULE_FIELDS}
+    # decay_steps defaults to train.steps: extending a cosine run changes its schedule
+    out["optim.decay_steps"] = None if cfg.optim.schedule == "constant" else (cfg.optim.decay_steps or cfg.train.steps)
+    return out
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -1,0 +1,102 @@
+"""Text -> a validated Config: read a YAML recipe, apply ``key.sub=value`` overrides, validate.
+
+``load_config(path, overrides)`` is the one way a run gets its config (CLI, trainer, Prefect
+tasks, benchmarks), so a bad config always fails the same way: a ConfigError naming the file,
+the field and the reason, before any model is built. The models themselves live in
+``schema.py``; ``campaign.py`` reuses the pieces below for campaign files. Like the whole config
+package, this imports neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from megatrain.config.schema import Config
+from megatrain.errors import DeterministicError
+
+
+class ConfigError(DeterministicError, ValueError):
+    """A config that cannot be used; the message names the file, the field and the reason."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a recipe (or the defaults when ``path`` is None), apply overrides, validate."""
+    raw = read_yaml(path) if path is not None else {}
+    raw = merge(raw, parse_overrides(overrides))
+    source = str(path) if path is not None else "<defaults>"
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(source, exc)) from None
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
+    """``["optim.lr=3e-4", "model.block=serial"]`` -> nested dict; values parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. optim.lr=3e-4")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), _parse_scalar(raw))
+    return tree
+
+
+def _parse_scalar(raw: str) -> Any:
+    """YAML's reading of a value, except that '3e-4' is a float (YAML 1.1 wants '3.0e-4')."""
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` laid over ``base``, section by section (an override replaces one field, not its section)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def format_validation_error(source: str, error: ValidationError) -> str:
+    """pydantic's errors as ``source: invalid config`` and one ``  field: reason`` line each."""
+    lines = [f"{source}: invalid config"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"  {field}: {item['msg']}")
+    return "\n".join(lines)

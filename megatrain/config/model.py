@@ -1,0 +1,141 @@
+"""The model's knobs: ``ModelConfig`` (a decoder-only transformer; a family is a choice of parts),
+the kernel of each hot op and Llama 3's RoPE scaling. One section of ``megatrain.config.Config``
+(``model:`` in a recipe), kept in its own module for its size; like ``megatrain.config`` this
+imports neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from megatrain.config.section import _Section
+
+
+class KernelConfig(_Section):
+    """Which implementation each hot op uses. ``reference`` is plain torch and runs everywhere;
+    ``fused`` is Triton (GPU only); ``auto`` picks fused on CUDA and reference elsewhere."""
+
+    layernorm: Literal["reference", "fused", "auto"] = "auto"
+    gelu: Literal["reference", "fused", "auto"] = "auto"
+    cross_entropy: Literal["reference", "chunked", "fused", "auto"] = "auto"
+    # sdpa: torch scaled_dot_product_attention (flash/cuDNN on GPU); flex: FlexAttention block mask
+    # (skips masked blocks of a sliding window); reference: explicit softmax(QK^T)V, for tests.
+    attention: Literal["sdpa", "flex", "reference", "auto"] = "auto"
+    # The Llama family's ops (model.norm=rmsnorm, model.mlp=swiglu, model.position=rope). Their
+    # Triton kernels run in eager mode on CUDA; inside torch.compile ``auto`` leaves them to
+    # inductor, which fuses the plain-torch ops with their neighbours.
+    rmsnorm: Literal["reference", "fused", "auto"] = "auto"
+    swiglu: Literal["reference", "fused", "auto"] = "auto"
+    rope: Literal["reference", "fused", "auto"] = "auto"
+
+
+class RopeScaling(_Section):
+    """Llama 3's RoPE frequency scaling (Meta's ``apply_scaling``; Hugging Face's rope_type
+    "llama3"): wavelengths shorter than original_max_position / high_freq_factor are kept,
+    those longer than original_max_position / low_freq_factor are divided by ``factor``, and the
+    band between is interpolated smoothly. Llama 3.1/3.2 use factor 32 (3.2) or 8 (3.1),
+    low 1, high 4, original 8192."""
+
+    factor: float = Field(32.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position: int = Field(8192, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor})")
+        return self
+
+
+class ModelConfig(_Section):
+    """A decoder-only transformer. The defaults are a small GPT-2-style model (learned positions,
+    LayerNorm, GeLU, multi-head attention with biases); a family is a choice of the parts below,
+    e.g. Llama = position rope + norm rmsnorm + mlp swiglu + n_kv_head < n_head + bias false
+    (``configs/llama-*.yaml``), with MegaScale's parallel block or the serial one."""
+
+    vocab_size: int = Field(50304, gt=0, description="rows of the embedding (pad to a multiple of 64)")
+    n_layer: int = Field(12, gt=0)
+    n_head: int = Field(12, gt=0)
+    n_kv_head: int | None = Field(
+        None, gt=0, description="key/value heads: None or n_head = multi-head, 1 = multi-query, between = "
+        "grouped-query (each KV head serves n_head / n_kv_head query heads)",
+    )
+    d_model: int = Field(768, gt=0)
+    d_ff: int | None = Field(
+        None, gt=0, description="MLP hidden size; default 4 * d_model for gelu, Llama's rounding for swiglu "
+        "(2/3 of 4 * d_model, times ffn_multiplier, rounded up to a multiple of ffn_multiple_of)",
+    )
+    ffn_multiplier: float = Field(1.0, gt=0, description="swiglu without d_ff: Llama's ffn_dim_multiplier")
+    ffn_multiple_of: int = Field(256, gt=0, description="swiglu without d_ff: Llama's multiple_of")
+    position: Literal["learned", "rope"] = Field(
+        "learned", description="learned: a [seq_len, d] table added to the token embedding (GPT-2); rope: "
+        "rotary embeddings applied to q and k in every layer (no table; Hugging Face's rotate-half layout)",
+    )
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base (Llama 3: 500000)")
+    rope_scaling: RopeScaling | None = Field(None, description="Llama 3's frequency scaling; None = plain RoPE")
+    norm: Literal["layernorm", "rmsnorm"] = Field(
+        "layernorm", description="layernorm (with a bias when model.bias) or rmsnorm (a gain only)"
+    )
+    mlp: Literal["gelu", "swiglu"] = Field(
+        "gelu", description="gelu: proj(gelu(fc(x))); swiglu: proj(silu(gate(x)) * up(x)), three matrices"
+    )
+    seq_len: int = Field(1024, gt=0, description="tokens per sample the model is trained on")
+    block: Literal["parallel", "serial"] = Field(
+        "parallel", description="parallel: x + attn(ln(x)) + mlp(ln(x)) (MegaScale/PaLM); serial: pre-LN"
+    )
+    attention: Literal["full", "sliding"] = "full"
+    window: int | None = Field(None, gt=0, description="sliding-window size in tokens (attention=sliding)")
+    bias: bool = Field(True, description="biases in every linear and LayerNorm (GPT-2); Llama has none")
+    tie_embeddings: bool = Field(True, description="the LM head reuses the token embedding matrix")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    norm_eps: float = Field(1e-5, gt=0, description="epsilon of LayerNorm / RMSNorm (Llama 3: 1e-5)")
+    init_std: float = Field(0.02, gt=0)
+    kernels: KernelConfig = KernelConfig()
+    activation_checkpointing: bool = False
+    compile: bool = Field(False, description="wrap the model in torch.compile (GPU recipes)")
+
+    @property
+    def ffn_dim(self) -> int:
+        """The MLP's hidden width (for swiglu: of each of gate and up)."""
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        hidden = int(self.ffn_multiplier * int(2 * 4 * self.d_model / 3))  # Llama's FeedForward
+        return self.ffn_multiple_of * -(-hidden // self.ffn_multiple_of)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_kv_head, or n_head when unset)."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def attended_context(self) -> int:
+        """How many keys a query sees at most: seq_len, or the window when it is smaller."""
+        if self.attention == "sliding" and self.window is not None:
+            return min(self.window, self.seq_len)
+        return self.seq_len
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"position rope needs an even head_dim (d_model / n_head = {self.head_dim})")
+        if self.rope_scaling is not None and self.position != "rope":
+            raise ValueError("rope_scaling: only with position 'rope'")
+        if self.attention == "sliding":
+            if self.window is None:
+                raise ValueError("window: required when attention is 'sliding'")
+            if self.window > self.seq_len:
+                raise ValueError(f"window ({self.window}) must be <= seq_len ({self.seq_len})")
+        return self

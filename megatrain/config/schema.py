@@ -1,0 +1,414 @@
+"""Every knob of a megatrain run, as typed pydantic models with documented defaults.
+
+A recipe is a YAML file in ``configs/`` that sets the fields which differ from these defaults;
+``megatrain.config.load_config(path, overrides)`` reads it and validates it against ``Config``.
+Validators here check what one field cannot say alone (divisibility, ranges across sections), so
+a bad config fails before any model is built. This module imports neither torch nor prefect: the
+Prefect worker validates campaigns without loading the engine. Which knobs a checkpoint survives
+(and the fingerprint of a run's math) is a policy of its own: ``megatrain/config/compat.py``.
+The model's section (``ModelConfig``: a family is a choice of parts) is ``megatrain/config/model.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from megatrain.config.model import ModelConfig
+from megatrain.config.section import _Section
+
+
+class OverlapConfig(_Section):
+    """Communication/compute overlap switches (each can be turned off to measure its effect)."""
+
+    dp_overlap_comm: bool = Field(True, description="ZeRO reduce-scatter overlapped with backward")
+    dp_prefetch: bool = Field(True, description="prefetch the first data-parallel all-gather")
+    tp_chunks: int = Field(1, ge=1, description="TP all-gather/reduce-scatter chunks pipelined with GEMMs (1 = off: on 2 NVLinked H200s 2 chunks were 7.6% slower)")
+    pp_decouple_send_recv: bool = True
+
+
+class InitConfig(_Section):
+    """How ranks find each other and build their process groups (``megatrain/parallel/init.py``;
+    ``benchmarks/init.py`` measures every choice)."""
+
+    store: Literal["tcp", "redis", "auto"] = Field(
+        "tcp", description="rendezvous store: tcp = torch's libuv TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's "
+        "agent store under torchrun; measured faster, benchmarks/RESULTS.md); redis = a RedisStore at redis_url "
+        "(no rank hosts it, it survives rank 0); auto = redis when a redis_url is set")
+    redis_url: str | None = Field(None, description="redis://host:port/db for the store; default reliability.redis_url")
+    groups: Literal["ordered", "default", "barrier"] = Field(
+        "ordered", description="ordered: each rank creates only its own TP/DP/PP/stage groups, in one global order, "
+        "with group-local synchronization; default: every rank calls new_group for every group (torch's default); "
+        "barrier: default plus a global store barrier after each group (pre-2.1 PyTorch, MegaScale's O(n^2))")
+    eager_nccl: bool = Field(True, description="NCCL: bind the device at init (device_id): eager communicator, "
+                                               "subgroups by ncclCommSplit with no store traffic")
+    join_timeout_s: float = Field(300.0, gt=0, description="how long a rank waits for all ranks to join; then "
+                                                           "the error names the ranks that never did")
+    meta_init: Literal["auto", "always", "never"] = Field(
+        "auto", description="build the model on the meta device and materialize only this rank's stage and TP shard; "
+        "auto = above 10B parameters (the 175B recipe never materializes a full replica)")
+
+
+class ParallelConfig(_Section):
+    """The 3D layout. ``dp=None`` means: whatever the world size leaves after tp * pp."""
+
+    dp: int | None = Field(None, gt=0)
+    tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    sequence_parallel: bool = True
+    gpus_per_node: int = Field(8, gt=0, description="node size; tensor parallelism never crosses a node")
+    world_size: int | None = Field(None, gt=0, description="expected world size, checked when set")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    node_loader: bool = Field(False, description="one data reader per node, shared memory to local ranks")
+    overlap: OverlapConfig = OverlapConfig()
+    init: InitConfig = InitConfig()
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The DP degree for a world size; raises if tp * pp * dp cannot equal it."""
+        model_parallel = self.tp * self.pp
+        if world_size % model_parallel:
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp = {model_parallel}")
+        dp = world_size // model_parallel
+        if self.dp is not None and self.dp != dp:
+            raise ValueError(
+                f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {model_parallel * self.dp} != world size {world_size}"
+            )
+        return dp
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if self.tp > self.gpus_per_node:
+            raise ValueError(f"tp ({self.tp}) must not exceed gpus_per_node ({self.gpus_per_node})")
+        if self.world_size is not None:
+            self.data_parallel_size(self.world_size)
+        return self
+
+
+class OptimConfig(_Section):
+    name: Literal["lamb", "adamw"] = "lamb"
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(3e-5, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    max_trust_ratio: float = Field(10.0, gt=0, description="LAMB: clip of ||w|| / ||update||")
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 disables")
+    warmup_steps: int = Field(100, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    decay_steps: int | None = Field(None, gt=0, description="cosine length; default train.steps")
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+        for beta in self.betas:
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        return self
+
+
+class FP8Config(_Section):
+    """FP8 GEMMs for the transformer blocks' linears (``train.precision: fp8``), through torchao's
+    float8 training (``megatrain/precision/``). What converts: every ``nn.Linear`` inside
+    ``model.blocks`` (attention qkv/proj, MLP fc/proj). What always stays in ``train.dtype``: the
+    token and position embeddings, the LM head (tied to the embedding; its logits feed the loss),
+    every norm, attention itself (SDPA/flex in bf16) and the optimizer's master weights. Linears
+    whose in/out features are not multiples of 16 (``_scaled_mm``'s constraint) stay too.
+
+    Scaling: torchao 0.18 only scales dynamically ("current scaling": each cast takes the amax of
+    the very tensor it casts); the delayed scaling of earlier torchao (amax history buffers) was
+    removed upstream, so an FP8 run keeps no scale state and its checkpoints hold exactly the
+    bf16 run's tensors."""
+
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
+        "tensorwise", description="torchao Float8LinearRecipeName. tensorwise: one scale per tensor (fastest on "
+        "H100/H200); rowwise: one scale per row of every operand, power-of-2 scales (more accurate, slower); "
+        "rowwise_with_gw_hp: rowwise, and the weight-gradient GEMM in bf16",
+    )
+    keep_first_block: bool = Field(False, description="leave block 0's linears in train.dtype")
+    keep_last_block: bool = Field(False, description="leave the last block's linears in train.dtype")
+    round_scales_to_power_of_2: bool | None = Field(
+        None, description="round scales down to a power of 2; None keeps the recipe's choice (rowwise: on)"
+    )
+    emulate: bool = Field(
+        False, description="torchao's emulation: FP8 casts with the GEMM in high precision. Runs on CPU and "
+        "GPUs without FP8; for tests only (slow, and the only way fp8 runs without an FP8-capable GPU)",
+    )
+    casts: Literal["torchao", "once", "fused"] = Field(
+        "once", description="who casts the activations to e4m3 (megatrain/precision/fp8_casts.py; "
+        "tensorwise only, other recipes keep torchao's). torchao: each Float8Linear casts its input in the "
+        "forward and again in the backward. once: megatrain casts each activation once (the parallel block's "
+        "normalised input once for qkv and fc) and the backward reuses the FP8 copy; same numbers, 9 input "
+        "casts per 3 parallel blocks instead of 24 (measured 0.8% faster on an H200 at 1.3B, within the noise). "
+        "fused: once, with the GeLU output's amax and cast in Triton (megatrain/kernels/fp8_gelu_triton.py; "
+        "bit-identical; measured 5% slower before a fix of an input copy that torch.compile made, not "
+        "re-measured since: benchmarks/RESULTS.md)",
+    )
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, gt=0, description="optimizer steps")
+    seq_len: int | None = Field(
+        None, gt=0, description="training sequence length, <= model.seq_len (a shorter first stage of a "
+        "campaign); default model.seq_len",
+    )
+    micro_batch_size: int = Field(4, gt=0, description="samples per rank per forward")
+    global_batch_size: int = Field(4, gt=0, description="samples per optimizer step, all ranks")
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16", description="the GEMM precision of the transformer blocks. bf16: every matmul in train.dtype "
+        "(bf16 on GPU, fp32 on CPU, as before); fp8: the blocks' linears as FP8 GEMMs (train.fp8; needs a GPU "
+        "of compute capability >= 8.9, e.g. H100/H200, unless train.fp8.emulate)",
+    )
+    fp8: FP8Config = FP8Config()
+    log_interval: int = Field(10, gt=0)
+    run_dir: str = Field("runs/default", description="logs, metrics and reports of this run")
+    # held-out evaluation (megatrain/evaluate/heldout.py): needs a validation split (data.val_fraction > 0)
+    eval_interval: int = Field(
+        50, ge=0, description="validation loss and perplexity every this many steps and at the last step, on "
+        "the fixed held-out set; 0 = never (runs without a validation split skip it)",
+    )
+    eval_batches: int = Field(
+        2, gt=0, description="size of the fixed held-out set, in global batches (global_batch_size samples each)"
+    )
+    # tracking sinks of the metrics logger (megatrain/observe/metrics.py); metrics.jsonl is always written
+    tensorboard: bool = Field(True, description="TensorBoard event files for every run")
+    tensorboard_dir: str | None = Field(None, description="where the event files go; default <run_dir>/tb")
+    wandb_project: str | None = Field(None, description="also log to this Weights & Biases project (needs wandb)")
+    mlflow_tracking_uri: str | None = Field(None, description="also log to this MLflow tracking URI (needs mlflow)")
+
+    def grad_accumulation_steps(self, dp: int) -> int:
+        per_step = self.micro_batch_size * dp
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"micro_batch_size * dp = {self.micro_batch_size} * {dp}"
+            )
+        return self.global_batch_size // per_step
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class DataConfig(_Section):
+    """Where text comes from, how it becomes shards, and how shards are read."""
+
+    sources: list[str] = Field(
+        default_factory=lambda: ["stdlib"],
+        description="paths, globs or URLs of .txt/.jsonl/.py/.md files; 'stdlib' = the Python "
+        "standard library's own source, present offline wherever megatrain is installed",
+    )
+    text_field: str = Field("text", description="JSONL key holding the document text")
+    max_source_bytes: int | None = Field(None, gt=0, description="stop reading sources after this many bytes")
+    tokenizer: str = Field("bpe", description="'bpe' trains a byte-level BPE on the corpus, else a tokenizer.json path")
+    bpe_vocab_size: int | None = Field(
+        None, ge=257, description="vocabulary of the trained BPE; default model.vocab_size (never more)"
+    )
+    eos_token: str = Field("<|endoftext|>", description="the token that separates packed documents")
+    shard_url: str = Field("data/shards", description="fsspec URL where shard versions are written")
+    samples_per_shard: int = Field(1024, gt=0)
+    num_workers: int = Field(0, ge=0, description="tokenizer processes while sharding; 0 = one per CPU core")
+    seed: int = 1234
+    shuffle_shards: int = Field(
+        64, ge=0, description="shards shuffled together (each read once per epoch); 0 = one global permutation"
+    )
+    prefetch_batches: int = Field(4, ge=0, description="bounded queue of preprocessed batches; 0 = synchronous")
+    on_bad_shard: Literal["error", "skip"] = "error"
+    verify_checksums: bool = True
+    val_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="documents held out for validation, chosen by a hash of their text (so "
+        "a duplicate never lands on both sides), packed into their own shards; 0 = no validation split",
+    )
+
+
+class CheckpointConfig(_Section):
+    interval: int = Field(50, gt=0, description="save every this many steps")
+    staging_dir: str = Field("runs/default/staging", description="fast local disk for stage 1")
+    durable_url: str = Field("runs/default/checkpoints", description="fsspec URL for committed checkpoints")
+    keep_last: int = Field(3, gt=0)
+    keep_every: int | None = Field(None, gt=0, description="also keep every step divisible by this")
+    upload_retries: int = Field(5, ge=0, description="retries per file (and per commit) before a step is given up")
+    upload_backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles each retry")
+    upload_backoff_max_s: float = Field(60.0, ge=0, description="cap of the doubling retry delay")
+    upload_mode: Literal["thread", "external"] = Field(
+        "thread", description="thread: each rank uploads its staged files in a background thread and rank 0 "
+        "commits; external: the trainer only stages (and writes staged.json), the Prefect flow uploads"
+    )
+    commit_timeout_s: float = Field(
+        600.0, gt=0, description="how long the committer waits for every rank's upload (or staging, external mode)"
+    )
+    resume: bool = Field(True, description="restore the newest verified checkpoint at start")
+    init_from: str | None = Field(
+        None, description="when this run has no checkpoint of its own, start from the newest committed one "
+        "here (weights and optimizer state only: a new stage of a campaign keeps its own step count and data); "
+        "'hf:<local dir>' starts from a transformers checkpoint instead (weights only, megatrain/interop/hf.py)",
+    )
+    allow_schedule_change: bool = Field(
+        False, description="on resume, accept a checkpoint written with another global batch size, LR schedule or "
+        "optimizer hyper-parameters (the change is recorded in the checkpoint's history); model, optimizer kind, "
+        "data order and seed must still match",
+    )
+
+
+class AnomalyConfig(_Section):
+    """What counts as an anomaly (the trainer stops with a verdict; the flow rolls back)."""
+
+    nan_check: bool = True
+    loss_spike_zscore: float = Field(6.0, gt=0, description="robust z-score over the running window")
+    loss_window: int = Field(50, gt=1)
+    warmup_steps: int = Field(20, ge=0, description="no spike verdicts before this step")
+    grad_norm_max: float | None = Field(None, gt=0, description="gradient-norm explosion threshold")
+    grad_norm_zscore: float | None = Field(
+        None, gt=0, description="also flag a grad norm this many robust z-scores above its running window"
+    )
+    min_history: int = Field(8, gt=1, description="losses in the window before spike verdicts are possible")
+    fp8_check_interval: int = Field(10, gt=0, description="train.precision=fp8: measure the FP8 weights' amax "
+                                    "and underflow every this many steps (megatrain/precision/guard.py; ~15 small "
+                                    "kernels per converted linear, so not every step)")
+    fp8_max_underflow: float = Field(0.05, gt=0, le=1, description="fp8: an anomaly when more than this "
+                                     "fraction of the non-zero FP8 weights flush to zero in their e4m3 cast")
+
+
+class FaultConfig(_Section):
+    """One injected fault (off unless listed; used by tests, the demo and the chaos benchmark)."""
+
+    kind: Literal[
+        "kill_rank", "hang_rank", "slow_rank", "nan_loss", "spike_loss",
+        "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node",
+    ]
+    step: int = Field(0, ge=0)
+    rank: int = Field(0, ge=0)
+    slowdown: float = Field(0.2, ge=0, description="slow_rank: extra fraction of step time")
+    duration_s: float = Field(10.0, ge=0, description="storage_outage length")
+    magnitude: float = Field(10.0, gt=0, description="spike_loss: loss multiplier")
+    target: str | None = Field(
+        None, description="corrupt_checkpoint/corrupt_shard: path or URL; kill_redis: pid or pid file"
+    )
+    once: bool = Field(True, description="fire only in the first attempt (marker file in run_dir)")
+    node: int = Field(0, ge=0, description="evict_node: the node killed at `step` (a multi-node stage, "
+                      "megatrain.launch.nodes); it then fails its self-check until the stage ends")
+
+
+class SelfCheckConfig(_Section):
+    """Per-node diagnostics run before training (and after a fault); a node below a minimum is
+    reported, and evicted on a cluster. Defaults pass on a 2-core CPU box: recipes for real
+    hardware set real floors (an H200 does ~800 bf16 TFLOP/s and ~4000 GB/s copy)."""
+
+    min_gemm_tflops: float = Field(0.005, ge=0)
+    min_memory_gbs: float = Field(0.2, ge=0, description="copy bandwidth, read + write")
+    min_allreduce_busbw_gbs: float = Field(0.01, ge=0, description="intra-node all-reduce bus bandwidth")
+    min_storage_mbs: float = Field(0.5, ge=0, description="write + read round trip of a test file")
+    max_redis_rtt_ms: float = Field(50.0, gt=0, description="median PING round trip")
+    storage_url: str | None = Field(None, description="where to write the test file; default checkpoint.durable_url")
+    nproc_per_node: int | None = Field(None, gt=0, description="all-reduce processes; default GPUs, or 2 on CPU")
+    gemm_size: int | None = Field(None, gt=0, description="square GEMM size; default 8192 on GPU, 1024 on CPU")
+    copy_mb: int | None = Field(None, gt=0, description="copy test size; default 1024 on GPU, 64 on CPU")
+    allreduce_mb: int | None = Field(None, gt=0, description="all-reduce message; default 256 on GPU, 8 on CPU")
+    storage_mb: int = Field(8, gt=0)
+
+
+class ReliabilityConfig(_Section):
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    heartbeat_timeout_s: float = Field(30.0, gt=0, description="silent this long = dead; step not advancing = hung")
+    init_timeout_s: float = Field(
+        900.0, gt=0, description="grace for the init phase (compile, checkpoint load) and for ranks never seen"
+    )
+    stall_factor: float | None = Field(
+        20.0, gt=1, description="a step frozen longer than this x the ranks' median step-to-step time (and "
+        "stall_min_s) while every rank is in compute or a collective is hung, before heartbeat_timeout_s "
+        "(None = heartbeat_timeout_s only); data reads, saves, evaluation and logging keep the full timeout",
+    )
+    stall_min_s: float = Field(5.0, gt=0, description="the stall rule never calls a step hung sooner than this")
+    redis_url: str | None = Field(None, description="redis://host:port/db; None = a local directory")
+    collective_timeout_s: float = Field(600.0, gt=0, description="NCCL/gloo timeout")
+    straggler_slowdown: float | None = Field(
+        0.5, gt=0, description="heartbeat watcher: a rank whose forward time exceeds (1 + this) x its peers' "
+        "median in straggler_steps of the last straggler_steps + 1 steps is reported slow (None = off)",
+    )
+    straggler_steps: int = Field(3, ge=1)
+    max_restarts: int = Field(3, ge=0, description="per stage")
+    warm_standby: bool = Field(
+        False, description="start the next attempt's rank processes (imported, waiting) once an attempt has "
+        "trained a step, so a restart skips Python/torch/DeepSpeed imports (megatrain/launch/standby.py); costs one idle "
+        "set of rank processes' memory and their import CPU, at low priority, during training",
+    )
+    on_node_loss: Literal["wait", "shrink"] = Field(
+        "wait", description="a multi-node stage whose node fails its self-check: wait up to node_wait_s for it "
+        "to pass, then fail the stage (wait), or go on without it after node_wait_s (shrink: dp shrinks, "
+        "accumulation grows, same global batch; the node rejoins at a later attempt once it passes)",
+    )
+    node_wait_s: float = Field(0.0, ge=0, description="how long a node that failed its self-check may take to "
+                               "pass it again before the policy applies (re-checked every few seconds)")
+    max_rollbacks: int = Field(3, ge=0, description="per stage, within rollback_window_steps")
+    rollback_window_steps: int = Field(1000, gt=0)
+    rollback_skip_samples: int | None = Field(None, ge=0, description="data skipped on rollback; default one global batch per step rolled back")
+    rollback_lr_scale: float = Field(1.0, gt=0, le=1.0)
+    anomaly: AnomalyConfig = AnomalyConfig()
+    selfcheck: SelfCheckConfig = SelfCheckConfig()
+    faults: list[FaultConfig] = Field(default_factory=list)
+
+
+class Config(_Section):
+    """One training run: the recipe every engine part is built from."""
+
+    name: str = "megatrain"
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    reliability: ReliabilityConfig = ReliabilityConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        tp = self.parallel.tp
+        if self.model.n_head % tp:
+            raise ValueError(f"parallel.tp ({tp}) must divide model.n_head ({self.model.n_head})")
+        if self.model.kv_heads % tp:
+            # Rule: KV heads are sharded like query heads, never replicated, so every TP rank holds
+            # whole groups (its n_head/tp query heads and the n_kv_head/tp KV heads they read).
+            raise ValueError(
+                f"parallel.tp ({tp}) must divide model.n_kv_head ({self.model.kv_heads}): KV heads are sharded over "
+                "tensor-parallel ranks, not replicated"
+            )
+        if self.model.ffn_dim % tp:
+            raise ValueError(f"parallel.tp ({tp}) must divide the MLP width ({self.model.ffn_dim})")
+        if self.model.vocab_size % tp:
+            raise ValueError(f"parallel.tp ({tp}) must divide model.vocab_size ({self.model.vocab_size})")
+        if self.parallel.pp > self.model.n_layer:
+            raise ValueError(f"parallel.pp ({self.parallel.pp}) exceeds model.n_layer ({self.model.n_layer})")
+        if self.parallel.world_size is not None:
+            self.train.grad_accumulation_steps(self.parallel.data_parallel_size(self.parallel.world_size))
+        elif self.parallel.dp is not None:
+            self.train.grad_accumulation_steps(self.parallel.dp)
+        if self.train.precision == "fp8" and tp > 1:
+            raise ValueError(
+                "train.precision=fp8 with parallel.tp > 1 is not supported yet: tensor parallelism swaps the "
+                "blocks' linears for megatrain's own column/row-parallel modules, which torchao's Float8Linear "
+                "does not wrap (torchao's FP8 tensor parallelism works on DTensor layouts only); use tp=1"
+            )
+        if self.train.seq_len is not None and self.train.seq_len > self.model.seq_len:
+            raise ValueError(f"train.seq_len ({self.train.seq_len}) must be <= model.seq_len ({self.model.seq_len})")
+        return self
+
+    @property
+    def seq_len(self) -> int:
+        """The sequence length this run trains on."""
+        return self.train.seq_len or self.model.seq_len
+
+    @property
+    def run_id(self) -> str:
+        """Names this run's heartbeats and events: the recipe name and a hash of its run dir."""
+        return f"{self.name}-{hashlib.sha256(self.train.run_dir.encode()).hexdigest()[:8]}"

@@ -1,0 +1,11 @@
+"""Launching ranks and keeping one writer per run.
+
+- ``ranks``    the torchrun command; ``run_ranks`` supervises one attempt (heartbeat watcher,
+               wall-clock limit, process-group kill, root cause)
+- ``standby``  the launcher's side of warm standby: the next attempt's rank processes, imported
+               and waiting (their side is ``megatrain/training/standby.py``)
+- ``nodes``    N torchrun agents on one machine (nodes x ranks), for elastic campaigns
+- ``lease``    one writer per campaign or run dir (a lease file with pid, host, heartbeat)
+
+Nothing here imports torch: the Prefect tasks launch ranks without loading the engine.
+"""

@@ -1,0 +1,158 @@
+"""A multi-node stage on one machine: N torchrun launchers ("nodes") of M ranks each.
+
+    python -m megatrain.launch.nodes --config CFG --nodes-dir DIR --nodes 0,1 --nproc-per-node 2 [k=v ...]
+
+Each node is a real torchrun agent in its own process session, and the agents meet through a real
+c10d rendezvous on loopback (node 0 hosts the store), as separate machines would. Each node has
+its own staging directory (``DIR/node-<i>/staging``: its ranks stage there and upload their own
+files, like a cluster node's local disk; rank 0 commits) and its own node loader (one reader per
+node: the node loader's channel is keyed by the agent's group rank). The node self-check runs per
+node before an attempt (``tasks/elastic.py``).
+
+This process supervises the agents: when one node's agent exits, the node is lost and the others
+are stopped at once (their collectives would only wait for the missing peers until the timeout),
+and it exits with the first failing node's code. ``megatrain.launch.ranks.run_ranks`` supervises this
+process like a single torchrun (one session: one ``killpg`` stops every node).
+
+Fault injection (``reliability.faults`` kind ``evict_node``): when rank 0's metrics reach the
+fault's step, node ``fault.node`` is killed (SIGKILL of its whole session: agent and ranks) and
+marked evicted for the rest of the stage (``<run_dir>/faults/evicted-node-<i>.json``), which its
+self-check then reports as a failing check: a node that died and does not come back healthy.
+
+Engine code: imports neither prefect nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from megatrain.config import load_config
+from megatrain.launch.ranks import free_port, die_with_parent
+
+
+def node_dir(nodes_dir: str | Path, node: int) -> Path:
+    return Path(nodes_dir) / f"node-{node}"
+
+
+def evicted_marker(run_dir: str | Path, node: int) -> Path:
+    return Path(run_dir) / "faults" / f"evicted-node-{node}.json"
+
+
+def nodes_command(config_path: str | Path, nodes: list[int], nproc_per_node: int, nodes_dir: str | Path,
+                  overrides: list[str] | None = None) -> list[str]:
+    """The command ``run_ranks`` supervises for a stage on ``nodes`` (indices into the campaign's nodes)."""
+    return [sys.executable, "-m", "megatrain.launch.nodes", "--config", str(config_path), "--nodes-dir", str(nodes_dir),
+            "--nodes", ",".join(map(str, nodes)), "--nproc-per-node", str(nproc_per_node), *(overrides or [])]
+
+
+def agent_command(config_path: str, nnodes: int, nproc_per_node: int, port: int, run_id: str, is_host: bool,
+                  overrides: list[str]) -> list[str]:
+    """One node's torchrun agent, joining the others through c10d on 127.0.0.1:port."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+        "--rdzv-conf", f"is_host={int(is_host)}", "--local-addr", "127.0.0.1", "--max-restarts", "0",
+        "-m", "megatrain.train", "--config", config_path, *overrides,
+    ]
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().strip().splitlines()
+        return int(json.loads(lines[-1])["step"]) if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _pump(node: int, stream) -> None:
+    for line in iter(stream.readline, ""):
+        sys.stdout.write(f"[node {node}] {line}")
+        sys.stdout.flush()
+
+
+def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir: str, overrides: list[str]) -> int:
+    cfg = load_config(config_path, overrides)
+    run_dir = Path(cfg.train.run_dir)
+    port = free_port()
+    run_id = f"{cfg.run_id}-{port}"
+    agents: dict[int, subprocess.Popen] = {}
+    for position, node in enumerate(nodes):
+        staging = node_dir(nodes_dir, node) / "staging"
+        node_overrides = [*overrides, f"checkpoint.staging_dir={staging}", "checkpoint.upload_mode=thread"]
+        env = dict(os.environ, MEGATRAIN_NODE=str(node))
+        agents[node] = subprocess.Popen(
+            agent_command(config_path, len(nodes), nproc_per_node, port, run_id, position == 0, node_overrides),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )
+        threading.Thread(target=_pump, args=(node, agents[node].stdout), daemon=True).start()
+    evictions = [f for f in cfg.reliability.faults if f.kind == "evict_node" and f.node in agents]
+    try:
+        return _supervise(agents, evictions, run_dir)
+    finally:
+        for proc in agents.values():
+            _kill(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in agents.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill(proc, signal.SIGKILL)
+                proc.wait()
+
+
+def _supervise(agents: dict[int, subprocess.Popen], evictions: list, run_dir: Path) -> int:
+    while True:
+        for fault in list(evictions):
+            marker = evicted_marker(run_dir, fault.node)
+            if fault.once and marker.exists():
+                evictions.remove(fault)
+            elif _last_step(run_dir) >= fault.step:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(json.dumps({"node": fault.node, "step": fault.step, "time": time.time()}))
+                print(f"[launch_nodes] injected fault evict_node: killing node {fault.node} at step "
+                      f"{_last_step(run_dir)}", flush=True)
+                _kill(agents[fault.node], signal.SIGKILL)
+                evictions.remove(fault)
+        ended = {node: proc.returncode for node, proc in agents.items() if proc.poll() is not None}
+        failed = {node: code for node, code in ended.items() if code != 0}
+        if failed:
+            node, code = next(iter(failed.items()))
+            print(f"[launch_nodes] node {node} lost (its agent exited with code {code}); stopping the other nodes",
+                  flush=True)
+            return code if code > 0 else 1
+        if len(ended) == len(agents):
+            return 0
+        time.sleep(0.2)
+
+
+def _kill(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatrain.launch.nodes", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--nodes-dir", required=True, help="per-node directories (staging) go under it")
+    parser.add_argument("--nodes", required=True, help="comma-separated node indices taking part, e.g. 0,1")
+    parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    nodes = [int(n) for n in args.nodes.split(",") if n != ""]
+    return run_nodes(args.config, nodes, args.nproc_per_node, args.nodes_dir, args.overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

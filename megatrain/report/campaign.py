@@ -1,0 +1,148 @@
+"""A campaign's report, built from its directory: a row per stage, every fault with the file that
+holds its full log, the committed checkpoints, and the pictures (loss curve, straggler heat maps,
+who-hung grids), and a few texts sampled from each stage's final checkpoint (``samples.json`` in
+the stage's run dir, written by the flow's ``sample-stage`` task).
+
+Two renderings of the same markdown: ``markdown`` for ``report/report.md`` (pictures as files
+beside it, logs as paths) and ``ui_markdown`` for the Prefect artifact (pictures inline as data:
+URIs, so the UI shows them without a file to follow). No Prefect, no torch: ``tasks/report.py``
+publishes it and ``megatrain report CAMPAIGN_DIR`` prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatrain.checkpoint.files import step_dir_name
+from megatrain.observe.attempt_log import read_attempts
+from megatrain.report.status import CampaignStatus, campaign_status, stage_status
+from megatrain.report.runs import markdown_image, plot_loss, summarize_run
+
+
+SAMPLES_FILE = "samples.json"  # [{"prompt", "text", "step"}] in a stage's run dir
+
+
+@dataclass
+class CampaignReport:
+    summary: dict  # report.json: campaign, stages, faults, checkpoints, paths
+    markdown: str
+    ui_markdown: str
+    pictures: dict[str, Path] = field(default_factory=dict)  # title -> PNG
+
+
+def _round(value, digits: int = 4):
+    return None if value is None else round(value, digits)
+
+
+def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = None) -> CampaignReport:
+    """``stage_results``: the flow's ``train-stage`` results (attempt history as Prefect saw it);
+    without them the attempts come from each stage's ``attempts.jsonl``."""
+    if stage_results:  # the flow's own list of stages: in order, whatever the folders hold
+        status = CampaignStatus(Path(campaign_dir).name, str(campaign_dir), [
+            stage_status(Path(r["run_dir"]), r.get("durable_url"), r.get("steps")) for r in stage_results])
+    else:
+        status = campaign_status(campaign_dir)
+    campaign_dir = Path(status.dir)
+    report_dir = campaign_dir / "report"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    results = {r["stage"]: r for r in stage_results or []}
+
+    rows, attempts_seen, checkpoints, pictures, samples = [], [], [], {}, {}
+    for stage in status.stages:
+        result = results.get(stage.name, {})
+        summary = summarize_run(stage.run_dir) if stage.last_step else None
+        history = result.get("history")
+        attempts = read_attempts(stage.run_dir)  # written by AttemptLog: status, message, log file
+        if history is None:
+            history = attempts
+        logs = {a["attempt"]: a["log"] for a in attempts}
+        attempts_seen += [{"stage": stage.name, "attempt": number, "status": attempt.get("status"),
+                           "message": attempt.get("message") or "", "log": logs.get(number)}
+                          for number, attempt in enumerate(history, start=1)]
+        rows.append({
+            "stage": stage.name, "state": stage.state, "steps": summary.steps if summary else 0,
+            "first loss": _round(summary.first_loss) if summary else None,
+            "final loss": _round(summary.final_loss) if summary else None,
+            "val loss": _round(summary.val_loss) if summary else None,
+            "tokens/s": round(summary.tokens_per_s) if summary else None,
+            "MFU %": None if not summary or summary.mfu is None else round(100 * summary.mfu, 1),
+            "step ms": round(summary.step_time_ms, 1) if summary else None,
+            "attempts": result.get("attempts", stage.attempts), "restarts": result.get("restarts", stage.restarts),
+            "rollbacks": result.get("rollbacks", stage.rollbacks),
+        })
+        checkpoints += [{"stage": stage.name, "step": step, "url": f"{stage.durable_url.rstrip('/')}/{step_dir_name(step)}"}
+                        for step in stage.committed]
+        samples[stage.name] = _read_samples(Path(stage.run_dir) / SAMPLES_FILE)
+        for png in sorted(Path(stage.run_dir).glob("stragglers.png")) + sorted(Path(stage.run_dir).glob("hang-attempt*.png")):
+            kind = "straggler heat map" if png.name == "stragglers.png" else f"who hung ({png.stem})"
+            pictures[f"{stage.name}: {kind}"] = png
+
+    loss_png = plot_loss({s.name: s.run_dir for s in status.stages}, report_dir / "loss.png",
+                         title=f"campaign {status.id}: loss per stage")
+    pictures = {"loss curve": loss_png, **pictures}
+    # event files in <stage run dir>/tb (megatrain/observe/tensorboard.py): one logdir for all stages
+    tensorboard = campaign_dir if any(campaign_dir.glob("*/tb")) else None
+    summary = {
+        "campaign": status.id, "campaign_dir": str(campaign_dir), "finished": status.finished,
+        "stages": rows, "attempts": attempts_seen, "checkpoints": checkpoints,
+        "faults": [a for a in attempts_seen if a["status"] != "completed"],
+        "report": str(report_dir / "report.md"), "loss_curve": str(loss_png),
+        "tensorboard": str(tensorboard) if tensorboard else None,
+        "pictures": {title: str(png) for title, png in pictures.items()},
+        "samples": samples,
+    }
+    body = _markdown_body(summary)
+    files = "\n".join(f"## {title}\n\n![{title}]({_relative(png, report_dir)})\n" for title, png in pictures.items())
+    inline = "\n".join(f"## {title}\n\n{markdown_image(png, title)}\n" for title, png in pictures.items())
+    return CampaignReport(summary, f"{body}\n{files}", f"{body}\n{inline}", pictures)
+
+
+def _read_samples(path: Path) -> list[dict]:
+    """The stage's samples; none when the file is missing or unreadable (the report says so)."""
+    import json
+
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [s for s in found if isinstance(s, dict) and {"prompt", "text"} <= s.keys()] if isinstance(found, list) else []
+
+
+def _samples_markdown(samples: dict[str, list[dict]]) -> list[str]:
+    lines = ["", "## Samples", ""]
+    for stage, found in samples.items():
+        if not found:
+            lines += [f"`{stage}`: no samples (see the `sample-stage` task run)", ""]
+            continue
+        lines += [f"`{stage}`, step {found[0].get('step', '-')} (seed 0, temperature 0.8, top-k 50):", ""]
+        for sample in found:  # indented: a code block that markdown renders as written
+            text = sample["text"]  # the prompt and its completion
+            lines += ["    " + line for line in text.splitlines() or [""]] + [""]
+    return lines
+
+
+def _relative(path: Path, start: Path) -> str:
+    try:
+        return str(path.relative_to(start))
+    except ValueError:
+        import os
+
+        return os.path.relpath(path, start)
+
+
+def _markdown_body(summary: dict) -> str:
+    columns = ["stage", "state", "steps", "final loss", "val loss", "tokens/s", "attempts", "restarts", "rollbacks"]
+    lines = [f"# Campaign `{summary['campaign']}`", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join("-" if row[c] is None else str(row[c]) for c in columns) + " |" for row in summary["stages"]]
+    lines += ["", f"## Attempts ({len(summary['faults'])} faults detected)", ""]
+    lines += [f"* `{a['stage']}` attempt {a['attempt']}: **{a['status']}**" + (f": {a['message']}" if a["message"] else "")
+              + (f" (full log: `{a['log']}`)" if a.get("log") else "") for a in summary["attempts"]]
+    newest = summary["checkpoints"][-1]["url"] if summary["checkpoints"] else "-"
+    lines += ["", f"Checkpoints: {len(summary['checkpoints'])} committed, newest `{newest}`",
+              f"(`megatrain checkpoints verify {summary['campaign_dir']}`)."]
+    if summary["tensorboard"]:
+        lines.append(f"TensorBoard: `tensorboard --logdir {summary['tensorboard']}`.")
+    lines += _samples_markdown(summary["samples"])
+    return "\n".join(lines) + "\n"

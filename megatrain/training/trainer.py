@@ -1,0 +1,284 @@
+"""The trainer: builds the parts of a run in order, then steps them.
+
+Build order: layout and process groups -> data -> model -> parallelize -> optimizer and schedule
+-> DeepSpeed engine -> checkpointer (restores if a checkpoint exists) -> observers. Each observer
+(metrics, checkpointer, heartbeats, anomaly detector) decides itself when to act; the loop only
+calls them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatrain.checkpoint.manager import Checkpointer
+from megatrain.config import Config
+from megatrain.data.loader import build_loader
+from megatrain.data.shard import ShardIndex, load_index, shard_corpus
+from megatrain.evaluate.heldout import Evaluator
+from megatrain.interop.checkpoint import write_run_record
+from megatrain.interop.hf import hf_weights
+from megatrain.observe.metrics import MetricsLogger, StepMetrics, build_sinks
+from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
+from megatrain.observe.straggler import StragglerMonitor
+from megatrain.observe.timers import StepTimers
+from megatrain.optim import Lamb, build_optimizer, build_scheduler
+from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
+from megatrain.parallel.dims import ParallelDims, ProcessGroups, build_process_groups
+from megatrain.parallel.init import DistEnv
+from megatrain.parallel.meta import build_parallel_model
+from megatrain.precision import FP8Guard, check_precision_supported
+from megatrain.reliability.anomaly import AnomalyDetector, Verdict, write_verdict
+from megatrain.reliability.faults import FaultInjector
+from megatrain.reliability.heartbeat import HeartbeatWriter, make_sink
+from megatrain.reliability.rollback import pending_for
+from megatrain.observe.startup import StartupTimer
+
+log = logging.getLogger("megatrain")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    tokens: int
+    wall_s: float
+    status: str  # "completed", or the kind of anomaly that stopped the run
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def prepare_data(cfg: Config, env: DistEnv) -> ShardIndex:
+    """Rank 0 writes (or finds) the shards; the others wait and read the same index."""
+    url = [None]
+    if env.rank == 0:
+        url[0] = shard_corpus(cfg.data, cfg.seq_len, cfg.model.vocab_size).url
+    if env.world_size > 1:
+        dist.broadcast_object_list(url, src=0)
+    return load_index(url[0])
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv, startup: StartupTimer | None = None):
+        self.cfg, self.env = cfg, env
+        check_precision_supported(cfg, env.device)  # e.g. fp8 on a CPU: fail before anything is built
+        self.startup = startup or StartupTimer(env.rank)  # times each start-up phase below
+        with self.startup.phase("layout_groups"):
+            self.groups = self._build_layout()
+        # Beating from the start: sharding, compiling and restoring show as phase "init".
+        self.heartbeat = HeartbeatWriter(
+            make_sink(cfg.reliability, cfg.train.run_dir, cfg.run_id), env.rank,
+            interval_s=cfg.reliability.heartbeat_interval_s, stacks_dir=Path(cfg.train.run_dir) / "stacks",
+            dp_rank=self.groups.dp_rank, tp_rank=self.groups.tp_rank, pp_rank=self.groups.pp_rank,
+        )
+        self.startup.on_phase(self.heartbeat.set_init_phase)
+        self.grad_accumulation = cfg.train.grad_accumulation_steps(self.groups.dims.dp)
+        seed_everything(cfg.train.seed)  # same initial weights on every rank
+
+        with self.startup.phase("data_index"):
+            self.index = prepare_data(cfg, env)
+            self.loader = self._build_loader()
+
+        with self.startup.phase("model"):  # on the meta device first for large recipes
+            # a DeepSpeed PipelineModule when pp > 1; checkpoint.init_from hf:<dir> loads here
+            model, self.n_params = build_parallel_model(cfg, self.groups, env.device,
+                                                        init_weights=hf_weights(cfg.checkpoint.init_from))
+        with self.startup.phase("engine"):
+            self.engine = self._build_engine(model)
+        self.fp8_guard = FP8Guard(model, cfg.train.precision == "fp8", env.device,
+                                  cfg.reliability.anomaly.fp8_check_interval, self.groups.dp_group)
+        self.batches = self._device_batches()
+
+        self.step = 0
+        with self.startup.phase("checkpoint_restore"):
+            self.checkpointer = Checkpointer(cfg, env, self.groups)
+            self.step = self.checkpointer.restore(self)  # 0 when there is nothing to resume from
+        self._apply_rollbacks()
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.seq_len
+        self.timers = StepTimers(env.device)
+        peak = peak_flops(torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu")
+        self.flops_per_token = flops_per_token(cfg.model.model_copy(update={"seq_len": cfg.seq_len}), self.n_params)
+        self.peak_flops = peak * env.world_size if peak else None
+        sinks = build_sinks(cfg.train, cfg.run_id, cfg.model_dump(mode="json")) if env.rank == 0 else []
+        self.metrics = MetricsLogger(cfg.train.run_dir, cfg.train.steps, cfg.train.log_interval, enabled=env.rank == 0,
+                                     sinks=sinks)
+        self.evaluator = Evaluator(cfg, self.index, self.groups, env.device, self.grad_accumulation)
+        if env.rank == 0:  # what export, generate and eval need to rebuild the model from a checkpoint
+            write_run_record(cfg, self.index)
+        self.heartbeat.beat(step=self.step, phase="data")
+        self.anomaly = AnomalyDetector(cfg.reliability.anomaly)
+        self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir)
+        self.stragglers = StragglerMonitor(env.world_size)
+        log.info("model: %.1fM parameters, %s block, %s attention; layout dp=%d tp=%d pp=%d; accumulation %d",
+                 self.n_params / 1e6, cfg.model.block, cfg.model.attention, self.groups.dims.dp,
+                 self.groups.dims.tp, self.groups.dims.pp, self.grad_accumulation)
+
+    def _build_loader(self):
+        """One reader per rank, or (parallel.node_loader) one per node serving its local ranks
+        from shared memory; ranks of one tensor-parallel group pass the same dp_rank."""
+        cfg = self.cfg
+        common = dict(
+            micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.groups.dp_rank, dp_size=self.groups.dims.dp,
+            seed=cfg.data.seed, prefetch_batches=cfg.data.prefetch_batches, on_bad_shard=cfg.data.on_bad_shard,
+            verify_checksums=cfg.data.verify_checksums, shuffle_shards=cfg.data.shuffle_shards,
+            vocab_size=cfg.model.vocab_size, rank=self.env.rank,  # token ids are checked where they enter
+        )
+        if cfg.parallel.node_loader and self.env.local_world_size > 1:
+            from megatrain.data.node_loader import build_node_loader
+
+            return build_node_loader(self.index, local_rank=self.env.local_rank,
+                                     local_world_size=self.env.local_world_size, **common)
+        return build_loader(self.index, **common)
+
+    def _build_layout(self) -> ProcessGroups:
+        p = self.cfg.parallel
+        dims = ParallelDims(dp=p.data_parallel_size(self.env.world_size), tp=p.tp, pp=p.pp)
+        dims.validate(self.env.world_size, p.gpus_per_node, self.cfg.model.n_head, self.cfg.model.n_layer)
+        return build_process_groups(dims, self.env.rank, p.init.groups)
+
+    def _build_engine(self, model: torch.nn.Module):
+        cfg = self.cfg
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+        bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and self.env.device.type == "cuda")
+        ds_config = deepspeed_config(cfg, self.groups.dims.dp, bf16, self.n_params)
+        # A PipelineModule brings its own topology (built in our rank order), so no mpu then.
+        mpu = None if self.groups.dims.pp > 1 else DeepSpeedMPU(self.groups)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu,
+            dist_init_required=False,
+        )
+        if isinstance(optimizer, Lamb) and cfg.parallel.zero_stage in (1, 2):
+            # norms summed over the stage's TP x DP ranks: a TP-sharded tensor's norm is the whole tensor's
+            attach_lamb_segments(engine.optimizer, optimizer, self.groups.dp_group, norm_group=self.groups.stage_group)
+        return engine
+
+    def _device_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The loader's (inputs, targets) micro-batches on this rank's device."""
+        while True:
+            inputs, targets = next(self.loader)
+            yield inputs.to(self.env.device, non_blocking=True), targets.to(self.env.device, non_blocking=True)
+
+    def _apply_rollbacks(self) -> None:
+        """After an anomaly the orchestrator restored us to an earlier step: skip the window."""
+        for record in pending_for(self.cfg.train.run_dir, self.step):
+            log.warning("rollback to step %d after %s at step %d: skipping %d samples, lr x%g",
+                        record.restore_step, record.kind, record.anomaly_step, record.skip_samples, record.lr_scale)
+            self.loader.skip(record.skip_samples)
+            scheduler = self.engine.lr_scheduler
+            scheduler.base_lrs = [lr * record.lr_scale for lr in scheduler.base_lrs]
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr * record.lr_scale
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase of the step and tell the heartbeat which phase this rank is in."""
+        self.heartbeat.beat(phase="collective" if name == "comm" else name)
+        with self.timers.phase(name):
+            yield
+
+    def train_step(self) -> StepMetrics:
+        """One optimizer step over the global batch; returns its metrics."""
+        start = time.perf_counter()
+        with self.phase("forward"):  # an injected slowdown counts as this rank's own compute
+            self.faults.on_step_start(self.step + 1)
+        step_loss = self._pipeline_batch() if self.groups.dims.pp > 1 else self._accumulated_batch()
+        self.step += 1
+        step_time = time.perf_counter() - start
+        tokens_per_s = self.tokens_per_step / step_time
+        return StepMetrics(
+            step=self.step, loss=step_loss.item(), lr=self.engine.get_lr()[0],
+            grad_norm=float(self.engine.get_global_grad_norm() or 0.0), tokens=self.step * self.tokens_per_step,
+            step_time_s=step_time, tokens_per_s=tokens_per_s,
+            mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops) if self.peak_flops else None,
+            phases_ms=self.timers.end_step() or {},
+            fp8=self.fp8_guard.stats() if self.fp8_guard.due(self.step) else None,
+        )
+
+    def _accumulated_batch(self) -> torch.Tensor:
+        """grad_accumulation micro-batches of forward and backward, then the (ZeRO-partitioned,
+        clipped) optimizer step. DeepSpeed divides each micro-batch loss by the accumulation count
+        and only steps at the accumulation boundary. Returns the loss of the global batch."""
+        micro_losses = []
+        for _ in range(self.grad_accumulation):
+            with self.phase("data"):
+                inputs, targets = next(self.batches)
+            with self.phase("forward"):
+                loss = self.faults.transform_loss(self.step + 1, self.engine(inputs, targets))
+            with self.phase("backward"):
+                self.engine.backward(loss)
+            with self.phase("optimizer"):
+                self.engine.step()
+            micro_losses.append(loss.detach().float())
+        step_loss = torch.stack(micro_losses).mean()
+        if self.groups.dims.dp > 1:  # the loss of the whole global batch, for logging and anomalies
+            with self.phase("comm"):
+                dist.all_reduce(step_loss, group=self.groups.dp_group)
+            step_loss /= self.groups.dims.dp
+        return step_loss
+
+    def _pipeline_batch(self) -> torch.Tensor:
+        """1F1B: DeepSpeed pulls grad_accumulation micro-batches from self.batches (first and last
+        stage only), interleaves their forwards and backwards across the stages, reduces
+        gradients (DP, and the tied embedding between first and last stage) and steps. Its loss
+        is already averaged over micro-batches and DP, and broadcast to every stage. An injected
+        loss fault can only change the reported loss here: the backward runs inside DeepSpeed."""
+        with self.phase("pipeline"):
+            loss = self.engine.train_batch(self.batches)
+        return self.faults.transform_loss(self.step + 1, loss.detach().float())
+
+    def train(self) -> TrainResult:
+        start = time.perf_counter()
+        metrics, verdict = None, None
+        try:
+            while self.step < self.cfg.train.steps:
+                metrics = self.train_step()
+                if self.evaluator.due(metrics.step):  # held-out loss: as long as it takes, never a stalled step
+                    self.heartbeat.beat(phase="eval")
+                    self.evaluator.after_step(self.engine, metrics)
+                self.heartbeat.beat(phase="log")  # the sinks may wait on a disk or a server: not a stalled step
+                metrics.startup = self.startup.first_step(metrics.step_time_s, self.cfg.train.run_dir, self.step)
+                self.metrics.log(metrics)
+                # forward time of the previous step (timers read one step late): a straggler's own
+                # compute; its peers' extra time shows up as waiting inside backward's reductions
+                flagged = self.stragglers.observe(self.step, metrics.phases_ms.get("forward", 0.0) / 1000)
+                self.heartbeat.beat(step=self.step, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,
+                                    straggler=self.env.rank in flagged)
+                verdict = self.anomaly.observe(self.step, metrics.loss, metrics.grad_norm, metrics.fp8)
+                if verdict is not None:  # stop before this step's state can be checkpointed
+                    self._stop_on_anomaly(verdict)
+                    break
+                with self.phase("checkpoint"):
+                    self.checkpointer.maybe_save(self)
+        finally:
+            self.checkpointer.close()  # waits for staging; uploads still running are finished too
+            self.heartbeat.close(phase="done" if verdict is None and self.step >= self.cfg.train.steps else None)
+            self.metrics.close()
+            self.loader.close()
+            if self.env.rank == 0:
+                self.stragglers.save(self.cfg.train.run_dir)
+        return TrainResult(
+            steps=self.step, final_loss=metrics.loss if metrics else float("nan"),
+            tokens=self.step * self.tokens_per_step, wall_s=time.perf_counter() - start,
+            status="completed" if verdict is None else verdict.kind,
+        )
+
+    def _stop_on_anomaly(self, verdict: Verdict) -> None:
+        """Every rank sees the same all-reduced loss, so every rank reaches the same verdict."""
+        log.error("anomaly at step %d: %s", verdict.step, verdict.message)
+        if self.env.rank == 0:
+            write_verdict(self.cfg.train.run_dir, verdict)

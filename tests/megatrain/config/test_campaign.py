@@ -1,0 +1,78 @@
+from pathlib import Path
+
+import pytest
+
+from megatrain.config.campaign import load_campaign, stage_config
+from megatrain.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def write(tmp_path, text):
+    path = tmp_path / "campaign.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = """
+id: t
+recipe: configs/tiny-cpu.yaml
+root_dir: {root}
+nproc_per_node: 2
+overrides: [train.global_batch_size=16]
+stages:
+  - {{name: one, steps: 5, overrides: [train.seq_len=64]}}
+  - {{name: two, steps: 7}}
+"""
+
+
+def test_stages_resolve_into_full_run_configs(tmp_path):
+    campaign = load_campaign(write(tmp_path, BASE.format(root=tmp_path)))
+    one, two = stage_config(campaign, 0), stage_config(campaign, 1)
+    assert (one.train.steps, one.seq_len, two.seq_len) == (5, 64, 128)
+    assert one.train.run_dir == str(tmp_path / "t" / "one")
+    assert two.checkpoint.init_from == one.checkpoint.durable_url != two.checkpoint.durable_url
+    assert one.checkpoint.init_from is None
+    assert one.parallel.world_size == 2
+    assert campaign.fingerprint() == load_campaign(write(tmp_path, BASE.format(root=tmp_path))).fingerprint()
+
+
+def test_bad_stage_override_names_the_stage_and_the_field(tmp_path):
+    text = BASE.format(root=tmp_path).replace("train.seq_len=64", "train.seq_len=4096")
+    with pytest.raises(ConfigError) as info:
+        load_campaign(write(tmp_path, text))
+    message = str(info.value)
+    assert "campaign.yaml" in message and "stage 'one'" in message and "train.seq_len (4096) must be <= model.seq_len" in message
+
+
+def test_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path):
+    text = BASE.format(root=tmp_path).replace("train.global_batch_size=16", "train.global_batch_size=8")
+    with pytest.raises(ConfigError, match="micro_batch_size \\* dp"):
+        load_campaign(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("bad, reason", [
+    ("stages: []", "at least 1 item"),
+    ("stages: [{name: a, steps: 1}, {name: a, steps: 2}]", "stage names must be unique"),
+    ("stages: [{name: 'a b', steps: 1}]", "String should match pattern"),
+    ("stages: [{name: a, steps: 0}]", "greater than 0"),
+    # a name is a folder: '..' would put the stage's files beside the campaign's, '.' into it
+    ("stages: [{name: '..', steps: 1}]", "stages.0.name: String should match pattern"),
+    ("stages: [{name: '.', steps: 1}]", "stages.0.name: String should match pattern"),
+    ("stages: [{name: .hidden, steps: 1}]", "stages.0.name: String should match pattern"),
+])
+def test_campaign_errors(tmp_path, bad, reason):
+    text = f"id: t\nrecipe: configs/tiny-cpu.yaml\nroot_dir: {tmp_path}\n{bad}\n"
+    with pytest.raises(ConfigError, match=reason):
+        load_campaign(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("campaign_id", ["..", ".", "../x", ".x"])
+def test_a_campaign_id_never_leaves_the_root_dir(tmp_path, campaign_id):
+    with pytest.raises(ConfigError, match="id: String should match pattern"):
+        load_campaign(write(tmp_path, BASE.format(root=tmp_path)), [f"id={campaign_id}"])
+
+
+def test_overrides_reach_the_campaign(tmp_path):
+    campaign = load_campaign(write(tmp_path, BASE.format(root=tmp_path)), ["id=other"])
+    assert campaign.id == "other" and campaign.campaign_dir == tmp_path / "other"

@@ -1,0 +1,110 @@
+"""Which config changes keep a checkpoint usable (``megatrain.config.compat``: state / schedule fields).
+
+Fast: the split of the fields. End to end (the real trainer, one process each): a run resumed
+twice while extending ``train.steps``, changing the micro-batch at the same global batch and
+turning activation checkpointing on has the losses of an uninterrupted run; a model-changing
+override and an unflagged schedule change are refused naming the fields (exit 4, one line); with
+``checkpoint.allow_schedule_change`` the change goes through and is recorded in the history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrain.config.compat import schedule_fields, state_fields
+from megatrain.config import Config
+from megatrain.errors import DETERMINISTIC_PREFIX, EXIT_DETERMINISTIC
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_state_and_schedule_fields_split_the_config():
+    base = Config()
+    kept = ["train.steps=7", "train.micro_batch_size=2", "model.activation_checkpointing=true", "model.compile=true",
+            "model.kernels.attention=reference", "parallel.tp=2", "parallel.zero_stage=3", "checkpoint.interval=3",
+            "reliability.max_restarts=9", "data.prefetch_batches=1", "train.log_interval=1"]
+    from megatrain.config import load_config
+
+    for override in kept:
+        other = load_config(None, [override])
+        assert state_fields(other) == state_fields(base), override
+    for override, field in [("model.n_layer=3", "model.n_layer"), ("optim.name=adamw", "optim.name"),
+                            ("train.seed=1", "train.seed"), ("data.seed=5", "data.seed"),
+                            ("data.shuffle_shards=0", "data.shuffle_shards"), ("model.d_model=384", "model.d_model")]:
+        other = load_config(None, [override])
+        diff = {k for k in state_fields(base) if state_fields(base)[k] != state_fields(other)[k]}
+        assert diff == {field}, override
+    # the cosine length follows train.steps unless optim.decay_steps is set: extending changes the schedule
+    longer = load_config(None, ["train.steps=200"])
+    assert schedule_fields(longer)["optim.decay_steps"] == 200 != schedule_fields(base)["optim.decay_steps"]
+    pinned = [schedule_fields(load_config(None, ["optim.decay_steps=100", f"train.steps={n}"])) for n in (100, 200)]
+    assert pinned[0] == pinned[1]
+    assert schedule_fields(load_config(None, ["train.global_batch_size=8"]))["train.global_batch_size"] == 8
+
+
+@pytest.fixture(scope="module")
+def shard_url(tmp_path_factory) -> str:
+    from megatrain.config import load_config
+    from megatrain.data.shard import shard_corpus
+
+    url = str(tmp_path_factory.mktemp("shards"))
+    cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["data.max_source_bytes=300000", f"data.shard_url={url}"])
+    shard_corpus(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
+    return url
+
+
+def _train(run_dir: Path, shard_url: str, *overrides: str) -> subprocess.CompletedProcess:
+    """One process of the real trainer (no torchrun) on tiny-cpu, checkpointing every 2 steps."""
+    args = ["model.n_layer=2", "data.max_source_bytes=300000", f"data.shard_url={shard_url}", "data.prefetch_batches=0",
+            "optim.decay_steps=6", "train.log_interval=1000", f"train.run_dir={run_dir}", "checkpoint.interval=2",
+            f"checkpoint.staging_dir={run_dir}/staging", f"checkpoint.durable_url={run_dir}/durable", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "megatrain.train", "--config", "configs/tiny-cpu.yaml", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row["loss"] for row in map(json.loads, lines)}
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_extend_rebatch_and_checkpoint_activations_resume_like_one_run(tmp_path, shard_url):
+    straight = tmp_path / "straight"
+    _ok(_train(straight, shard_url, "train.steps=6", "train.micro_batch_size=8"))
+    resumed = tmp_path / "resumed"
+    _ok(_train(resumed, shard_url, "train.steps=2", "train.micro_batch_size=8"))
+    # extend to 4 steps, micro-batch 4 (accumulation 2) at the same global batch of 8
+    _ok(_train(resumed, shard_url, "train.steps=4", "train.micro_batch_size=4"))
+    # extend to 6 steps, micro-batch 2 (accumulation 4), activation checkpointing on
+    _ok(_train(resumed, shard_url, "train.steps=6", "train.micro_batch_size=2", "model.activation_checkpointing=true"))
+    expected, got = _losses(straight), _losses(resumed)
+    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    worst = max(abs(got[s] - expected[s]) for s in expected)
+    print(f"max |loss difference| over 6 steps, resumed twice vs straight: {worst:.2e}")
+    assert worst <= 1e-6, (got, expected)
+
+    # a model-changing override is refused at once (exit 4), the field named with both values
+    refused = _train(resumed, shard_url, "train.steps=8", "model.n_layer=3")
+    assert refused.returncode == EXIT_DETERMINISTIC, refused.stdout[-2000:] + refused.stderr[-2000:]
+    line = next(x for x in refused.stderr.splitlines() if x.startswith(DETERMINISTIC_PREFIX))
+    assert "CheckpointMismatch" in line and "model.n_layer: 2 -> 3" in line, line
+
+    # a new global batch needs the flag; with it, the change is recorded in the checkpoint history
+    refused = _train(resumed, shard_url, "train.steps=8", "train.global_batch_size=16")
+    assert refused.returncode == EXIT_DETERMINISTIC
+    assert "train.global_batch_size: 8 -> 16" in refused.stderr and "allow_schedule_change" in refused.stderr
+    _ok(_train(resumed, shard_url, "train.steps=8", "train.global_batch_size=16", "checkpoint.allow_schedule_change=true"))
+    meta = json.loads((resumed / "durable" / "step-00000008" / "rank-00000.json").read_text())
+    assert meta["history"] == [{"step": 6, "schedule": {"train.global_batch_size": [8, 16]}}]
+    assert meta["loader"]["samples_consumed"] == 6 * 8 + 2 * 16
