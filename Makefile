@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= configs/tiny-cpu.yaml
 IMAGE  ?= megatrain:latest
 
-.PHONY: install services demo train test test-gpu serve stop image clean
+.PHONY: install services demo train test check test-gpu serve stop image clean
 # Prefect's temporary local server (SQLite) starts slowly on 2 cores.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -46,8 +46,19 @@ stop:
 image:
 	docker build -t $(IMAGE) .
 
+# The whole suite (the README's command; CI runs it): every test but the GPU ones, whole test
+# modules on JOBS workers (2: this project's CI machines have 2 cores; the multi-process tests
+# already fill them, so more workers only slow those down).
+JOBS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(JOBS) --dist loadfile
+
 test: $(STAMP) services
-	$(PY) -m pytest -q -m "not gpu"
+	$(PYTEST) -m "not gpu"
+
+# The inner loop (under 3 minutes on 2 cores): the unit tests and one end-to-end flow (marked
+# `check`); the multi-process and end-to-end tests (`slow`) wait for make test.
+check: $(STAMP) services
+	$(PYTEST) -m "check or (not gpu and not slow)"
 
 test-gpu:
 	python3 -m pytest -q -m gpu tests

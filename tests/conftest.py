@@ -58,3 +58,11 @@ def campaign_file(tmp_path, shard_root):
         return path
 
     return write
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with multi-process or end-to-end tests (``slow``) first: with ``make test``'s two
+    xdist workers (whole modules each, ``--dist loadfile``), the long ones start early and the
+    many short ones fill the gaps at the end. The order inside a module stays as written."""
+    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)

@@ -97,6 +97,7 @@ def test_killed_flow_run_resumes_skips_finished_stages_and_matches_bit_for_bit(p
 
 
 @pytest.mark.slow
+@pytest.mark.check  # the one end-to-end flow of make check: shard, train, an anomaly, a rollback, the report
 def test_nan_loss_rolls_back_skips_the_window_and_the_campaign_completes(prefect_api, campaign_file):
     from flows.pretrain import pretrain
 

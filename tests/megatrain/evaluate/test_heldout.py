@@ -93,7 +93,7 @@ def test_validation_loss_is_the_same_in_one_process_dp2_tp2_pp2_and_from_each_ch
         assert result["loss"] == pytest.approx(reference[-1][1], abs=1e-5), (name, result)
 
     # or on a user's own text, cut into windows of the run's tokens as its shards are
-    text = (ROOT / "megatrain" / "evaluate.py").read_text()
+    text = (ROOT / "megatrain" / "evaluate" / "heldout.py").read_text()
     (tmp_path / "code.py").write_text(text)
     result = evaluate_checkpoint(str(tmp_path / "single"), data=str(tmp_path / "code.py"), samples=4)
     assert result["split"] == "text" and result["samples"] == 4 and 0 < result["loss"] < 20

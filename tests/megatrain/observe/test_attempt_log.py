@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from megatrain.launch.ranks import _free_port, run_ranks
+from megatrain.launch.ranks import free_port, run_ranks
 from megatrain.observe.attempt_log import AttemptLog, read_attempts
 
 RANK_SCRIPT = textwrap.dedent("""\
@@ -29,7 +29,7 @@ def test_a_failed_attempt_is_whole_in_files_and_one_line_per_fault_on_the_consol
     forwarded: list[str] = []
     log = AttemptLog(tmp_path / "run", attempt=3, forward=forwarded.append)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(script)]  # torchrun_command's flags
+               "--master-port", str(free_port()), str(script)]  # torchrun_command's flags
     result = run_ranks(command, on_line=log, timeout_s=120, poll_s=0.2)
     log.close({"status": result.status, "message": result.message, "wall_s": result.wall_s})
     assert result.status != "completed"
