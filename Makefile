@@ -61,7 +61,7 @@ check: $(STAMP) services
 	$(PYTEST) -m "check or (not gpu and not slow)"
 
 test-gpu:
-	python3 -m pytest -q -m gpu tests
+	python3 -m pytest -q -m gpu tests/megatrain tests/benchmarks
 
 clean:
 	rm -rf runs data/shards

@@ -26,10 +26,8 @@ shard as it is decoded (one vectorised min/max), not per batch.
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import queue
-import tarfile
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -39,8 +37,9 @@ import numpy as np
 import torch
 
 from megatrain import storage
-from megatrain.data.index import SAMPLE_FIELD, BadShardError, ShardIndex
+from megatrain.data.index import BadShardError, ShardIndex
 from megatrain.data.position import PositionedLoader, epoch_length
+from megatrain.data.shard_format import check_token_ids, decode_shard
 
 log = logging.getLogger(__name__)
 
@@ -88,40 +87,6 @@ class SampleOrder:
             window_ids.append(np.full(end - start, w))
             start, w = end, w + 1
         return np.concatenate(pairs), np.concatenate(window_ids)
-
-
-def decode_shard(url: str, data: bytes, expected: int, seq_len: int, dtype: np.dtype) -> np.ndarray:
-    """Tar bytes -> [samples, seq_len + 1] tokens; any damage raises BadShardError naming ``url``."""
-    samples = []
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            for member in tar:
-                if member.name.endswith("." + SAMPLE_FIELD):
-                    payload = tar.extractfile(member).read()
-                    if len(payload) != member.size:
-                        raise BadShardError(url, f"member {member.name} is truncated")
-                    samples.append(np.load(io.BytesIO(payload), allow_pickle=False))
-        array = np.stack(samples) if samples else np.empty((0, seq_len + 1), dtype)
-    except BadShardError:
-        raise
-    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
-        raise BadShardError(url, f"cannot be read as a tar of .npy samples ({exc.__class__.__name__}: {exc})") from exc
-    if len(samples) != expected:
-        raise BadShardError(url, f"holds {len(samples)} samples, the index says {expected} (truncated?)")
-    if array.shape[1:] != (seq_len + 1,) or array.dtype != dtype:
-        raise BadShardError(url, f"samples are {array.dtype}{list(array.shape[1:])}, expected {dtype}[{seq_len + 1}]")
-    return array
-
-
-def check_token_ids(url: str, samples: np.ndarray, vocab_size: int) -> None:
-    """Raise BadShardError unless every id in ``samples`` [n, seq_len + 1] is in [0, vocab_size)."""
-    if samples.size == 0 or (int(samples.min()) >= 0 and int(samples.max()) < vocab_size):
-        return
-    bad_rows = np.flatnonzero(((samples < 0) | (samples >= vocab_size)).any(axis=1))
-    row = samples[bad_rows[0]]
-    bad_id = int(row[(row < 0) | (row >= vocab_size)][0])
-    raise BadShardError(url, f"sample {int(bad_rows[0])} holds token id {bad_id}, outside the model's vocabulary "
-                             f"of {vocab_size} ({len(bad_rows)} bad sample{'s' * (len(bad_rows) != 1)} in this shard)")
 
 
 class ShardCache:

@@ -22,7 +22,6 @@ import argparse
 import collections
 import functools
 import hashlib
-import io
 import json
 import logging
 import multiprocessing
@@ -41,9 +40,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from megatrain import storage
 from megatrain.config import DataConfig
 from megatrain.data.index import (
-    FORMAT, INDEX_NAME, SAMPLE_FIELD, TOKENIZER_NAME, BadShardError, DataError, ShardIndex, ShardInfo,
-    dtype_for_vocab, load_index, write_index,
+    FORMAT,
+    INDEX_NAME,
+    TOKENIZER_NAME,
+    BadShardError,
+    DataError,
+    ShardIndex,
+    ShardInfo,
+    dtype_for_vocab,
+    load_index,
+    write_index,
 )
+from megatrain.data.shard_format import write_shard
 
 __all__ = ["BadShardError", "DataError", "ShardIndex", "ShardInfo", "cli", "load_index", "shard_corpus"]
 
@@ -296,38 +304,6 @@ class _Packer:
         n = len(joined) // self.window
         self.rest = joined[n * self.window:]
         return joined[: n * self.window].reshape(n, self.window)
-
-
-class _HashingWriter:
-    """A write-only stream that hashes and counts what passes through to the real file."""
-
-    def __init__(self, inner: io.RawIOBase) -> None:
-        self.inner, self.sha, self.count = inner, hashlib.sha256(), 0
-
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
-        self.count += len(data)
-        self.inner.write(data)
-        return len(data)
-
-
-def _npy(window: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, window, allow_pickle=False)
-    return buffer.getvalue()
-
-
-def write_shard(url: str, windows: np.ndarray, first_key: int) -> ShardInfo:
-    """Write one tar shard: member ``<9-digit global sample index>.tokens.npy`` per window."""
-    import webdataset  # here, not at the top: it imports torch, which tokenizer workers never need
-
-    with storage.open_url(url, "wb") as handle:
-        stream = _HashingWriter(handle)
-        # mtime=0 and fixed owners: the same windows always give byte-identical shards.
-        with webdataset.TarWriter(stream, mtime=0, user="megatrain", group="megatrain", encoder=False) as tar:
-            for i, window in enumerate(windows):
-                tar.write({"__key__": f"{first_key + i:09d}", SAMPLE_FIELD: _npy(window)})
-    return ShardInfo(url.rsplit("/", 1)[-1], len(windows), stream.sha.hexdigest(), stream.count)
 
 
 def _pack_and_write(token_arrays: Iterator[np.ndarray], url: str, seq_len: int, per_shard: int, dtype: str,

@@ -205,8 +205,9 @@ def test_token_ids_beyond_the_vocabulary(workdir, tmp_path, logs, prefect_api):
     checksums: the reading rank names shard, sample, id and vocabulary, and the stage ends at once
     (deterministic, no restart) under on_bad_shard=error; what was committed before verifies."""
     from megatrain.data.index import write_index
-    from megatrain.data.loader import SampleOrder, decode_shard
-    from megatrain.data.shard import shard_corpus, write_shard
+    from megatrain.data.loader import SampleOrder
+    from megatrain.data.shard import shard_corpus
+    from megatrain.data.shard_format import decode_shard, write_shard
     from megatrain import storage
 
     shards = tmp_path / "shards"  # private: the session's shard_root is shared with other tests

@@ -13,7 +13,7 @@ import numpy as np
 from megatrain import storage
 from megatrain.config import DataConfig
 from megatrain.data.index import ShardIndex
-from megatrain.data.loader import decode_shard
+from megatrain.data.shard_format import decode_shard
 
 SEQ_LEN = 32
 VOCAB = 512

@@ -11,7 +11,7 @@ from data_helpers import all_windows
 
 from megatrain.data.index import BadShardError
 from megatrain.data.loader import build_loader
-from megatrain.data.shard import write_shard
+from megatrain.data.shard_format import write_shard
 
 
 def corrupt(path: Path) -> None:

@@ -13,9 +13,10 @@ import pytest
 from data_helpers import VOCAB, all_windows
 
 from megatrain.data.index import BadShardError, write_index
-from megatrain.data.loader import build_loader, check_token_ids
+from megatrain.data.loader import build_loader
+from megatrain.data.shard_format import check_token_ids
 from megatrain.data.node_loader import build_node_loader
-from megatrain.data.shard import write_shard
+from megatrain.data.shard_format import write_shard
 from megatrain.errors import DeterministicError, InputError
 
 
