@@ -18,9 +18,9 @@ from prefect import flow
 from prefect.states import Cancelled, Failed
 
 from flows.lifecycle import campaign_lease, run_from_command_line
+from flows.shard_data import shard_campaign_data
 from megatrain.launch.lease import LeaseHeld
 from tasks.campaign import validate_campaign
-from tasks.data import shard_campaign_data
 from tasks.report import sample_stage, write_report
 from tasks.selfcheck import run_self_check
 from tasks.stop import STOP, stop_on_signals

@@ -1,10 +1,16 @@
-"""Shard the campaign's corpus (skipped when the index already matches)."""
+"""The tasks that shard a corpus (``flows/shard_data.py`` puts them together).
+
+``data.engine: local`` (the default) shards a corpus in one ``shard-data`` task, its units on the
+engine's process pool. ``data.engine: dask`` runs ``plan-shards``, one ``shard-unit`` task per work
+unit on a dask.distributed cluster, and ``finish-shards``. Either way the engine skips what is done
+(a complete version, a finished unit) and every engine writes the same index. Only I/O failures
+are retried; bad input fails at once.
+"""
 
 from __future__ import annotations
 
 from prefect import task
 
-from megatrain.config.campaign import CampaignConfig, stage_config
 from tasks._log import run_logger
 
 
@@ -25,24 +31,60 @@ def _transient(task, task_run, state) -> bool:
     return False
 
 
+def summary(index) -> dict:
+    return {"url": index.url, "version": index.version, "num_samples": index.num_samples, "shards": len(index.shards),
+            "bad_sources": len(index.bad_sources), "tokenizer_sha256": index.tokenizer_sha256}
+
+
 @task(name="shard-data", retries=2, retry_delay_seconds=10, retry_condition_fn=_transient, timeout_seconds=3600)
 def shard_stage_data(data_config: dict, seq_len: int, vocab_size: int) -> dict:
-    """Tokenize and pack one stage's data. Skipped by the engine itself when an index with the
-    same fingerprint (inputs, tokenizer, packing) exists at the shard URL: a Prefect cache would
-    also skip it when the shards were deleted since, so there is none here."""
+    """Tokenize and pack one corpus on the local engine. Skipped by the engine itself when an
+    index with the same fingerprint (inputs, tokenizer, packing) exists at the shard URL: a Prefect
+    cache would also skip it when the shards were deleted since, so there is none here."""
     from megatrain.config import DataConfig
     from megatrain.data.shard import shard_corpus
 
     index = shard_corpus(DataConfig.model_validate(data_config), seq_len, vocab_size)
-    run_logger().info("shards at %s: %d samples in %d shards (version %s)",
-                          index.url, index.num_samples, len(index.shards), index.version)
-    return {"url": index.url, "version": index.version, "num_samples": index.num_samples, "shards": len(index.shards)}
+    run_logger().info("shards at %s: %d samples in %d shards (version %s)%s", index.url, index.num_samples,
+                      len(index.shards), index.version, _refused(index))
+    return summary(index)
 
 
-def shard_campaign_data(campaign: CampaignConfig) -> list[dict]:
-    """One shard version per distinct (data config, sequence length) among the stages."""
-    results = []
-    for index in range(len(campaign.stages)):
-        cfg = stage_config(campaign, index)
-        results.append(shard_stage_data(cfg.data.model_dump(mode="json"), cfg.seq_len, cfg.model.vocab_size))
-    return results
+def _refused(index) -> str:
+    return f"; {len(index.bad_sources)} source files refused and left out (data.on_bad_source=skip)" \
+        if index.bad_sources else ""
+
+
+@task(name="plan-shards", retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
+def plan_shards(data_config: dict, seq_len: int, vocab_size: int) -> dict:
+    """The version's plan (its units), or the summary of its index when the version is complete."""
+    from megatrain.config import DataConfig
+    from megatrain.data.shard import plan_sharding
+    from megatrain.data.index import ShardIndex
+
+    plan = plan_sharding(DataConfig.model_validate(data_config), seq_len, vocab_size)
+    if isinstance(plan, ShardIndex):
+        return {"done": summary(plan)}
+    run_logger().info("plan %s: %d units, %d sources refused", plan.url, len(plan.units), len(plan.bad_sources))
+    return {"plan_url": plan.url, "units": len(plan.units)}
+
+
+@task(name="shard-unit", retries=2, retry_delay_seconds=5, retry_condition_fn=_transient)
+def shard_one_unit(plan_url: str, i: int) -> dict:
+    """One work unit, on whichever worker runs it; a finished unit (its unit.json) is skipped."""
+    from megatrain.data.shard_unit import load_plan, shard_unit
+
+    record = shard_unit(load_plan(plan_url), i)
+    return {"unit": i, "documents": record["documents"], "tokens": record["tokens"],
+            "samples": sum(s["num_samples"] for s in record["shards"])}
+
+
+@task(name="finish-shards", retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
+def finish_shards(plan_url: str) -> dict:
+    from megatrain.data.shard import finish_sharding
+    from megatrain.data.shard_unit import load_plan
+
+    index = finish_sharding(load_plan(plan_url))
+    run_logger().info("shards at %s: %d samples in %d shards (version %s)%s", index.url, index.num_samples,
+                      len(index.shards), index.version, _refused(index))
+    return summary(index)

@@ -15,3 +15,8 @@ output "redis_url" {
   description = "reliability.redis_url of the campaign"
   value       = "redis://${kubernetes_service_v1.redis.metadata[0].name}:${local.redis_port}/0"
 }
+
+output "dask_address" {
+  description = "data.dask_address of the campaign (data.engine=dask)"
+  value       = "tcp://${kubernetes_service_v1.dask_scheduler.metadata[0].name}:${local.dask_scheduler_port}"
+}

@@ -82,3 +82,43 @@ variable "storage_env" {
   default     = {}
   sensitive   = true
 }
+
+variable "megatrain_image" {
+  description = "the megatrain image of the Dask scheduler and workers: the same tag or digest as MEGATRAIN_IMAGE of `prefect deploy --name cluster` (the flow pods and ranks)"
+  type        = string
+
+  validation {
+    condition     = can(regex("(:[A-Za-z0-9_][A-Za-z0-9_.-]*|@sha256:[0-9a-f]{64})$", var.megatrain_image)) && !endswith(var.megatrain_image, ":latest")
+    error_message = "megatrain_image: pin a tag (not :latest) or a digest, the one the flow pods run (MEGATRAIN_IMAGE)."
+  }
+}
+
+variable "dask_workers" {
+  description = "Dask worker pods for data.engine=dask (each one single-threaded process: one tokenizer core)"
+  type        = number
+  default     = 4
+}
+
+variable "dask_worker_cpu" {
+  description = "CPU request of a Dask worker pod"
+  type        = string
+  default     = "1"
+}
+
+variable "dask_worker_memory" {
+  description = "memory request and limit of a Dask worker pod, also its --memory-limit (Dask spills and pauses before the OOM killer)"
+  type        = string
+  default     = "8Gi"
+}
+
+variable "dask_scheduler_cpu" {
+  description = "CPU request of the Dask scheduler pod"
+  type        = string
+  default     = "1"
+}
+
+variable "dask_scheduler_memory" {
+  description = "memory request and limit of the Dask scheduler pod (grows with the work units of a corpus)"
+  type        = string
+  default     = "4Gi"
+}

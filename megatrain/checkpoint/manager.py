@@ -65,10 +65,10 @@ def library_versions() -> dict[str, str]:
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, env: DistEnv, groups: ProcessGroups):
+    def __init__(self, cfg: Config, env: DistEnv, groups: ProcessGroups, tokenizer_sha256: str | None = None):
         self.cfg, self.env, self.groups = cfg, env, groups
         self.ckpt = cfg.checkpoint
-        self.identity = RunIdentity.of(cfg)
+        self.identity = RunIdentity.of(cfg, tokenizer_sha256)  # the data's tokenizer: recorded, and checked on restore
         self.fingerprint = self.identity.fingerprint
         self.layout = {"dp": groups.dims.dp, "tp": groups.dims.tp, "pp": groups.dims.pp, "world_size": env.world_size,
                        "zero_stage": cfg.parallel.zero_stage}
@@ -90,9 +90,12 @@ class Checkpointer:
         self._discard_own_staging()
         if not self.ckpt.resume:
             return 0
-        restored = restore_checkpoint(trainer, self.ckpt.durable_url, self.identity, self.layout, self.groups)
+        tokenizer = self.identity.tokenizer_sha256
+        restored = restore_checkpoint(trainer, self.ckpt.durable_url, self.identity, self.layout, self.groups,
+                                      tokenizer_sha256=tokenizer)
         if restored is None and self.ckpt.init_from and not self.ckpt.init_from.startswith("hf:"):  # hf: trainer.py
-            found = restore_checkpoint(trainer, self.ckpt.init_from, None, self.layout, self.groups, full=False)
+            found = restore_checkpoint(trainer, self.ckpt.init_from, None, self.layout, self.groups, full=False,
+                                       tokenizer_sha256=tokenizer)
             if found is None:
                 log.warning("checkpoint.init_from=%s holds no committed checkpoint: starting from scratch",
                             self.ckpt.init_from)
@@ -186,6 +189,7 @@ class Checkpointer:
             "engine": state.engine_counters(engine), "loader": loader_state, "rng": rng_meta,
             "shards": reshard.param_map(engine.module, engine.optimizer, g.dp_rank),
             "state_fields": self.identity.state, "schedule_fields": self.identity.schedule, "history": self.history,
+            "tokenizer_sha256": self.identity.tokenizer_sha256,
         }
         marker = {"fingerprint": self.fingerprint, "layout": self.layout, "coords": coords,
                   "data_position": loader_state, "versions": self._versions}

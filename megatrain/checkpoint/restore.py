@@ -58,11 +58,23 @@ class RunIdentity:
     state: dict[str, Any]
     schedule: dict[str, Any]
     allow_schedule_change: bool = False
+    tokenizer_sha256: str | None = None  # of the data this run trains on: token ids mean text only under it
 
     @classmethod
-    def of(cls, cfg: Any) -> RunIdentity:
+    def of(cls, cfg: Any, tokenizer_sha256: str | None = None) -> RunIdentity:
         return cls(compat.fingerprint(cfg), compat.state_fields(cfg), compat.schedule_fields(cfg),
-                   cfg.checkpoint.allow_schedule_change)
+                   cfg.checkpoint.allow_schedule_change, tokenizer_sha256)
+
+
+def check_tokenizer(meta0: dict[str, Any] | None, tokenizer_sha256: str | None, url: str) -> None:
+    """Refuse a checkpoint trained on data of another tokenizer: its embeddings learned other ids."""
+    saved = (meta0 or {}).get("tokenizer_sha256")
+    if saved and tokenizer_sha256 and saved != tokenizer_sha256:
+        raise CheckpointMismatch(
+            f"{url}: trained on data of tokenizer sha256 {saved[:16]}..., this run's data uses tokenizer sha256 "
+            f"{tokenizer_sha256[:16]}... (data.tokenizer): the same ids would mean other text; train on the "
+            "checkpoint's tokenizer, or start from scratch"
+        )
 
 
 def _differences(saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, list]:
@@ -202,8 +214,9 @@ class Candidate:
     history: list[dict]  # the checkpoint's record of earlier changes
 
 
-def _candidates(durable_url: str, identity: RunIdentity | None) -> list[Candidate]:
-    """Committed checkpoints, newest first, after checking that this run can continue each one."""
+def _candidates(durable_url: str, identity: RunIdentity | None, tokenizer_sha256: str | None) -> list[Candidate]:
+    """Committed checkpoints, newest first, after checking that this run can continue each one
+    (``identity``; None: any config) and that it trained on this run's tokenizer."""
     infos = list(reversed(catalog.list_checkpoints(durable_url)))
     for info in infos:
         if info.problem:
@@ -211,11 +224,12 @@ def _candidates(durable_url: str, identity: RunIdentity | None) -> list[Candidat
     found = []
     for info in (i for i in infos if i.committed):
         meta0 = None
-        if identity is None or info.manifest.get("fingerprint") != identity.fingerprint:
+        if identity is None or info.manifest.get("fingerprint") != identity.fingerprint or tokenizer_sha256:
             try:  # a small JSON, verified; unreadable means "cannot tell", a mismatch for old files
                 meta0 = parse_json(read_verified(info.url, rank_meta_file(0), info.manifest), rank_meta_file(0))
             except (ChecksumError, OSError, ValueError) as exc:
                 log.warning("checkpoint %s: rank 0's JSON unreadable (%s)", info.url, exc)
+        check_tokenizer(meta0, tokenizer_sha256, info.url)
         changes = {} if identity is None else check_compatible(info.manifest, meta0, identity, info.url)
         history = (meta0 or {}).get("history", [])
         found.append(Candidate(info.step, info.url, info.manifest, changes, history))
@@ -229,18 +243,19 @@ class Restored:
 
 
 def restore_checkpoint(trainer: Any, durable_url: str, identity: RunIdentity | None, layout: dict[str, int],
-                       groups: ProcessGroups, full: bool = True) -> Restored | None:
+                       groups: ProcessGroups, full: bool = True, tokenizer_sha256: str | None = None) -> Restored | None:
     """Put the newest verified committed checkpoint under ``durable_url`` into ``trainer``.
 
     Returns its step and history, or None when the URL holds no committed checkpoint.
     ``identity=None`` accepts any config (a campaign stage starting from the previous stage);
-    ``full=False`` puts back only model and optimizer tensors (see ``apply_rank_state``). A
+    ``full=False`` puts back only model and optimizer tensors (see ``apply_rank_state``);
+    ``tokenizer_sha256``: refuse a checkpoint trained on another tokenizer's data. A
     checkpoint written at another layout (dp, tp, pp, ZeRO or not) is resharded (reshard.py).
     """
     found: Any = None
     if groups.rank == 0:
         try:
-            found = ("ok", _candidates(durable_url, identity))
+            found = ("ok", _candidates(durable_url, identity, tokenizer_sha256))
         except Exception as exc:  # every rank must learn of the failure, or they wait forever below
             mismatch = isinstance(exc, CheckpointMismatch)
             found = ("error", str(exc) if mismatch else f"{type(exc).__name__}: {exc}", mismatch)

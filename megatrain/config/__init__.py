@@ -2,7 +2,8 @@
 
 - ``section``  the base of every section: unknown keys are errors, assignments are validated
 - ``model``    ``ModelConfig``: the model family as a choice of parts, kernels, RoPE scaling
-- ``schema``   ``Config`` and its run sections (parallel, optim, train, data, checkpoint, ...)
+- ``data``     ``DataConfig``: sources or a weighted mixture, tokenizer, sharding units and engine
+- ``schema``   ``Config`` and its run sections (parallel, optim, train, checkpoint, ...)
 - ``load``     YAML recipe + ``key.sub=value`` overrides -> ``Config``, or a ``ConfigError``
                naming the file, the field and the reason
 - ``compat``   which config changes a checkpoint survives; the fingerprint of a run's math
@@ -13,6 +14,7 @@ loading the engine. ``from megatrain.config import Config, load_config`` is the 
 modules inside the package import each other directly.
 """
 
+from megatrain.config.data import DataConfig, MixtureComponent
 from megatrain.config.load import (
     ConfigError,
     format_validation_error,
@@ -26,7 +28,6 @@ from megatrain.config.schema import (
     AnomalyConfig,
     CheckpointConfig,
     Config,
-    DataConfig,
     FaultConfig,
     FP8Config,
     InitConfig,
@@ -40,7 +41,7 @@ from megatrain.config.schema import (
 
 __all__ = [
     "AnomalyConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FP8Config", "FaultConfig",
-    "InitConfig", "KernelConfig", "ModelConfig", "OptimConfig", "OverlapConfig", "ParallelConfig",
+    "InitConfig", "KernelConfig", "MixtureComponent", "ModelConfig", "OptimConfig", "OverlapConfig", "ParallelConfig",
     "ReliabilityConfig", "RopeScaling", "SelfCheckConfig", "TrainConfig", "format_validation_error", "load_config",
     "merge", "parse_overrides", "read_yaml",
 ]

@@ -27,6 +27,7 @@ _LATER_KNOBS: dict[str, tuple[str, ...]] = {
     "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp"),
     "model.kernels": ("rmsnorm", "swiglu", "rope"),
     "train.fp8": ("casts",),  # an implementation choice, like model.kernels: the same e4m3 values
+    "data": ("mixture", "on_exhausted", "on_bad_source", "unit_bytes"),
 }
 
 # Held-out evaluation and experiment tracking: they change what is measured, never the training math.
@@ -40,7 +41,7 @@ _NOT_STATE = {
     "model": {"kernels", "activation_checkpointing", "compile"},
     "train": {**dict.fromkeys(["steps", "micro_batch_size", "device", "log_interval", "run_dir", *_TRACKING_KNOBS], True),
               "fp8": {"casts"}},  # who casts to FP8 changes no state: checkpoints resume under any
-    "data": {"shard_url", "num_workers", "prefetch_batches", "on_bad_shard", "verify_checksums"},
+    "data": {"shard_url", "num_workers", "prefetch_batches", "on_bad_shard", "verify_checksums", "engine", "dask_address"},
 }
 
 SCHEDULE_FIELDS = (
@@ -55,7 +56,8 @@ def fingerprint(cfg: Config) -> str:
     continued is decided by ``state_fields()`` and ``schedule_fields()``, not by this hash."""
     # how the ranks meet (parallel.init) never changes the math, nor do the run's logs and policies
     keep = cfg.model_dump(mode="json", exclude={"train": {"log_interval", "run_dir"}, "parallel": {"init"},
-                                                "checkpoint": True, "reliability": True})
+                                                "checkpoint": True, "reliability": True,
+                                                "data": {"engine", "dask_address"}})  # every engine: the same shards
     # Knobs added after the first checkpoints were written count only when set away from their
     # defaults, so a GPT recipe keeps its fingerprint (and resumes its checkpoints).
     for dotted, knobs in _LATER_KNOBS.items():

@@ -6,7 +6,8 @@ Validators here check what one field cannot say alone (divisibility, ranges acro
 a bad config fails before any model is built. This module imports neither torch nor prefect: the
 Prefect worker validates campaigns without loading the engine. Which knobs a checkpoint survives
 (and the fingerprint of a run's math) is a policy of its own: ``megatrain/config/compat.py``.
-The model's section (``ModelConfig``: a family is a choice of parts) is ``megatrain/config/model.py``.
+The model's section (``ModelConfig``: a family is a choice of parts) is ``megatrain/config/model.py``,
+the data's (sources, mixtures, sharding, reading) ``megatrain/config/data.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from megatrain.config.data import DataConfig
 from megatrain.config.model import ModelConfig
 from megatrain.config.section import _Section
 
@@ -199,37 +201,6 @@ class TrainConfig(_Section):
                 f"micro_batch_size ({self.micro_batch_size})"
             )
         return self
-
-
-class DataConfig(_Section):
-    """Where text comes from, how it becomes shards, and how shards are read."""
-
-    sources: list[str] = Field(
-        default_factory=lambda: ["stdlib"],
-        description="paths, globs or URLs of .txt/.jsonl/.py/.md files; 'stdlib' = the Python "
-        "standard library's own source, present offline wherever megatrain is installed",
-    )
-    text_field: str = Field("text", description="JSONL key holding the document text")
-    max_source_bytes: int | None = Field(None, gt=0, description="stop reading sources after this many bytes")
-    tokenizer: str = Field("bpe", description="'bpe' trains a byte-level BPE on the corpus, else a tokenizer.json path")
-    bpe_vocab_size: int | None = Field(
-        None, ge=257, description="vocabulary of the trained BPE; default model.vocab_size (never more)"
-    )
-    eos_token: str = Field("<|endoftext|>", description="the token that separates packed documents")
-    shard_url: str = Field("data/shards", description="fsspec URL where shard versions are written")
-    samples_per_shard: int = Field(1024, gt=0)
-    num_workers: int = Field(0, ge=0, description="tokenizer processes while sharding; 0 = one per CPU core")
-    seed: int = 1234
-    shuffle_shards: int = Field(
-        64, ge=0, description="shards shuffled together (each read once per epoch); 0 = one global permutation"
-    )
-    prefetch_batches: int = Field(4, ge=0, description="bounded queue of preprocessed batches; 0 = synchronous")
-    on_bad_shard: Literal["error", "skip"] = "error"
-    verify_checksums: bool = True
-    val_fraction: float = Field(
-        0.0, ge=0.0, lt=1.0, description="documents held out for validation, chosen by a hash of their text (so "
-        "a duplicate never lands on both sides), packed into their own shards; 0 = no validation split",
-    )
 
 
 class CheckpointConfig(_Section):

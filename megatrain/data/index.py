@@ -3,6 +3,12 @@
 ``index.json`` is written last, after every shard and the tokenizer, so its presence means the
 version is complete. Readers trust nothing else: shard names, sample counts, byte sizes and
 sha256 digests all come from here, and the loader checks shards against them.
+
+Formats: the index records the ``format`` its shards were written in (see shard_format.py).
+Format 2 (written today) packs many samples per tar member; format 1 (one member per sample)
+is still read, so versions written before format 2 stay usable without re-sharding. Fields added
+since format 1 (``format``, ``bad_sources``, ``bos_id``) have defaults, so an old index.json,
+and code that builds a ShardIndex with keyword arguments, keep working.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from megatrain.errors import InputError
 
 INDEX_NAME = "index.json"
 TOKENIZER_NAME = "tokenizer.json"
-FORMAT = 1  # bump when the layout of shards or of this file changes
+FORMAT = 2  # what new versions are written in; bump when the layout of shards or of this file changes
+READABLE_FORMATS = (1, 2)  # what load_index accepts: shard_format.decode_shard reads both layouts
 SAMPLE_FIELD = "tokens.npy"  # the tar member suffix of one packed window
 
 
@@ -63,6 +70,12 @@ class ShardIndex:
     params: dict[str, Any] = field(default_factory=dict)  # the sharding parameters
     # held-out documents (data.val_fraction), packed into their own shards: never in ``shards``
     val_shards: list[ShardInfo] = field(default_factory=list)
+    # Sources the sharder skipped as unreadable, each {"url": ..., "reason": ...}: a version built
+    # without them must say so, or a reader would believe it holds the whole configured corpus.
+    bad_sources: list[dict[str, Any]] = field(default_factory=list)
+    bos_id: int | None = None  # the tokenizer's beginning-of-sequence id, if it has (and uses) one
+    # The shard layout (shard_format.py). New fields go last: positional construction keeps working.
+    format: int = FORMAT
 
     @property
     def val_num_samples(self) -> int:
@@ -87,13 +100,14 @@ class ShardIndex:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("url")  # the index may be copied elsewhere; where it lies is not part of it
-        out["format"] = FORMAT
+        # "format" is the field's: an old index rewritten (a shard repaired, say) stays format 1.
+        # decode_shard tells the layouts apart per member, so a format-2 shard inside it still reads.
         return out
 
     def summary(self) -> str:
         total = sum(s.bytes for s in self.shards)
         return (
-            f"shard version {self.version} at {self.url}\n"
+            f"shard version {self.version} (format {self.format}) at {self.url}\n"
             f"  {self.num_samples} samples of {self.seq_len}+1 tokens ({self.num_tokens} tokens), "
             f"{len(self.shards)} shards, {total / 1e6:.1f} MB\n"
             f"  tokenizer {self.tokenizer_file}: vocab {self.vocab_size}, eos id {self.eos_id}, dtype {self.dtype}\n"
@@ -109,9 +123,11 @@ def dtype_for_vocab(vocab_size: int) -> str:
 def index_from_json(url: str, raw: dict[str, Any]) -> ShardIndex:
     """Build a ShardIndex from parsed index.json contents found at version directory ``url``."""
     try:
-        if raw.get("format") != FORMAT:
-            raise DataError(f"{url}: index format {raw.get('format')!r}, this code reads format {FORMAT}")
-        fields = {k: v for k, v in raw.items() if k != "format"}
+        version = raw.get("format")
+        if type(version) is not int or version not in READABLE_FORMATS:  # not True, which == 1
+            raise DataError(f"{url}: index format {version!r}, this code reads format {FORMAT} "
+                            f"(and the older {', '.join(map(str, READABLE_FORMATS[:-1]))})")
+        fields = dict(raw)  # format, bad_sources and bos_id are absent from older indexes: defaults
         fields["shards"] = [ShardInfo(**s) for s in raw["shards"]]
         fields["val_shards"] = [ShardInfo(**s) for s in raw.get("val_shards", [])]
         index = ShardIndex(url=url, **fields)

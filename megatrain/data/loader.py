@@ -1,6 +1,7 @@
 """Shards -> training batches: a deterministic, resumable sample order with async prefetch.
 
-The model of the data stream, which everything here follows:
+The model of the data stream, which everything here follows (for one shard version; a weighted
+mixture of versions, mixture.py, replaces the first two points and keeps the rest):
 
 * Epoch ``e`` is a permutation of all (shard, offset) pairs computed from ``(seed, e)`` alone:
   shards are shuffled, grouped into windows of ``shuffle_shards`` shards, and the samples of
@@ -13,6 +14,10 @@ The model of the data stream, which everything here follows:
   the contiguous slice ``[p + r*mb, p + (r+1)*mb)``; tensor-parallel peers pass the same
   ``dp_rank`` and get the same batch. Resume = restore ``p``; skip(n) = ``p += n`` (position.py
   keeps that bookkeeping for both loaders: this one and node_loader's).
+
+The map from positions to (shard, offset) pairs is a ``StreamOrder`` (position.py): ``IndexOrder``
+below for one version, ``MixtureOrder`` (mixture.py) for a mixture. BatchStream, the shard cache,
+the prefetcher and the loaders only ever ask an order, so they serve either one unchanged.
 
 A bad shard (missing, truncated, corrupt, checksum mismatch, or a token id outside the model's
 vocabulary - a consistent checksum only says the bytes are those the index describes) raises
@@ -38,7 +43,7 @@ import torch
 
 from megatrain import storage
 from megatrain.data.index import BadShardError, ShardIndex
-from megatrain.data.position import PositionedLoader, epoch_length
+from megatrain.data.position import PositionedLoader, StreamOrder, epoch_length
 from megatrain.data.shard_format import check_token_ids, decode_shard
 
 log = logging.getLogger(__name__)
@@ -89,11 +94,66 @@ class SampleOrder:
         return np.concatenate(pairs), np.concatenate(window_ids)
 
 
+class IndexOrder(StreamOrder):
+    """One shard version's stream: epochs of ``epoch_len`` samples (the dropped-tail length of
+    the first run's global batch), each a SampleOrder permutation; window keys (0, epoch, window)."""
+
+    def __init__(self, index: ShardIndex, seed: int, shuffle_shards: int, micro_batch_size: int,
+                 dp_size: int) -> None:
+        super().__init__(index, seed, shuffle_shards)
+        self.samples = SampleOrder([s.num_samples for s in index.shards], seed, shuffle_shards)
+        self.epoch_len = epoch_length(index, micro_batch_size, dp_size)
+
+    def pairs(self, pos: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        pairs, keys = [], []
+        while count:
+            epoch, start = divmod(pos, self.epoch_len)
+            n = min(count, self.epoch_len - start)  # a batch after skip(n) may straddle two epochs
+            p, w = self.samples.take(epoch, start, start + n)
+            pairs.append(p), keys.append(np.stack([np.zeros(n, np.int64), np.full(n, epoch), w], 1))
+            pos, count = pos + n, count - n
+        pairs_ = np.concatenate(pairs)
+        return pairs_[:, 0], pairs_[:, 1], np.concatenate(keys)
+
+    def window_shards(self, key: tuple[int, int, int]) -> np.ndarray:
+        return self.samples.windows(key[1])[0][key[2]]
+
+    def epoch(self, pos: int) -> int:
+        return pos // self.epoch_len
+
+    def state_fields(self, pos: int) -> dict[str, Any]:
+        return {"epoch_len": self.epoch_len}
+
+    def component_stats(self, pos: int) -> dict[str, dict[str, Any]]:
+        """The one corpus as the single component "data" (the name data.components() gives it)."""
+        return {"data": {"samples": pos, "tokens": pos * (self.source.seq_len + 1), "epochs": pos // self.epoch_len,
+                         "weight": 1.0}}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        if "mixture" in state:
+            names = [c.get("name") for c in state["mixture"].get("components", [])]
+            raise ValueError(f"loader state is of a data mixture (components {names}), this loader reads the "
+                             f"single shard version {self.version!r}")
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.epoch_len = int(state.get("epoch_len")
+                             or epoch_length(self.source, state["micro_batch_size"], state["dp_size"]))
+
+
+def stream_order(source: Any, *, seed: int, shuffle_shards: int, micro_batch_size: int,
+                 dp_size: int) -> StreamOrder:
+    """The order of a ShardIndex, or the one a mixture (mixture.Mixture) makes of itself."""
+    if isinstance(source, ShardIndex):
+        return IndexOrder(source, seed, shuffle_shards, micro_batch_size, dp_size)
+    return source.stream_order(seed=seed, shuffle_shards=shuffle_shards)
+
+
 class ShardCache:
     """Reads, verifies and decodes whole shards (one read each) and keeps those still needed.
 
-    ``vocab_size``: token ids must be below it (the model's embedding rows; default the index's
-    tokenizer size). ``rank``: named in a bad shard's message (the rank that read it)."""
+    ``index``: a ShardIndex, or a mixture.Mixture (the same attributes over all its components'
+    shards). ``vocab_size``: token ids must be below it (the model's embedding rows; default the
+    index's tokenizer size). ``rank``: named in a bad shard's message (the rank that read it)."""
 
     def __init__(self, index: ShardIndex, verify_checksums: bool, on_bad_shard: str, vocab_size: int | None = None,
                  rank: int | None = None) -> None:
@@ -147,53 +207,53 @@ class ShardCache:
 class BatchStream:
     """The batch at any stream position, for one or several data-parallel ranks."""
 
-    def __init__(self, index: ShardIndex, order: SampleOrder, cache: ShardCache, micro_batch_size: int,
-                 dp_size: int, dp_ranks: Sequence[int]) -> None:
-        self.index, self.order, self.cache = index, order, cache
+    def __init__(self, order: StreamOrder, cache: ShardCache, micro_batch_size: int, dp_size: int,
+                 dp_ranks: Sequence[int]) -> None:
+        self.order, self.cache, self.index = order, cache, order.source
         self.mb, self.dp_size, self.dp_ranks = micro_batch_size, dp_size, list(dp_ranks)
         self.global_batch = micro_batch_size * dp_size
-        self.epoch_len = epoch_length(index, micro_batch_size, dp_size)
         for r in self.dp_ranks:
             if not 0 <= r < dp_size:
                 raise ValueError(f"dp_rank {r} is outside [0, dp_size={dp_size})")
-        self._touched: frozenset = frozenset()  # (epoch, window) pairs the last batch touched
+        self._live: dict[int, frozenset] = {}  # lane -> the window keys its last batch touched
 
-    def _pairs(self, pos: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(shard, offset) pairs, window ids and epochs of stream positions pos..pos+count-1."""
-        pairs, windows, epochs = [], [], []
-        while count:
-            epoch, start = divmod(pos, self.epoch_len)
-            n = min(count, self.epoch_len - start)  # a batch after skip(n) may straddle two epochs
-            p, w = self.order.take(epoch, start, start + n)
-            pairs.append(p), windows.append(w), epochs.append(np.full(n, epoch))
-            pos, count = pos + n, count - n
-        return np.concatenate(pairs), np.concatenate(windows), np.concatenate(epochs)
+    @property
+    def epoch_len(self) -> int | None:
+        return self.order.epoch_len
 
-    def _substitute(self, epoch: int, window: int, shard: int, offset: int) -> np.ndarray:
-        group = [int(s) for s in self.order.windows(epoch)[0][window]]
+    def _retain(self, keys: np.ndarray) -> None:
+        """Keep the shards of the windows this batch touches; earlier windows are finished. Per
+        lane: a mixture component absent from this batch keeps its window for its next sample."""
+        live = dict(self._live)
+        for lane in np.unique(keys[:, 0]).tolist():
+            lane_keys = keys[keys[:, 0] == lane]
+            live[lane] = frozenset(map(tuple, np.unique(lane_keys, axis=0).tolist()))
+        if live != self._live:  # most batches stay inside the same windows: nothing to evict
+            self._live = live
+            self.cache.retain({int(s) for window in live.values() for key in window
+                               for s in self.order.window_shards(key)})
+
+    def _substitute(self, key: tuple[int, int, int], shard: int, offset: int) -> np.ndarray:
+        group = [int(s) for s in self.order.window_shards(key)]
         start = group.index(shard)
         for other in group[start + 1:] + group[:start]:
             samples = self.cache.get(other)
             if samples is not None and len(samples):
                 return samples[offset % len(samples)]
-        raise BadShardError(self.index.shard_url(shard), f"every shard of its shuffle window (epoch {epoch}) is bad")
+        raise BadShardError(self.index.shard_url(shard), f"every shard of its shuffle window (epoch {key[1]}) is bad")
 
     def batch(self, pos: int) -> np.ndarray:
         """Samples for each served rank at stream position ``pos``: [ranks, mb, seq_len + 1]."""
-        pairs, windows, epochs = self._pairs(pos, self.global_batch)
-        # Keep the shards of the windows this batch touches; earlier windows are finished.
-        touched = frozenset(zip(epochs.tolist(), windows.tolist()))
-        if touched != self._touched:  # most batches stay inside one window: nothing to evict
-            self._touched = touched
-            self.cache.retain({int(s) for e, w in touched for s in self.order.windows(e)[0][w]})
+        shards, offsets, keys = self.order.pairs(pos, self.global_batch)
+        self._retain(keys)
         out = np.empty((len(self.dp_ranks), self.mb, self.index.seq_len + 1), self.index.np_dtype)
         for k, rank in enumerate(self.dp_ranks):
             for j in range(self.mb):
                 i = rank * self.mb + j
-                shard, offset = int(pairs[i, 0]), int(pairs[i, 1])
+                shard, offset = int(shards[i]), int(offsets[i])
                 samples = self.cache.get(shard)
                 if samples is None:  # a bad shard, skipped: a deterministic stand-in sample
-                    out[k, j] = self._substitute(int(epochs[i]), int(windows[i]), shard, offset)
+                    out[k, j] = self._substitute(tuple(keys[i].tolist()), shard, offset)
                 else:
                     out[k, j] = samples[offset]
         return out
@@ -245,18 +305,19 @@ def to_tensors(window: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ShardLoader(PositionedLoader):
-    """An endless iterator of ``(inputs, targets)`` micro-batches for one data-parallel rank."""
+    """An endless iterator of ``(inputs, targets)`` micro-batches for one data-parallel rank (or,
+    for the node loader, several). ``source``: a ShardIndex, or a mixture.Mixture of several."""
 
-    def __init__(self, index: ShardIndex, *, micro_batch_size: int, dp_ranks: Sequence[int], dp_size: int,
+    def __init__(self, source: Any, *, micro_batch_size: int, dp_ranks: Sequence[int], dp_size: int,
                  seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
                  shuffle_shards: int = 64, vocab_size: int | None = None, rank: int | None = None) -> None:
         self.prefetch_batches = prefetch_batches
-        self.cache = ShardCache(index, verify_checksums, on_bad_shard, vocab_size, rank)
-        order = SampleOrder([s.num_samples for s in index.shards], seed, shuffle_shards)
-        self.stream = BatchStream(index, order, self.cache, micro_batch_size, dp_size, dp_ranks)
-        # Last, so that the cache's and the stream's checks of the arguments still run first.
-        super().__init__(index, micro_batch_size=micro_batch_size, dp_size=dp_size, seed=seed,
-                         shuffle_shards=shuffle_shards)
+        self.cache = ShardCache(source, verify_checksums, on_bad_shard, vocab_size, rank)
+        order = stream_order(source, seed=seed, shuffle_shards=shuffle_shards, micro_batch_size=micro_batch_size,
+                             dp_size=dp_size)
+        self.stream = BatchStream(order, self.cache, micro_batch_size, dp_size, dp_ranks)
+        # Last, so that the cache's, the order's and the stream's checks of the arguments run first.
+        super().__init__(order, micro_batch_size=micro_batch_size, dp_size=dp_size)
         self._prefetcher: _Prefetcher | None = None
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,17 +338,20 @@ class ShardLoader(PositionedLoader):
         self._advance()
         return batch
 
-    def seek(self, pos: int) -> None:
-        """Move to stream position ``pos`` (global samples); prefetched batches are dropped, the
-        cached shards stay. skip() and load_state_dict() use it, and so does the node loader."""
+    def _stop_prefetch(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+
+    def seek(self, pos: int) -> None:
+        """Move to stream position ``pos`` (global samples); prefetched batches are dropped, the
+        cached shards stay. skip() and load_state_dict() use it, and so does the node loader."""
+        self._stop_prefetch()
         super().seek(pos)
 
-    def _set_epoch_len(self, epoch_len: int) -> None:
-        super()._set_epoch_len(epoch_len)
-        self.stream.epoch_len = epoch_len
+    def _restore_order(self, state: dict[str, Any]) -> None:
+        self._stop_prefetch()  # the prefetch thread reads the order being changed
+        super()._restore_order(state)
 
     @property
     def bad_shards(self) -> int:
@@ -297,12 +361,14 @@ class ShardLoader(PositionedLoader):
         self.seek(self.samples_consumed)
 
 
-def build_loader(index: ShardIndex, *, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+def build_loader(source: Any, *, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
                  prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
                  shuffle_shards: int = 64, vocab_size: int | None = None, rank: int | None = None) -> ShardLoader:
     """The loader of data-parallel rank ``dp_rank``: ``next(loader) -> (inputs, targets)``.
-    ``vocab_size``: the model's (token ids must be below it); ``rank``: named in bad-shard errors."""
-    return ShardLoader(index, micro_batch_size=micro_batch_size, dp_ranks=[dp_rank], dp_size=dp_size, seed=seed,
+    ``source``: a ShardIndex or a mixture.Mixture (mixture.build_mixture_loader builds one from
+    components). ``vocab_size``: the model's (token ids must be below it); ``rank``: named in
+    bad-shard errors."""
+    return ShardLoader(source, micro_batch_size=micro_batch_size, dp_ranks=[dp_rank], dp_size=dp_size, seed=seed,
                        prefetch_batches=prefetch_batches, on_bad_shard=on_bad_shard,
                        verify_checksums=verify_checksums, shuffle_shards=shuffle_shards, vocab_size=vocab_size,
                        rank=rank)

@@ -19,6 +19,9 @@ from a ``channel`` string all local ranks agree on. It carries small messages on
     client -> server   ack(slot)                                   per step: the slot may be reused
     both ways          bye / close / error(text, deterministic?)
 
+The node serves whatever source the loaders take: one shard version or a weighted mixture of
+versions (mixture.py); the batch at a stream position is the per-rank loader's either way.
+
 A slot is reused only after every local rank acked it, so the ring is the prefetch queue and
 provides back-pressure. Every rank calls skip()/load_state_dict() at the same point of training
 (the trainer does); the server restarts its producer at the new position and clients drop
@@ -41,19 +44,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatrain.data.index import DataError, ShardIndex
+from megatrain.data.index import DataError
 from megatrain.errors import DeterministicError, InputError
-from megatrain.data.loader import ShardLoader, to_tensors
+from megatrain.data.loader import ShardLoader, stream_order, to_tensors
 from megatrain.data.position import PositionedLoader
 
 log = logging.getLogger(__name__)
 
 
-def default_channel(index: ShardIndex) -> str:
+def default_channel(source: Any) -> str:
     """A name the local ranks of one job agree on without talking: the job's rendezvous identity."""
     env = os.environ
     return "-".join([env.get("TORCHELASTIC_RUN_ID", ""), env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""),
-                     env.get("GROUP_RANK", env.get("NODE_RANK", "")), index.version])
+                     env.get("GROUP_RANK", env.get("NODE_RANK", "")), source.version])
 
 
 def _names(channel: str) -> tuple[str, str, bytes]:
@@ -79,9 +82,11 @@ class NodeLoader(PositionedLoader):
     """What both roles share: the loader interface; the position and its state come from
     PositionedLoader, like ShardLoader's, so either loader can restore the other's state."""
 
-    def __init__(self, index: ShardIndex, params: dict[str, Any], local_rank: int) -> None:
-        super().__init__(index, micro_batch_size=params["micro_batch_size"], dp_size=params["dp_size"],
-                         seed=params["seed"], shuffle_shards=params["shuffle_shards"])
+    def __init__(self, source: Any, params: dict[str, Any], local_rank: int) -> None:
+        mb, dp_size = params["micro_batch_size"], params["dp_size"]
+        order = stream_order(source, seed=params["seed"], shuffle_shards=params["shuffle_shards"],
+                             micro_batch_size=mb, dp_size=dp_size)
+        super().__init__(order, micro_batch_size=mb, dp_size=dp_size)
         self.params, self.local_rank = params, local_rank
         self._bad_shards = 0  # as reported with the last batch by the server's ShardLoader
         self.view: np.ndarray | None = None  # np.memmap [slots, local ranks, mb, seq_len + 1]
@@ -105,9 +110,9 @@ class NodeLoader(PositionedLoader):
 class NodeServer(NodeLoader):
     """Local rank 0: the node's only reader."""
 
-    def __init__(self, index: ShardIndex, params: dict[str, Any], dp_rank: int, local_world_size: int,
+    def __init__(self, source: Any, params: dict[str, Any], dp_rank: int, local_world_size: int,
                  channel: str, timeout_s: float, rank: int | None = None) -> None:
-        super().__init__(index, params, 0)
+        super().__init__(source, params, 0)
         self.address, self.ring_path, key = _names(channel)
         if os.path.exists(self.address):
             os.unlink(self.address)  # left by a crashed run: binding would fail
@@ -120,7 +125,7 @@ class NodeServer(NodeLoader):
         try:
             keys = ("micro_batch_size", "dp_size", "seed", "on_bad_shard", "verify_checksums", "shuffle_shards",
                     "vocab_size")
-            self.loader = ShardLoader(index, dp_ranks=unique, prefetch_batches=0, rank=rank,
+            self.loader = ShardLoader(source, dp_ranks=unique, prefetch_batches=0, rank=rank,
                                       **{k: params[k] for k in keys})
         except Exception as exc:  # e.g. a dp_rank out of range: tell the clients before failing
             for conn, _ in self.clients.values():
@@ -128,8 +133,8 @@ class NodeServer(NodeLoader):
             self.listener.close()
             raise
         slots = max(2, params["prefetch_batches"])
-        shape = (slots, local_world_size, params["micro_batch_size"], index.seq_len + 1)
-        self.view = np.memmap(self.ring_path, index.np_dtype, mode="w+", shape=shape)
+        shape = (slots, local_world_size, params["micro_batch_size"], source.seq_len + 1)
+        self.view = np.memmap(self.ring_path, source.np_dtype, mode="w+", shape=shape)
 
         self.cond = threading.Condition()
         self.pending = [0] * slots  # readers that have not released each slot yet
@@ -138,7 +143,7 @@ class NodeServer(NodeLoader):
         self.stopping = False
         self.own: queue.Queue = queue.Queue()  # (position, slot) or an exception, for local rank 0
         for rank, (conn, _) in self.clients.items():
-            conn.send(("ring", self.ring_path, shape, index.dtype))
+            conn.send(("ring", self.ring_path, shape, source.dtype))
             threading.Thread(target=self._receive, args=(rank, conn), daemon=True, name=f"node-loader-ack{rank}").start()
         self.producer = self._start()
         log.info("node loader: local rank 0 serves %d local ranks (dp ranks %s) through %s",
@@ -253,16 +258,24 @@ class NodeServer(NodeLoader):
                 self._bad_shards = self.loader.bad_shards
                 return window
 
-    def _set_epoch_len(self, epoch_len: int) -> None:
-        super()._set_epoch_len(epoch_len)
-        self.loader._set_epoch_len(epoch_len)
-
-    def seek(self, pos: int) -> None:
-        """Restart the producer at ``pos``; batches it made for other positions are released."""
+    def _stop_producer(self) -> None:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
         self.producer.join()
+
+    def _restore_order(self, state: dict[str, Any]) -> None:
+        self._stop_producer()  # it reads batches in the order being changed; seek() restarts it
+        try:
+            super()._restore_order(state)
+            self.loader._restore_order(state)
+        except BaseException:
+            self.producer = self._start()  # refused: go on serving the position we are at
+            raise
+
+    def seek(self, pos: int) -> None:
+        """Restart the producer at ``pos``; batches it made for other positions are released."""
+        self._stop_producer()
         while not self.own.empty():
             item = self.own.get()
             if not isinstance(item, BaseException):
@@ -289,9 +302,9 @@ class NodeServer(NodeLoader):
 class NodeClient(NodeLoader):
     """Local ranks 1..n-1: read batches from the shared ring, never from storage."""
 
-    def __init__(self, index: ShardIndex, params: dict[str, Any], local_rank: int, dp_rank: int,
+    def __init__(self, source: Any, params: dict[str, Any], local_rank: int, dp_rank: int,
                  channel: str, timeout_s: float) -> None:
-        super().__init__(index, params, local_rank)
+        super().__init__(source, params, local_rank)
         address, _, key = _names(channel)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -324,7 +337,10 @@ class NodeClient(NodeLoader):
                 raise DataError("node loader: local rank 0 closed the loader")
             _, pos, slot, bad = message
             window = self.view[slot, self.local_rank].copy() if pos == self.samples_consumed else None
-            self.conn.send(("ack", slot))  # stale batches (after a seek) are released unread
+            try:
+                self.conn.send(("ack", slot))  # stale batches (after a seek) are released unread
+            except OSError:  # local rank 0 finished and closed first: nobody waits for this slot,
+                pass  # and our mapping of the ring still holds the batch it announced
             if window is not None:
                 self._bad_shards = bad
                 return window
@@ -338,15 +354,17 @@ class NodeClient(NodeLoader):
         super().close()
 
 
-def build_node_loader(index: ShardIndex, *, local_rank: int, local_world_size: int, micro_batch_size: int,
+def build_node_loader(source: Any, *, local_rank: int, local_world_size: int, micro_batch_size: int,
                       dp_rank: int, dp_size: int, seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error",
                       verify_checksums: bool = True, shuffle_shards: int = 64, channel: str | None = None,
                       timeout_s: float = 300.0, vocab_size: int | None = None, rank: int | None = None) -> NodeLoader:
     """The loader of one local rank when the node shares one reader (``parallel.node_loader``).
 
-    Every local rank of the node calls this with the same ``channel`` (default: derived from the
-    torchrun rendezvous variables) and the same loader parameters; each passes its own dp_rank.
-    The result behaves like ``build_loader``'s ShardLoader.
+    ``source``: a ShardIndex, or a ``mixture.Mixture`` (weighted components and their exhaustion
+    policy) - the same source ``build_loader`` takes. Every local rank of the node calls this with
+    the same ``channel`` (default: derived from the torchrun rendezvous variables), the same
+    source and the same loader parameters; each passes its own dp_rank. The result behaves like
+    ``build_loader``'s ShardLoader (``component_stats()`` included).
 
     The ranks that join must all call ``next()`` in lockstep (one call each per micro-batch): a
     slot is reused only when every rank released it. Ranks that never read data (middle pipeline
@@ -355,8 +373,10 @@ def build_node_loader(index: ShardIndex, *, local_rank: int, local_world_size: i
     """
     params = {"micro_batch_size": micro_batch_size, "dp_size": dp_size, "seed": seed, "on_bad_shard": on_bad_shard,
               "verify_checksums": verify_checksums, "shuffle_shards": shuffle_shards,
-              "prefetch_batches": prefetch_batches, "version": index.version, "vocab_size": vocab_size}
-    channel = channel if channel is not None else default_channel(index)
+              "prefetch_batches": prefetch_batches, "version": source.version, "vocab_size": vocab_size}
+    if hasattr(source, "exhausted"):  # a mixture: its version covers components and weights, not the policy
+        params["exhausted"] = source.exhausted
+    channel = channel if channel is not None else default_channel(source)
     if local_rank == 0:
-        return NodeServer(index, params, dp_rank, local_world_size, channel, timeout_s, rank)
-    return NodeClient(index, params, local_rank, dp_rank, channel, timeout_s)
+        return NodeServer(source, params, dp_rank, local_world_size, channel, timeout_s, rank)
+    return NodeClient(source, params, local_rank, dp_rank, channel, timeout_s)

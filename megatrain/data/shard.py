@@ -1,400 +1,227 @@
-"""Raw text -> tokenized, packed webdataset shards with an index.
+"""A corpus -> tokenized, packed webdataset shards with an index, in units any engine can run.
 
-The steps, in order, are the functions of this module:
+Three steps, each a function here, so an engine needs only to call them:
 
-1. ``collect_inputs``: expand sources (paths, globs, URLs, ``stdlib``) into a sorted file list,
-   cut at ``max_source_bytes``.
-2. ``fingerprint``: hash that list (names, sizes, mtimes) and the sharding parameters. The hash
-   names the version directory, so re-running with the same inputs finds the finished index and
-   does nothing, and different inputs write a new version beside the old one.
-3. ``build_tokenizer``: train a byte-level BPE on the corpus, or load a ``tokenizer.json``.
-4. ``encode_files`` on ``_Workers``: tokenize files in a process pool, results in input order.
-5. ``_Packer`` + ``write_shard``: concatenate documents separated by EOS, cut windows of
-   ``seq_len + 1`` tokens, write ``shard-NNNNNN.tar`` files with ``webdataset.TarWriter``.
-6. ``write_index``: ``index.json`` last, so a version with an index is complete.
+1. ``plan_sharding``: the sources become typed files and work units (``sources.py``: text, JSONL
+   plain or compressed, Parquet row groups, Arrow folders; anything else refused before a byte is
+   written); a hash of the files and of the parameters names the version directory; the
+   tokenizer is trained or loaded (``tokenizer.py``) and written there, with ``plan.json``. An
+   existing, complete version is returned as it is: sharding twice does nothing.
+2. ``shard_unit(plan, i)`` for every unit, in any order, on any machine (``shard_unit.py``): each
+   writes its own shards below ``units/<unit id>/`` and a ``unit.json`` last.
+3. ``finish_sharding``: the units' leftover tails and held-out tokens, in unit order, become the
+   version's own shards; ``index.json`` is written last, so a version with an index is complete.
 
-Every byte goes through ``megatrain.storage``, so the output (and the input) may be any URL.
+Engines: ``shard_corpus`` runs all three here, the units on a local process pool (``megatrain
+shard``, the trainer, the local engine); the ``shard-data`` flow maps the units as Prefect tasks,
+on a Dask cluster with ``data.engine: dask``. A unit's output depends on the unit alone, so every
+engine and worker count writes a bit-identical index. Every byte goes through
+``megatrain.storage``: input and output may be any URL.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
+import dataclasses
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import sys
-import sysconfig
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from megatrain import storage
 from megatrain.config import DataConfig
 from megatrain.data.index import (
-    FORMAT,
-    INDEX_NAME,
-    TOKENIZER_NAME,
-    BadShardError,
-    DataError,
-    ShardIndex,
-    ShardInfo,
-    dtype_for_vocab,
-    load_index,
+    FORMAT, INDEX_NAME, TOKENIZER_NAME, BadShardError, DataError, ShardIndex, ShardInfo, dtype_for_vocab, load_index,
     write_index,
 )
+from megatrain.data.legacy import legacy_version
 from megatrain.data.shard_format import write_shard
+from megatrain.data.shard_unit import ShardPlan, is_held_out, load_npy, load_plan, read_unit, shard_unit
+from megatrain.data.sources import SourceFile, expand_sources, plan_units, read_documents
+from megatrain.data.tokenizer import TokenizerSpec, load_tokenizer, train_bpe
 
-__all__ = ["BadShardError", "DataError", "ShardIndex", "ShardInfo", "cli", "load_index", "shard_corpus"]
+__all__ = ["BadShardError", "DataError", "ShardIndex", "ShardInfo", "cli", "finish_sharding", "is_held_out",
+           "load_index", "plan_sharding", "shard_corpus", "shard_unit"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")  # what a directory source contributes
-FILES_PER_TASK_BYTES = 1 << 20  # group small files into ~1 MB tokenizer tasks
+GROUP_BYTES = 1 << 20  # small files are grouped into units of about this many bytes
 
 
-@dataclass(frozen=True)
-class InputFile:
-    url: str
-    size: int
-    mtime: str  # whatever change marker the backend has (mtime, ETag); "" when none
-    limit: int  # bytes to read: the whole file, or less where max_source_bytes cuts it
-
-
-# ----------------------------------------------------------------------------------- 1. inputs
-def _stdlib_files() -> dict[str, dict]:
-    """The standard library's .py files (not the site-packages installed inside it)."""
-    root = sysconfig.get_paths()["stdlib"]
-    found = {}
-    for folder, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__"))
-        for name in names:
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                stat = os.stat(path)
-                found[path] = {"size": stat.st_size, "mtime": stat.st_mtime}
-    return found
-
-
-def _expand(source: str) -> dict[str, dict]:
-    """One source -> {url: info}; a missing path or a glob without matches is an error."""
-    if source == "stdlib":
-        return _stdlib_files()
-    if any(ch in source for ch in "*?["):
-        found = storage.glob(source)
-        if not found:
-            raise DataError(f"source {source!r}: the glob matches no file")
-        return found
-    if not storage.exists(source):
-        raise DataError(f"source {source!r}: no such file or directory")
-    details = storage.info(source)
-    if details.get("type") == "directory":
-        found = {u: d for u, d in storage.find(source).items() if u.endswith(TEXT_SUFFIXES)}
-        if not found:
-            raise DataError(f"source {source!r}: the directory holds no {'/'.join(TEXT_SUFFIXES)} file")
-        return found
-    return {source: details}
-
-
-def _change_marker(info: dict) -> str:
-    for key in ("mtime", "modificationTime", "LastModified", "ETag", "created"):
-        if info.get(key) is not None:
-            return str(info[key])
-    return ""
-
-
-def collect_inputs(sources: list[str], max_source_bytes: int | None) -> list[InputFile]:
-    """Sources -> the sorted, de-duplicated files to read, cut at ``max_source_bytes``."""
-    merged: dict[str, dict] = {}
-    for source in sources:
-        merged.update(_expand(source))
-    files, budget = [], max_source_bytes
-    for url in sorted(merged):
-        if budget is not None and budget <= 0:
-            break
-        size = int(merged[url].get("size") or 0)
-        limit = size if budget is None else min(size, budget)
-        files.append(InputFile(url, size, _change_marker(merged[url]), limit))
-        budget = None if budget is None else budget - limit
-    return files
-
-
-# ------------------------------------------------------------------------------ 2. fingerprint
-def fingerprint(files: list[InputFile], params: dict) -> str:
+def fingerprint(files: list[SourceFile], params: dict) -> str:
     """A short hash naming the version: same inputs and parameters -> same version directory."""
-    blob = json.dumps({"files": [[f.url, f.size, f.mtime, f.limit] for f in files], "params": params}, sort_keys=True)
+    described = [[f.url, f.kind, f.compression, f.size, f.mtime, f.limit] for f in files]
+    blob = json.dumps({"files": described, "params": params}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-# ------------------------------------------------------------------------------- 3. documents
-def read_documents(file: InputFile, text_field: str) -> list[str]:
-    """The documents of one file: one per JSONL line, else the whole file."""
-    with storage.open_url(file.url, "rb") as handle:
-        raw = handle.read(file.limit)
-    text = raw.decode("utf-8", errors="replace")  # stdlib test data holds latin-1 and broken files
-    if not file.url.endswith(".jsonl"):
-        return [text] if text.strip() else []
-    lines = text.splitlines()
-    if file.limit < file.size and lines:
-        lines = lines[:-1]  # the byte budget cut the last line in the middle
-    docs = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            doc = json.loads(line)[text_field]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DataError(f"{file.url}:{number}: no {text_field!r} text field ({exc.__class__.__name__})") from exc
-        if isinstance(doc, str) and doc:
-            docs.append(doc)
-    return docs
+def _existing(url: str, vocab_size: int) -> ShardIndex | None:
+    if not storage.exists(storage.join_url(url, INDEX_NAME)):
+        return None
+    index = load_index(url)
+    if index.vocab_size > vocab_size:
+        raise DataError(f"{url}: tokenizer vocabulary {index.vocab_size} exceeds the model's {vocab_size}")
+    log.info("shards %s already exist: nothing to do", url)
+    return index
 
 
-# ------------------------------------------------------------------------------- 4. tokenizer
-def build_tokenizer(cfg: DataConfig, files: list[InputFile], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE (at most ``vocab_size`` tokens) or load ``cfg.tokenizer``."""
+def _tokenizer(cfg: DataConfig, units, vocab_size: int) -> TokenizerSpec:
     if cfg.tokenizer != "bpe":
-        tokenizer = Tokenizer.from_str(storage.read_bytes(cfg.tokenizer).decode())
-        if tokenizer.get_vocab_size() > vocab_size:
-            size = tokenizer.get_vocab_size()
-            raise DataError(f"tokenizer {cfg.tokenizer}: vocabulary {size} exceeds the model's {vocab_size}")
-        if tokenizer.token_to_id(cfg.eos_token) is None:
-            raise DataError(f"tokenizer {cfg.tokenizer}: has no EOS token {cfg.eos_token!r} (data.eos_token)")
-        return tokenizer
-    target = min(cfg.bpe_vocab_size or vocab_size, vocab_size)
-    if target < 257:
-        raise DataError(f"vocab size {target}: a byte-level BPE needs at least 256 bytes + EOS")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=target, special_tokens=[cfg.eos_token], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable, whatever the corpus
+        return load_tokenizer(cfg.tokenizer, cfg.eos_token, vocab_size)
+    documents = (doc for unit in units for doc in read_documents(unit, cfg.text_field, cfg.on_bad_source, []))
+    return train_bpe(documents, min(cfg.bpe_vocab_size or vocab_size, vocab_size), cfg.eos_token)
+
+
+def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan | ShardIndex:
+    """The plan of this corpus's version, written beside it; or its index when the version exists."""
+    files, bad = expand_sources(cfg.sources, cfg.max_source_bytes, cfg.on_bad_source)
+    if not files or sum(f.limit for f in files) == 0:
+        raise DataError(f"sources {cfg.sources}: the corpus is empty" + (f" ({len(bad)} refused)" if bad else ""))
+    old = legacy_version(cfg, files, seq_len, vocab_size)  # a version written before format 2 still serves
+    if old is not None and (index := _existing(storage.join_url(cfg.shard_url, old), vocab_size)) is not None:
+        return index
+    tokenizer_sha = "" if cfg.tokenizer == "bpe" else _file_sha256(cfg.tokenizer)
+    params = {
+        "format": FORMAT, "seq_len": seq_len, "samples_per_shard": cfg.samples_per_shard, "tokenizer": cfg.tokenizer,
+        "tokenizer_sha256": tokenizer_sha, "eos_token": cfg.eos_token, "text_field": cfg.text_field,
+        "max_source_bytes": cfg.max_source_bytes, "unit_bytes": cfg.unit_bytes, "group_bytes": GROUP_BYTES,
+        "on_bad_source": cfg.on_bad_source,
+        # only what changes the output: a model that grows its padded vocab keeps the same shards
+        "bpe_vocab_size": min(cfg.bpe_vocab_size or vocab_size, vocab_size) if cfg.tokenizer == "bpe" else None,
+    }
+    if cfg.val_fraction:
+        params["val_fraction"] = cfg.val_fraction
+    version = fingerprint(files, params)
+    url = storage.join_url(cfg.shard_url, version)
+    if (index := _existing(url, vocab_size)) is not None:
+        return index
+    units, unreadable = plan_units(files, cfg.unit_bytes, GROUP_BYTES, cfg.on_bad_source, text_field=cfg.text_field)
+    if not units:
+        raise DataError(f"sources {cfg.sources}: no readable input ({len(bad) + len(unreadable)} files refused)")
+    tokenizer = _tokenizer(cfg, units, vocab_size)
+    storage.write_bytes(storage.join_url(url, TOKENIZER_NAME), tokenizer.json_text.encode())
+    plan = ShardPlan(
+        url=url, version=version, seq_len=seq_len, samples_per_shard=cfg.samples_per_shard,
+        dtype=dtype_for_vocab(tokenizer.vocab_size), tokenizer_file=TOKENIZER_NAME,
+        tokenizer_sha256=hashlib.sha256(tokenizer.json_text.encode()).hexdigest(), eos_id=tokenizer.eos_id,
+        bos_id=tokenizer.bos_id, text_field=cfg.text_field, val_fraction=cfg.val_fraction,
+        on_bad_source=cfg.on_bad_source, units=units, bad_sources=[*bad, *unreadable], params=params,
+        inputs={"files": [dataclasses.asdict(f) for f in files], "bytes": sum(f.limit for f in files)},
     )
-    docs = (doc for file in files for doc in read_documents(file, cfg.text_field))
-    tokenizer.train_from_iterator(docs, trainer)
-    return tokenizer
+    storage.write_bytes(storage.join_url(url, "plan.json"), json.dumps(plan.to_json(), sort_keys=True).encode())
+    log.info("planned %s: %d files (%d bytes) in %d units, %d sources refused", url, len(files),
+             plan.inputs["bytes"], len(units), len(plan.bad_sources))
+    return plan
 
 
-def tokenizer_json(cfg: DataConfig, files: list[InputFile], vocab_size: int) -> str:
-    return build_tokenizer(cfg, files, vocab_size).to_str()  # a string crosses process boundaries
+def _file_sha256(url: str) -> str:
+    """data.tokenizer's identity for the version name: its tokenizer.json's bytes."""
+    if storage.exists(url) and storage.info(url).get("type") == "directory":
+        url = storage.join_url(url, TOKENIZER_NAME)
+    if not storage.exists(url):
+        raise DataError(f"data.tokenizer {url}: no such file or folder")
+    return hashlib.sha256(storage.read_bytes(url)).hexdigest()
 
 
-@functools.lru_cache(maxsize=2)
-def _tokenizer_from_json(text: str) -> Tokenizer:
-    return Tokenizer.from_str(text)  # cached per worker process: tasks reuse one parsed tokenizer
+def _pack(plan: ShardPlan, tokens: np.ndarray, prefix: str) -> list[ShardInfo]:
+    """Flat tokens -> windows -> shards ``<prefix>-NNNNNN.tar`` at the version root (tail dropped)."""
+    window = plan.seq_len + 1
+    windows = tokens[: len(tokens) // window * window].reshape(-1, window)
+    shards = []
+    for start in range(0, len(windows), plan.samples_per_shard):
+        url = storage.join_url(plan.url, f"{prefix}-{len(shards):06d}.tar")
+        shards.append(write_shard(url, windows[start:start + plan.samples_per_shard], start))
+    return shards
 
 
-def is_held_out(document: str, val_fraction: float) -> bool:
-    """A document is validation data when a hash of its text falls in the first ``val_fraction``
-    of the hash range: the same text is on the same side in every run and every file order."""
-    if val_fraction <= 0:
-        return False
-    return int.from_bytes(hashlib.sha256(document.encode()).digest()[:8], "big") < val_fraction * 2**64
+def finish_sharding(plan: ShardPlan) -> ShardIndex:
+    """Every unit done -> the version's index (written last). The units' tails are packed into
+    ``tail-shard-*`` and their held-out documents into ``val-shard-*``, in unit order."""
+    shards, tails, held_out, bad = [], [], [], [dataclasses.asdict(b) for b in plan.bad_sources]
+    for i in range(len(plan.units)):
+        record, unit_url = read_unit(plan, i), plan.unit_url(i)
+        source = storage.join_url(unit_url, "unit.json")
+        prefix = unit_url[len(plan.url):].strip("/")
+        for info in record["shards"]:
+            storage.confined(unit_url, info["name"], source)  # a name from unit.json stays in its folder
+            shards.append(ShardInfo(**{**info, "name": f"{prefix}/{info['name']}"}))
+        tails.append(load_npy(unit_url, record["tail"], source))
+        held_out.append(load_npy(unit_url, record["heldout"], source))
+        bad += record["bad_sources"]
+    dtype = np.dtype(plan.dtype)
+    shards += _pack(plan, np.concatenate(tails or [np.empty(0, dtype)]), "tail-shard")
+    val_shards = _pack(plan, np.concatenate(held_out or [np.empty(0, dtype)]), "val-shard")
+    if not shards:
+        raise DataError(f"{plan.url}: the corpus has fewer than {plan.seq_len + 1} tokens, not one sample")
+    num_samples = sum(s.num_samples for s in shards)
+    index = ShardIndex(
+        url=plan.url, version=plan.version, seq_len=plan.seq_len, vocab_size=_vocab_size(plan), eos_id=plan.eos_id,
+        dtype=plan.dtype, num_samples=num_samples, num_tokens=num_samples * (plan.seq_len + 1), shards=shards,
+        tokenizer_file=plan.tokenizer_file, tokenizer_sha256=plan.tokenizer_sha256, inputs=plan.inputs,
+        params=plan.params, val_shards=val_shards, bad_sources=bad, bos_id=plan.bos_id,
+    )
+    write_index(index)
+    log.info("wrote %d samples in %d shards (+ %d held-out samples, %d sources refused) to %s", num_samples,
+             len(shards), index.val_num_samples, len(bad), plan.url)
+    return index
 
 
-def encode_files(tokenizer_text: str, eos_id: int, text_field: str, files: list[InputFile],
-                 val_fraction: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """(training, held-out) token ids of the documents of ``files``, each document followed by
-    EOS (runs in a pool worker)."""
-    tokenizer = _tokenizer_from_json(tokenizer_text)
-    parts: dict[bool, list[np.ndarray]] = {False: [np.empty(0, np.int64)], True: [np.empty(0, np.int64)]}
-    for file in files:
-        documents = read_documents(file, text_field)
-        for document, encoding in zip(documents, tokenizer.encode_batch(documents)):
-            parts[is_held_out(document, val_fraction)].append(np.asarray(encoding.ids + [eos_id], dtype=np.int64))
-    return np.concatenate(parts[False]), np.concatenate(parts[True])
+def _vocab_size(plan: ShardPlan) -> int:
+    from megatrain.data.tokenizer import parse
+
+    url = storage.join_url(plan.url, plan.tokenizer_file)
+    return parse(storage.read_bytes(url).decode(), url).get_vocab_size()
 
 
-def _tasks(files: list[InputFile]) -> list[list[InputFile]]:
-    """Group small files into tasks of about FILES_PER_TASK_BYTES (a task per file costs IPC)."""
-    tasks, batch, size = [], [], 0
-    for file in files:
-        batch.append(file)
-        size += file.limit
-        if size >= FILES_PER_TASK_BYTES:
-            tasks.append(batch)
-            batch, size = [], 0
-    return tasks + [batch] if batch else tasks
-
-
-def _no_tokenizer_threads() -> None:
+# ------------------------------------------------------------------------- the local engine
+def _worker_setup() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a process per core already: no nested threads
 
 
-class _Workers:
-    """Tokenizer work in spawned processes, one per core: reading, decoding and JSON parsing are
-    Python work under the GIL, so only processes spread them over cores. Spawned, not forked:
-    forking a process whose tokenizer threads already ran can deadlock them. The work runs here,
-    inline, when it is one task (starting a process costs about a second, more than the task) or
-    when inputs are ``memory://`` files, which live inside this process only.
+def _shard_unit_at(url: str, i: int) -> int:
+    shard_unit(load_plan(url), i)  # the plan is read once per worker process
+    return i
 
-    If the pool breaks (a worker killed, or a caller whose main module spawn cannot re-import,
-    such as ``python - < script``), the remaining work runs inline after a warning: the output
-    is the same either way.
-    """
 
-    def __init__(self, processes: int, inline: bool) -> None:
-        self.processes = max(1, processes)
+def run_units(plan: ShardPlan, workers: int) -> Iterator[int]:
+    """Shard every unit on ``workers`` spawned processes (tokenizing, reading and JSON parsing are
+    Python work under the GIL: only processes spread them over cores; spawned, not forked, since
+    forking a process whose tokenizer threads ran can deadlock them). Inline for one worker or
+    one unit, and for ``memory://`` versions, which live in this process only. If the pool
+    breaks (a worker killed), the units not yet done run inline after a warning: done units are
+    skipped, and the output is the same either way."""
+    pending = list(range(len(plan.units)))
+    if workers > 1 and len(pending) > 1 and not plan.url.startswith("memory:"):
         context = multiprocessing.get_context("spawn")
-        self.pool = None if inline else ProcessPoolExecutor(
-            self.processes, mp_context=context, initializer=_no_tokenizer_threads)
-
-    def __enter__(self) -> _Workers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop_pool()
-
-    def _stop_pool(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-            self.pool = None
-
-    def _broken(self, exc: BaseException) -> None:
-        log.warning("tokenizer process pool failed (%s); continuing in this process", exc)
-        self._stop_pool()
-
-    def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if self.pool is not None:
-            try:
-                return self.pool.submit(fn, *args).result()
-            except BrokenProcessPool as exc:
-                self._broken(exc)
-        return fn(*args)
-
-    def ordered(self, fn: Callable[..., T], tasks: list[Any]) -> Iterator[T]:
-        """``fn(task)`` for each task, results in task order, at most 2 per process in flight."""
-        done = 0
-        if self.pool is not None:
-            pending: collections.deque[Future] = collections.deque()
-            try:
-                for task in tasks:
-                    pending.append(self.pool.submit(fn, task))
-                    if len(pending) >= 2 * self.processes:
-                        yield pending.popleft().result()
-                        done += 1
-                while pending:
-                    yield pending.popleft().result()
-                    done += 1
-                return
-            except BrokenProcessPool as exc:
-                self._broken(exc)
-        yield from map(fn, tasks[done:])
+        try:
+            with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_setup) as pool:
+                for i in pool.map(_shard_unit_at, [plan.url] * len(pending), pending):
+                    yield i
+            return
+        except BrokenProcessPool as exc:
+            log.warning("sharding process pool failed (%s); the remaining units run in this process", exc)
+    for i in pending:
+        shard_unit(plan, i)
+        yield i
 
 
-# ------------------------------------------------------------------------------ 5. pack + write
-class _Packer:
-    """Concatenate token arrays and cut them into windows of ``window`` tokens (tail dropped)."""
-
-    def __init__(self, window: int) -> None:
-        self.window, self.rest = window, np.empty(0, np.int64)
-
-    def add(self, tokens: np.ndarray) -> np.ndarray:
-        joined = np.concatenate([self.rest, tokens])
-        n = len(joined) // self.window
-        self.rest = joined[n * self.window:]
-        return joined[: n * self.window].reshape(n, self.window)
-
-
-def _pack_and_write(token_arrays: Iterator[np.ndarray], url: str, seq_len: int, per_shard: int, dtype: str,
-                    prefix: str = "shard") -> list[ShardInfo]:
-    """Cut windows from the token stream and write full shards as they fill (the last may be short).
-
-    Threads write while processes tokenize: storage writes are I/O and hashing frees the GIL.
-    """
-    packer, buffered, futures = _Packer(seq_len + 1), [], []
-    written = 0  # samples handed to writers so far = the global key of the next shard's first sample
-    with ThreadPoolExecutor(4) as writers:
-        def flush(windows: np.ndarray) -> None:
-            nonlocal written
-            shard = storage.join_url(url, f"{prefix}-{len(futures):06d}.tar")
-            futures.append(writers.submit(write_shard, shard, windows.astype(dtype), written))
-            written += len(windows)
-
-        for tokens in token_arrays:
-            buffered.append(packer.add(tokens))
-            if sum(len(b) for b in buffered) >= per_shard:
-                joined = np.concatenate(buffered)
-                while len(joined) >= per_shard:
-                    flush(joined[:per_shard])
-                    joined = joined[per_shard:]
-                buffered = [joined]
-        tail = np.concatenate(buffered) if buffered else np.empty((0, seq_len + 1))
-        if len(tail):
-            flush(tail)
-        return [future.result() for future in futures]
-
-
-# ------------------------------------------------------------------------------------ the API
 def shard_corpus(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardIndex:
-    """Tokenize and pack the configured corpus into shards; return the (possibly existing) index."""
-    files = collect_inputs(data_cfg.sources, data_cfg.max_source_bytes)
-    if not files or sum(f.limit for f in files) == 0:
-        raise DataError(f"sources {data_cfg.sources}: the corpus is empty")
-    tokenizer_hash = "" if data_cfg.tokenizer == "bpe" else hashlib.sha256(storage.read_bytes(data_cfg.tokenizer)).hexdigest()
-    # Only what changes the output: a model that grows its padded vocab keeps the same shards.
-    bpe_vocab = min(data_cfg.bpe_vocab_size or vocab_size, vocab_size) if data_cfg.tokenizer == "bpe" else None
-    params = {
-        "format": FORMAT, "seq_len": seq_len, "samples_per_shard": data_cfg.samples_per_shard,
-        "tokenizer": data_cfg.tokenizer, "tokenizer_sha256": tokenizer_hash, "bpe_vocab_size": bpe_vocab,
-        "eos_token": data_cfg.eos_token, "text_field": data_cfg.text_field, "max_source_bytes": data_cfg.max_source_bytes,
-    }
-    if data_cfg.val_fraction:  # only then: versions without a validation split keep their names
-        params["val_fraction"] = data_cfg.val_fraction
-    version = fingerprint(files, params)
-    url = storage.join_url(data_cfg.shard_url, version)
-    if storage.exists(storage.join_url(url, INDEX_NAME)):
-        log.info("shards %s already exist: nothing to do", url)
-        index = load_index(url)
-        if index.vocab_size > vocab_size:
-            raise DataError(f"{url}: tokenizer vocabulary {index.vocab_size} exceeds the model's {vocab_size}")
-        return index
-
-    log.info("sharding %d files (%d bytes) into %s", len(files), sum(f.limit for f in files), url)
-    tasks = _tasks(files)
-    inline = len(tasks) == 1 or any(f.url.startswith("memory:") for f in files)
-    with _Workers(min(data_cfg.num_workers or os.cpu_count() or 1, len(tasks)), inline) as workers:
-        tokenizer = Tokenizer.from_str(workers.run(tokenizer_json, data_cfg, files, vocab_size))
-        eos_id = tokenizer.token_to_id(data_cfg.eos_token)
-        tokenizer_bytes = tokenizer.to_str().encode()
-        storage.write_bytes(storage.join_url(url, TOKENIZER_NAME), tokenizer_bytes)
-        dtype = dtype_for_vocab(tokenizer.get_vocab_size())
-        encode = functools.partial(encode_files, tokenizer.to_str(), eos_id, data_cfg.text_field,
-                                   val_fraction=data_cfg.val_fraction)
-        held_out: list[np.ndarray] = []
-
-        def training_tokens() -> Iterator[np.ndarray]:
-            for train, val in workers.ordered(encode, tasks):
-                held_out.append(val)
-                yield train
-
-        shards = _pack_and_write(training_tokens(), url, seq_len, data_cfg.samples_per_shard, dtype)
-        val_shards = _pack_and_write(iter(held_out), url, seq_len, data_cfg.samples_per_shard, dtype, prefix="val-shard")
-    if not shards:
-        raise DataError(f"sources {data_cfg.sources}: the corpus has fewer than {seq_len + 1} tokens, not one sample")
-
-    num_samples = sum(s.num_samples for s in shards)
-    index = ShardIndex(
-        url=url, version=version, seq_len=seq_len, vocab_size=tokenizer.get_vocab_size(), eos_id=eos_id,
-        dtype=dtype, num_samples=num_samples, num_tokens=num_samples * (seq_len + 1), shards=shards,
-        tokenizer_file=TOKENIZER_NAME, tokenizer_sha256=hashlib.sha256(tokenizer_bytes).hexdigest(),
-        inputs={"files": [[f.url, f.size, f.mtime, f.limit] for f in files], "bytes": sum(f.limit for f in files)},
-        params=params, val_shards=val_shards,
-    )
-    write_index(index)
-    log.info("wrote %d samples in %d shards (+ %d held-out samples) to %s", num_samples, len(shards),
-             index.val_num_samples, url)
-    return index
+    """Plan, shard every unit on the local engine, finish: the version's index (existing or new)."""
+    plan = plan_sharding(data_cfg, seq_len, vocab_size)
+    if isinstance(plan, ShardIndex):
+        return plan
+    workers = min(data_cfg.num_workers or os.cpu_count() or 1, len(plan.units))
+    for done, _ in enumerate(run_units(plan, workers), 1):
+        if done % 50 == 0:
+            log.info("sharded %d of %d units", done, len(plan.units))
+    return finish_sharding(plan)
 
 
 def cli(argv: list[str]) -> int:
@@ -408,9 +235,43 @@ def cli(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
-        index = shard_corpus(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
+        indexes = [shard_corpus(data, cfg.seq_len, cfg.model.vocab_size) for data in component_configs(cfg.data)]
     except (ConfigError, DataError, storage.StorageError) as exc:
         print(f"megatrain shard: {exc}", file=sys.stderr)
         return 1
-    print(index.summary())
+    print("\n".join(index.summary() for index in indexes))
     return 0
+
+
+def mixture_tokenizer(cfg: DataConfig, vocab_size: int) -> DataConfig:
+    """A mixture's components must share one tokenizer: with ``data.tokenizer: bpe`` it is trained
+    once, on the documents of every component, and stored under the shard URL by a hash of their
+    inputs (``tokenizers/bpe-<hash>.json``; found there the next time). The config returned names
+    that file; any other config comes back as it is."""
+    if cfg.mixture is None or cfg.tokenizer != "bpe":
+        return cfg
+    planned = []
+    for component in component_configs(cfg):
+        files, _ = expand_sources(component.sources, component.max_source_bytes, component.on_bad_source)
+        planned.append((component, files))
+    vocab = min(cfg.bpe_vocab_size or vocab_size, vocab_size)
+    key = json.dumps({"components": [[c.text_field, [dataclasses.asdict(f) for f in files]] for c, files in planned],
+                      "vocab": vocab, "eos": cfg.eos_token, "on_bad_source": cfg.on_bad_source}, sort_keys=True)
+    url = storage.join_url(cfg.shard_url, "tokenizers", f"bpe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
+    if not storage.exists(url):
+        def documents() -> Iterator[str]:
+            for component, files in planned:
+                units, _ = plan_units(files, cfg.unit_bytes, GROUP_BYTES, cfg.on_bad_source)
+                for unit in units:
+                    yield from read_documents(unit, component.text_field, cfg.on_bad_source, [])
+        storage.write_bytes(url, train_bpe(documents(), vocab, cfg.eos_token).json_text.encode())
+        log.info("trained the mixture's BPE on its %d components: %s", len(planned), url)
+    return cfg.model_copy(update={"tokenizer": url})
+
+
+def component_configs(cfg: DataConfig) -> list[DataConfig]:
+    """One data config per mixture component (its sources and text field), or the config itself."""
+    if cfg.mixture is None:
+        return [cfg]
+    return [cfg.model_copy(update={"mixture": None, "sources": list(c.sources), "text_field": c.text_field or cfg.text_field})
+            for c in cfg.mixture]

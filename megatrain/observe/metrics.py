@@ -38,6 +38,9 @@ class StepMetrics:
     phases_ms: dict[str, float] = field(default_factory=dict)
     fp8: dict[str, float] | None = None  # megatrain.precision.FP8Guard.stats() when measured this step
     startup: dict | None = None  # a process's first step only: its start-up breakdown (megatrain/observe/startup.py)
+    # per data component (a mixture's, or the one corpus "data"): samples, tokens and completed
+    # epochs consumed so far (megatrain/data/mixture.py's component_stats)
+    data: dict[str, dict[str, float]] | None = None
 
 
 def scalars(metrics: StepMetrics) -> dict[str, float]:
@@ -57,6 +60,9 @@ def scalars(metrics: StepMetrics) -> dict[str, float]:
         out["val/loss"] = metrics.val_loss
     if metrics.val_perplexity is not None:
         out["val/perplexity"] = metrics.val_perplexity
+    for name, stats in (metrics.data or {}).items():
+        out[f"data/{name}/tokens"] = float(stats["tokens"])
+        out[f"data/{name}/epochs"] = float(stats["epochs"])
     return out
 
 
@@ -157,8 +163,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = asdict(metrics)
-        if row["startup"] is None:  # every other row stays as it was
-            del row["startup"]
+        for optional in ("startup", "data"):  # rows without them stay as they were
+            if row[optional] is None:
+                del row[optional]
         self._file.write(json.dumps(row) + "\n")
         values = scalars(metrics)
         for sink in self.sinks:

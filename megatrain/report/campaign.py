@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megatrain.checkpoint.files import step_dir_name
 from megatrain.observe.attempt_log import read_attempts
-from megatrain.report.status import CampaignStatus, campaign_status, stage_status
+from megatrain.report.status import CampaignStatus, campaign_status, describe_data, stage_status
 from megatrain.report.runs import markdown_image, plot_loss, summarize_run
 
 
@@ -70,6 +70,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
             "step ms": round(summary.step_time_ms, 1) if summary else None,
             "attempts": result.get("attempts", stage.attempts), "restarts": result.get("restarts", stage.restarts),
             "rollbacks": result.get("rollbacks", stage.rollbacks),
+            "data": describe_data(stage.data) or None,  # per component: tokens and epochs consumed
         })
         checkpoints += [{"stage": stage.name, "step": step, "url": f"{stage.durable_url.rstrip('/')}/{step_dir_name(step)}"}
                         for step in stage.committed]
@@ -132,7 +133,8 @@ def _relative(path: Path, start: Path) -> str:
 
 
 def _markdown_body(summary: dict) -> str:
-    columns = ["stage", "state", "steps", "final loss", "val loss", "tokens/s", "attempts", "restarts", "rollbacks"]
+    columns = ["stage", "state", "steps", "final loss", "val loss", "tokens/s", "attempts", "restarts", "rollbacks",
+               "data"]
     lines = [f"# Campaign `{summary['campaign']}`", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join("-" if row[c] is None else str(row[c]) for c in columns) + " |" for row in summary["stages"]]

@@ -40,6 +40,12 @@ class StageStatus:
     run_dir: str = ""
     durable_url: str = ""
     logs: list[str] = field(default_factory=list)
+    data: dict[str, dict] = field(default_factory=dict)  # per data component: samples, tokens, epochs so far
+
+
+def describe_data(data: dict[str, dict]) -> str:
+    """``web 1.2M tok 0 ep, code 0.7M tok 1 ep``: what each data component fed so far."""
+    return ", ".join(f"{name} {stats['tokens'] / 1e6:.1f}M tok {int(stats['epochs'])} ep" for name, stats in data.items())
 
 
 @dataclass
@@ -102,6 +108,7 @@ def stage_status(stage_dir: Path, durable_url: str | None = None, target_steps: 
         rollbacks=len(rollbacks), committed=steps, last_fault=_last_fault(attempts, rollbacks),
         run_dir=str(stage_dir), durable_url=durable,
         logs=[a["log"] for a in attempts if a.get("log")],
+        data=next((r["data"] for r in reversed(rows) if r.get("data")), {}),
     )
 
 
@@ -135,7 +142,8 @@ def cli(argv: list[str]) -> int:
 
     table = Table(title=f"campaign {status.id} ({'finished' if status.finished else 'not finished'})",
                   caption=status.dir)
-    for column in ("stage", "state", "step", "loss", "val loss", "tokens/s", "attempts", "checkpoints", "last fault"):
+    for column in ("stage", "state", "step", "loss", "val loss", "tokens/s", "data", "attempts", "checkpoints",
+                   "last fault"):
         table.add_column(column, justify="right" if column in ("step", "loss", "val loss", "tokens/s", "attempts") else "left",
                          overflow="fold")
     colors = {"done": "green", "running": "cyan", "stopped": "yellow", "pending": "dim"}
@@ -143,7 +151,7 @@ def cli(argv: list[str]) -> int:
         table.add_row(
             escape(stage.name), f"[{colors[stage.state]}]{stage.state}[/]", f"{stage.last_step}/{stage.target_steps}",
             "-" if stage.loss is None else f"{stage.loss:.4f}", "-" if stage.val_loss is None else f"{stage.val_loss:.4f}",
-            "-" if stage.tokens_per_s is None else f"{stage.tokens_per_s:,.0f}",
+            "-" if stage.tokens_per_s is None else f"{stage.tokens_per_s:,.0f}", escape(describe_data(stage.data) or "-"),
             f"{stage.attempts} ({stage.restarts} restarts, {stage.rollbacks} rollbacks)",
             ", ".join(map(str, stage.committed)) or "-", escape(stage.last_fault or "-"),
         )

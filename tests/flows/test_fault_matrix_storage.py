@@ -223,7 +223,7 @@ def test_token_ids_beyond_the_vocabulary(workdir, tmp_path, logs, prefect_api):
     bad_id = cfg.model.vocab_size + 5
     windows[3, 17] = bad_id
     shards_list = list(index.shards)
-    shards_list[victim] = write_shard(url, windows, first_key=10_000)
+    shards_list[victim] = dataclasses.replace(write_shard(url, windows, first_key=10_000), name=index.shards[victim].name)
     write_index(dataclasses.replace(index, shards=shards_list))  # the checksums are consistent again
 
     path = write_campaign(workdir, "token-ids", shard_url=shards, overrides=[*layout, "data.on_bad_shard=error"])

@@ -14,7 +14,7 @@ import hcl2
 import pytest
 import yaml
 
-from megatrain.config.campaign import load_campaign
+from megatrain.config.campaign import load_campaign, stage_config
 from tasks.kubernetes import STORAGE_SECRET, stage_manifests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,3 +124,136 @@ def test_role_lets_flow_runs_submit_watch_and_delete_what_tasks_kubernetes_creat
 def test_terraform_fmt_is_clean():
     result = subprocess.run(["terraform", "fmt", "-check", "-recursive", "-diff", str(TF)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# The Dask cluster of the shard-data flow (dask.tf, data.engine=dask).
+
+def tf_locals(tf: dict) -> dict:
+    return {k: v for parsed in tf.values() for entry in parsed.get("locals", []) for k, v in entry.items()
+            if not k.startswith("__")}
+
+
+def resolve(value, names: dict):
+    """A string with ${local.x} / ${<resource>.metadata[0].name} references, resolved from names."""
+    value = unquote(value)
+    if not isinstance(value, str):
+        return value
+    for _ in range(10):
+        new = re.sub(r"\$\{([^}]+)\}", lambda m: str(unquote(names[m.group(1)])), value)
+        if new == value:
+            break
+        value = unquote(new)
+    return value
+
+
+def names_of(tf: dict) -> dict:
+    """'local.x' and 'var.x' (defaults) and every resource's 'type.name.metadata[0].name', for resolve()."""
+    names = {f"local.{k}": v for k, v in tf_locals(tf).items()}
+    names |= {f"var.{k}": v for k, v in defaults(tf).items()}
+    for key, body in blocks(tf, "resource").items():
+        if body.get("metadata"):
+            names[f"{key}.metadata[0].name"] = body["metadata"][0].get("name")
+    return names
+
+
+def container(resource: dict) -> dict:
+    (only,) = resource["spec"][0]["template"][0]["spec"][0]["container"]
+    return only
+
+
+def campaign_dask_address() -> str:
+    campaign = yaml.safe_load((ROOT / "configs/campaign-cluster.yaml").read_text())
+    overrides = dict(o.split("=", 1) for o in campaign["overrides"])
+    assert overrides.get("data.engine") == "dask"
+    return overrides["data.dask_address"]
+
+
+def option(command: list[str], flag: str) -> str:
+    assert command.count(flag) == 1, f"{flag} not (once) in {command}"
+    return command[command.index(flag) + 1]
+
+
+def test_dask_scheduler_service_is_the_campaigns_dask_address(tf):
+    address = campaign_dask_address()
+    host, port = re.fullmatch(r"tcp://([^:/]+):(\d+)", address).groups()
+    names, resources = names_of(tf), blocks(tf, "resource")
+
+    service = resources["kubernetes_service_v1.dask_scheduler"]
+    assert resolve(service["metadata"][0]["name"], names) == host
+    ports = {unquote(p["name"]): p for p in service["spec"][0]["port"]}
+    assert int(resolve(ports["comm"]["port"], names)) == int(port)
+    assert unquote(service["spec"][0].get("type", '"ClusterIP"')) == "ClusterIP"  # the dashboard stays inside
+
+    scheduler = resources["kubernetes_deployment_v1.dask_scheduler"]
+    assert service["spec"][0]["selector"] == scheduler["spec"][0]["template"][0]["metadata"][0]["labels"]
+    assert scheduler["spec"][0]["replicas"] == 1
+    command = [resolve(c, names) for c in container(scheduler)["command"]]
+    assert command[:2] == ["dask", "scheduler"] and int(option(command, "--port")) == int(port)
+    probe = container(scheduler)["readiness_probe"][0]["tcp_socket"][0]
+    assert int(resolve(probe["port"], names)) == int(port)
+    assert int(resolve(ports["comm"]["target_port"], names)) == int(port)
+
+    assert resolve(blocks(tf, "output")["dask_address"]["value"], names) == address
+
+    # and the campaign's stages get it (data.engine and data.dask_address are recipe fields)
+    cfg = stage_config(load_campaign(ROOT / "configs/campaign-cluster.yaml"), 0)
+    assert (cfg.data.engine, cfg.data.dask_address) == ("dask", address)
+
+
+def test_dask_workers_are_single_threaded_against_the_scheduler(tf):
+    names = names_of(tf)
+    worker = blocks(tf, "resource")["kubernetes_deployment_v1.dask_worker"]
+    spec = container(worker)
+    command = [resolve(c, names) for c in spec["command"]]
+    assert command[:3] == ["dask", "worker", campaign_dask_address()]
+    assert option(command, "--nworkers") == "1" and option(command, "--nthreads") == "1"
+    memory = spec["resources"][0]["limits"]["memory"]
+    assert option(command, "--memory-limit") == resolve(memory, names)  # Dask acts before the OOM killer
+    env = {unquote(e["name"]): unquote(e["value"]) for e in spec["env"]}
+    assert env["TOKENIZERS_PARALLELISM"] == "false" and env["OMP_NUM_THREADS"] == "1"
+    assert worker["spec"][0]["replicas"] == "${var.dask_workers}"
+    assert "readiness_probe" in spec
+
+
+def test_dask_workers_load_the_flow_pods_storage_secret(tf):
+    names = names_of(tf)
+    worker = blocks(tf, "resource")["kubernetes_deployment_v1.dask_worker"]
+    (env_from,) = container(worker)["env_from"]
+    (ref,) = env_from["secret_ref"]
+    assert ref["name"] == "${kubernetes_secret_v1.storage.metadata[0].name}"
+    template = json.loads((ROOT / "infra/k8s/base-job-template.json").read_text())
+    flow_pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert flow_pod["envFrom"] == [{"secretRef": {"name": resolve(ref["name"], names), "optional": ref["optional"]}}]
+
+
+def test_dask_pods_run_the_megatrain_image_in_the_namespace(tf):
+    resources = blocks(tf, "resource")
+    for key in ("kubernetes_deployment_v1.dask_scheduler", "kubernetes_deployment_v1.dask_worker",
+                "kubernetes_service_v1.dask_scheduler"):
+        metadata = resources[key]["metadata"][0]
+        assert metadata["namespace"] == "${kubernetes_namespace_v1.megatrain.metadata[0].name}", key
+        labels = resolve_labels(tf, metadata["labels"])
+        assert labels["app.kubernetes.io/part-of"] == "megatrain", key
+        if key.startswith("kubernetes_deployment_v1"):
+            assert container(resources[key])["image"] == "${var.megatrain_image}", key
+    assert "default" not in blocks(tf, "variable")["megatrain_image"]  # no silent megatrain:latest
+
+
+def resolve_labels(tf: dict, labels) -> dict:
+    if isinstance(labels, str):
+        labels = tf_locals(tf)[re.fullmatch(r"\$\{local\.([a-z0-9_]+)\}", labels).group(1)]
+    return {unquote(k): unquote(v) for k, v in labels.items()}
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="terraform not installed (evaluates the validation)")
+def test_megatrain_image_must_be_pinned(tf, tmp_path):
+    (validation,) = blocks(tf, "variable")["megatrain_image"]["validation"]
+    condition = validation["condition"][2:-1]  # '${...}' -> the expression
+    images = {"registry/megatrain:2026.11.1": "true", "registry:5000/megatrain:v1": "true",
+              "registry/megatrain@sha256:" + "0" * 64: "true",
+              "megatrain:latest": "false", "megatrain": "false", "registry:5000/megatrain": "false", "": "false"}
+    for image, valid in images.items():  # one console per expression: piped, it reads one
+        result = subprocess.run(["terraform", "console"], input=condition.replace("var.megatrain_image", json.dumps(image)),
+                                cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == valid, image

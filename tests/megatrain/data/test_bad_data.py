@@ -16,7 +16,7 @@ from megatrain.data.shard_format import write_shard
 
 def corrupt(path: Path) -> None:
     data = bytearray(path.read_bytes())
-    data[1024:1124] = bytes(100)  # the second member's tar header (a member is 512 + 512 bytes)
+    data[0:100] = bytes(100)  # the first member's tar header (format 1 and 2 both start with one)
     path.write_bytes(bytes(data))
 
 

@@ -26,6 +26,7 @@ def poison(index, shard: int, sample: int, bad_id: int):
     windows = all_windows(index)[shard].copy()
     windows[sample, 5] = bad_id
     info = write_shard(index.shard_url(shard), windows, first_key=0)
+    info = dataclasses.replace(info, name=index.shards[shard].name)  # its name inside the version, folders kept
     shards = list(index.shards)
     shards[shard] = info
     poisoned = dataclasses.replace(index, shards=shards)
