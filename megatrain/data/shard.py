@@ -52,7 +52,7 @@ __all__ = ["BadShardError", "DataError", "ShardIndex", "ShardInfo", "cli", "fini
 
 log = logging.getLogger(__name__)
 
-GROUP_BYTES = 1 << 20  # small files are grouped into units of about this many bytes
+GROUP_BYTES = 1 << 20  # small files are grouped into units of about this many bytes (or data.unit_bytes if less)
 
 
 def fingerprint(files: list[SourceFile], params: dict) -> str:
@@ -91,7 +91,7 @@ def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan |
     params = {
         "format": FORMAT, "seq_len": seq_len, "samples_per_shard": cfg.samples_per_shard, "tokenizer": cfg.tokenizer,
         "tokenizer_sha256": tokenizer_sha, "eos_token": cfg.eos_token, "text_field": cfg.text_field,
-        "max_source_bytes": cfg.max_source_bytes, "unit_bytes": cfg.unit_bytes, "group_bytes": GROUP_BYTES,
+        "max_source_bytes": cfg.max_source_bytes, "unit_bytes": cfg.unit_bytes, "group_bytes": _group_bytes(cfg),
         "on_bad_source": cfg.on_bad_source,
         # only what changes the output: a model that grows its padded vocab keeps the same shards
         "bpe_vocab_size": min(cfg.bpe_vocab_size or vocab_size, vocab_size) if cfg.tokenizer == "bpe" else None,
@@ -102,7 +102,7 @@ def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan |
     url = storage.join_url(cfg.shard_url, version)
     if (index := _existing(url, vocab_size)) is not None:
         return index
-    units, unreadable = plan_units(files, cfg.unit_bytes, GROUP_BYTES, cfg.on_bad_source, text_field=cfg.text_field)
+    units, unreadable = plan_units(files, cfg.unit_bytes, _group_bytes(cfg), cfg.on_bad_source, text_field=cfg.text_field)
     if not units:
         raise DataError(f"sources {cfg.sources}: no readable input ({len(bad) + len(unreadable)} files refused)")
     tokenizer = _tokenizer(cfg, units, vocab_size)
@@ -119,6 +119,10 @@ def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan |
     log.info("planned %s: %d files (%d bytes) in %d units, %d sources refused", url, len(files),
              plan.inputs["bytes"], len(units), len(plan.bad_sources))
     return plan
+
+
+def _group_bytes(cfg: DataConfig) -> int:
+    return min(GROUP_BYTES, cfg.unit_bytes)
 
 
 def _file_sha256(url: str) -> str:
@@ -261,7 +265,7 @@ def mixture_tokenizer(cfg: DataConfig, vocab_size: int) -> DataConfig:
     if not storage.exists(url):
         def documents() -> Iterator[str]:
             for component, files in planned:
-                units, _ = plan_units(files, cfg.unit_bytes, GROUP_BYTES, cfg.on_bad_source)
+                units, _ = plan_units(files, cfg.unit_bytes, _group_bytes(cfg), cfg.on_bad_source)
                 for unit in units:
                     yield from read_documents(unit, component.text_field, cfg.on_bad_source, [])
         storage.write_bytes(url, train_bpe(documents(), vocab, cfg.eos_token).json_text.encode())

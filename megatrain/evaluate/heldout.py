@@ -160,18 +160,20 @@ def loss_on_windows(model: torch.nn.Module, windows: np.ndarray, batch_size: int
 
 
 def text_windows(run: Any, sources: list[str], count: int) -> np.ndarray:
-    """Text files (paths, globs, .txt/.jsonl/...: ``data.sources`` syntax) -> up to ``count``
+    """Text files (paths, globs, JSONL, Parquet...: ``data.sources`` syntax) -> up to ``count``
     windows [n, seq_len + 1] of the run's tokens, documents separated by EOS as in its shards."""
-    from megatrain.data.shard import collect_inputs, read_documents
+    from megatrain.data.sources import expand_sources, plan_units, read_documents
 
     tokenizer, window = run.tokenizer(), run.cfg.seq_len + 1
-    eos_id = tokenizer.token_to_id(run.cfg.data.eos_token)
+    index = run.index()
+    eos_id, head = index.eos_id, [] if index.bos_id is None else [index.bos_id]
     ids: list[int] = []
-    for file in collect_inputs(sources, None):
-        for document in read_documents(file, run.cfg.data.text_field):
-            ids += tokenizer.encode(document).ids + [eos_id]
-            if len(ids) >= count * window:
-                break
+    files, _ = expand_sources(sources)
+    units, _ = plan_units(files, text_field=run.cfg.data.text_field)
+    for document in (d for unit in units for d in read_documents(unit, run.cfg.data.text_field)):
+        ids += head + tokenizer.encode(document).ids + [eos_id]
+        if len(ids) >= count * window:
+            break
     n = min(count, len(ids) // window)
     return np.asarray(ids[: n * window], dtype=np.int64).reshape(n, window)
 

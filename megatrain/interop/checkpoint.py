@@ -179,9 +179,13 @@ class LoadedRun:
         record = _read_record(self.durable_url) or {}
         if record.get("data_index"):
             return load_index(record["data_index"])
-        from megatrain.data.shard import shard_corpus
+        from megatrain.data.shard import component_configs, mixture_tokenizer, shard_corpus
 
-        return shard_corpus(self.cfg.data, self.cfg.seq_len, self.cfg.model.vocab_size)
+        # as the trainer chose: a mixture's heaviest component (the first of the heaviest)
+        data = mixture_tokenizer(self.cfg.data, self.cfg.model.vocab_size)
+        weights = [c.weight for c in self.cfg.data.components()]
+        heaviest = component_configs(data)[weights.index(max(weights))]
+        return shard_corpus(heaviest, self.cfg.seq_len, self.cfg.model.vocab_size)
 
     def tokenizer(self):
         """The run's tokenizer (``tokenizers.Tokenizer``): the copy beside the checkpoints, else the shards'."""

@@ -9,6 +9,7 @@ calls them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import random
 import time
@@ -22,9 +23,11 @@ import torch
 import torch.distributed as dist
 
 from megatrain.checkpoint.manager import Checkpointer
-from megatrain.config import Config
+from megatrain.config import Config, ConfigError
 from megatrain.data.loader import build_loader
-from megatrain.data.shard import ShardIndex, load_index, shard_corpus
+from megatrain.data.index import ShardIndex, load_index
+from megatrain.data.mixture import Component, Mixture, check_supply
+from megatrain.data.shard import component_configs, mixture_tokenizer, shard_corpus
 from megatrain.evaluate.heldout import Evaluator
 from megatrain.interop.checkpoint import write_run_record
 from megatrain.interop.hf import hf_weights
@@ -62,14 +65,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def prepare_data(cfg: Config, env: DistEnv) -> ShardIndex:
-    """Rank 0 writes (or finds) the shards; the others wait and read the same index."""
-    url = [None]
+def prepare_data(cfg: Config, env: DistEnv) -> list[Component]:
+    """Rank 0 writes (or finds) the shards of every data component (a mixture's, or the one
+    corpus "data"); the others wait and read the same indexes."""
+    urls: list = [None]
     if env.rank == 0:
-        url[0] = shard_corpus(cfg.data, cfg.seq_len, cfg.model.vocab_size).url
+        data = mixture_tokenizer(cfg.data, cfg.model.vocab_size)  # a mixture's BPE: trained once, on all
+        urls[0] = [shard_corpus(c, cfg.seq_len, cfg.model.vocab_size).url for c in component_configs(data)]
     if env.world_size > 1:
-        dist.broadcast_object_list(url, src=0)
-    return load_index(url[0])
+        dist.broadcast_object_list(urls, src=0)
+    return [Component(c.name, load_index(url), c.weight) for c, url in zip(cfg.data.components(), urls[0])]
+
+
+def check_tokenizer_of_base_model(init_from: str | None, index: ShardIndex) -> None:
+    """``checkpoint.init_from: hf:<dir>`` learned the ids of its own tokenizer: data written with
+    another one would feed it other text under the same ids."""
+    if not init_from or not init_from.startswith("hf:"):
+        return
+    path = Path(init_from[3:]) / "tokenizer.json"
+    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() != index.tokenizer_sha256:
+        raise ConfigError(
+            f"checkpoint.init_from {init_from}: its tokenizer ({path}, sha256 "
+            f"{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}...) is not the data's ({index.tokenizer_url}, sha256 "
+            f"{index.tokenizer_sha256[:16]}...): set data.tokenizer={init_from[3:]} so the shards use the model's own ids"
+        )
 
 
 class Trainer:
@@ -90,7 +109,11 @@ class Trainer:
         seed_everything(cfg.train.seed)  # same initial weights on every rank
 
         with self.startup.phase("data_index"):
-            self.index = prepare_data(cfg, env)
+            self.components = prepare_data(cfg, env)
+            # held-out evaluation, the run record and the tokenizer: the heaviest component's index
+            # (a mixture's components share one tokenizer, which Mixture checks)
+            self.index = max(self.components, key=lambda c: c.weight).index
+            check_tokenizer_of_base_model(cfg.checkpoint.init_from, self.index)
             self.loader = self._build_loader()
 
         with self.startup.phase("model"):  # on the meta device first for large recipes
@@ -105,7 +128,7 @@ class Trainer:
 
         self.step = 0
         with self.startup.phase("checkpoint_restore"):
-            self.checkpointer = Checkpointer(cfg, env, self.groups)
+            self.checkpointer = Checkpointer(cfg, env, self.groups, tokenizer_sha256=self.index.tokenizer_sha256)
             self.step = self.checkpointer.restore(self)  # 0 when there is nothing to resume from
         self._apply_rollbacks()
         self.tokens_per_step = cfg.train.global_batch_size * cfg.seq_len
@@ -129,8 +152,14 @@ class Trainer:
 
     def _build_loader(self):
         """One reader per rank, or (parallel.node_loader) one per node serving its local ranks
-        from shared memory; ranks of one tensor-parallel group pass the same dp_rank."""
+        from shared memory; ranks of one tensor-parallel group pass the same dp_rank. A mixture
+        under ``data.on_exhausted: stop`` that the run would exhaust is refused here, before a step."""
         cfg = self.cfg
+        source = self.index
+        if cfg.data.mixture is not None:
+            source = Mixture(self.components, exhausted=cfg.data.on_exhausted)
+            if cfg.data.on_exhausted == "stop":
+                check_supply(self.components, cfg.train.steps * cfg.train.global_batch_size, seed=cfg.data.seed)
         common = dict(
             micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.groups.dp_rank, dp_size=self.groups.dims.dp,
             seed=cfg.data.seed, prefetch_batches=cfg.data.prefetch_batches, on_bad_shard=cfg.data.on_bad_shard,
@@ -140,9 +169,9 @@ class Trainer:
         if cfg.parallel.node_loader and self.env.local_world_size > 1:
             from megatrain.data.node_loader import build_node_loader
 
-            return build_node_loader(self.index, local_rank=self.env.local_rank,
+            return build_node_loader(source, local_rank=self.env.local_rank,
                                      local_world_size=self.env.local_world_size, **common)
-        return build_loader(self.index, **common)
+        return build_loader(source, **common)
 
     def _build_layout(self) -> ProcessGroups:
         p = self.cfg.parallel
@@ -207,6 +236,7 @@ class Trainer:
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops) if self.peak_flops else None,
             phases_ms=self.timers.end_step() or {},
             fp8=self.fp8_guard.stats() if self.fp8_guard.due(self.step) else None,
+            data=self.loader.component_stats(),  # samples, tokens, epochs per data component
         )
 
     def _accumulated_batch(self) -> torch.Tensor:

@@ -87,7 +87,7 @@ def test_rerun_does_nothing_and_new_inputs_make_a_new_version(corpus, tmp_path):
 
 @pytest.fixture
 def several_units(monkeypatch):
-    monkeypatch.setattr(shard, "GROUP_BYTES", 8_000)  # the corpus's small files in several units
+    monkeypatch.setattr(shard, "GROUP_BYTES", 8_000)  # the corpus's small files in several units (planning only)
 
 
 def test_every_worker_count_writes_the_same_index(several_units, corpus, tmp_path):

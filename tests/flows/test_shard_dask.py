@@ -1,0 +1,123 @@
+"""Sharding on a real dask.distributed cluster (a LocalCluster of worker processes), through the
+``shard-corpus`` flow: its index is bit-identical to the local engine's, and a worker SIGKILLed
+in the middle of a unit costs that unit only - the index equals a fault-free run's."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatrain.config import DataConfig
+
+pytestmark = pytest.mark.slow  # a Dask cluster and a Prefect flow: part of make test, not make check
+
+SEQ_LEN, VOCAB = 64, 1024
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[list[str], str]:
+    """Six gzip JSONL files of the standard library's text (a unit each, with data.unit_bytes
+    below their size: compressed files are never cut) and a tokenizer.json, so no run trains one."""
+    from megatrain.data.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("dask-corpus")
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:120]
+    texts = [p.read_text(errors="replace") for p in stdlib]
+    files = []
+    for f in range(6):
+        path = root / f"part-{f}.jsonl.gz"
+        with gzip.open(path, "wt") as handle:
+            for text in texts[f::6]:
+                handle.write(json.dumps({"text": text}) + "\n")
+        files.append(str(path))
+    (root / "tokenizer.json").write_text(train_bpe(texts[:20], VOCAB, "<|endoftext|>").json_text)
+    return files, str(root / "tokenizer.json")
+
+
+def config(corpus, shard_url: Path, engine: str) -> dict:
+    files, tokenizer = corpus
+    return DataConfig(sources=files, tokenizer=tokenizer, shard_url=str(shard_url), engine=engine, num_workers=2,
+                      samples_per_shard=16, val_fraction=0.05, unit_bytes=1 << 16).model_dump(mode="json")
+
+
+def index_bytes(url: str) -> bytes:
+    return (Path(url) / "index.json").read_bytes()
+
+
+def test_dask_writes_the_local_engines_index_bit_for_bit(prefect_api, corpus, tmp_path):
+    from flows.shard_data import shard_corpus_on_dask
+    from megatrain.data.shard import shard_corpus
+
+    local = shard_corpus(DataConfig.model_validate(config(corpus, tmp_path / "local", "local")), SEQ_LEN, VOCAB)
+    dask = shard_corpus_on_dask(config(corpus, tmp_path / "dask", "dask"), SEQ_LEN, VOCAB)
+    assert dask["version"] == local.version and dask["num_samples"] == local.num_samples
+    assert index_bytes(dask["url"]) == index_bytes(local.url)
+    assert len(list((Path(dask["url"]) / "units").iterdir())) == 6
+    # a second run finds the complete version: no unit runs again
+    again = shard_corpus_on_dask(config(corpus, tmp_path / "dask", "dask"), SEQ_LEN, VOCAB)
+    assert again == dask
+
+
+def _dask_workers() -> list[int]:
+    """PIDs of this test's Dask worker processes (spawned by the LocalCluster's nannies, which
+    live in this process)."""
+    me, found = os.getpid(), []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="ignore")
+            status = (proc / "status").read_text()
+        except OSError:
+            continue
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        if "spawn_main" in cmdline and _descends_from(ppid, me):
+            found.append(int(proc.name))
+    return found
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return False
+        pid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+    return False
+
+
+def test_a_worker_killed_mid_unit_costs_that_unit_only(prefect_api, corpus, tmp_path):
+    from flows.shard_data import shard_corpus_on_dask
+    from megatrain.data.shard import shard_corpus
+
+    reference = shard_corpus(DataConfig.model_validate(config(corpus, tmp_path / "reference", "local")), SEQ_LEN, VOCAB)
+    result: dict = {}
+    run = threading.Thread(target=lambda: result.update(
+        summary=shard_corpus_on_dask(config(corpus, tmp_path / "killed", "dask"), SEQ_LEN, VOCAB)))
+    run.start()
+    units = tmp_path / "killed" / reference.version / "units"
+    killed, deadline = None, time.monotonic() + 300
+    while killed is None and time.monotonic() < deadline and run.is_alive():
+        # a unit has written shards but not yet its unit.json: a worker is in the middle of it
+        midway = [u for u in units.glob("*") if list(u.glob("shard-*.tar")) and not (u / "unit.json").exists()]
+        workers = _dask_workers()
+        if midway and workers:
+            killed = workers[0]
+            os.kill(killed, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    run.join(600)
+    assert killed is not None, "never caught a worker in the middle of a unit"
+    assert not run.is_alive() and "summary" in result, "the flow did not finish after the worker was killed"
+    assert index_bytes(result["summary"]["url"]) == index_bytes(reference.url)
+    assert not Path(f"/proc/{killed}").exists() or killed not in _dask_workers()
