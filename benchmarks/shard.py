@@ -1,6 +1,6 @@
 """Sharding throughput per worker against the tokenizer's own speed, local and on Dask.
 
-    python benchmarks/shard.py [--mb 48] [--files 8] [--workers 1,2] [--out runs/bench/shard.json]
+    python benchmarks/shard.py [--mb 48] [--files 32] [--workers 1,2] [--out runs/bench/shard.json]
 
 On the same text, in one process:
 
@@ -12,9 +12,11 @@ On the same text, in one process:
    memory (tokenizers' own threads off, as in every sharding worker);
 3. megatrain end to end (reading, decompressing, JSON, tokenizing, held-out split, packing,
    writing tar shards, the index), for each worker count: the local engine (``shard_corpus``,
-   a process pool) and the Dask engine (the ``shard-corpus`` flow on a ``LocalCluster`` of that
-   many single-threaded workers, against a temporary Prefect server); tokens/s per worker is
-   the corpus's tokens / wall time / workers; each run writes a fresh version;
+   a process pool), and the Dask engine (the ``shard-corpus`` flow with a task per unit, against
+   a temporary Prefect server) on a running ``LocalCluster`` of that many single-threaded workers
+   (``dask``: as a deployment's cluster is, started and imported before the clock) and on one the
+   flow starts itself (``dask-cold``: cluster start-up and imports included); tokens/s per worker
+   is the corpus's tokens / wall time / workers; each run writes a fresh version;
 4. the projection: wall time for 1T tokens on N workers at the measured per-worker rate.
 
 Prints a table; writes every number as JSON to ``--out``. The machine's cores bound what more
@@ -34,6 +36,8 @@ import time
 from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # single-core tokenizer everywhere, the ceiling included
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="megatrain-shard-bench-prefect-"))  # never ~/.prefect
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 
 VOCAB = 32768
@@ -98,10 +102,27 @@ def run_local(files, tokenizer, out: Path, workers: int) -> tuple[float, int]:
 
 
 def run_dask(files, tokenizer, out: Path, workers: int) -> tuple[float, int]:
+    """The flow against a running cluster (as in a deployment, where the cluster outlives a
+    sharding run): its LocalCluster is started and its workers have imported megatrain and
+    prefect before the clock starts. ``run_dask_cold`` includes all of that."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        client.run(lambda: __import__("tasks.data") and __import__("megatrain.data.shard_unit"))
+        return _flow(files, tokenizer, out, workers, cluster.scheduler_address)
+
+
+def run_dask_cold(files, tokenizer, out: Path, workers: int) -> tuple[float, int]:
+    """The flow starting its own LocalCluster: cluster start-up and the workers' imports included."""
+    return _flow(files, tokenizer, out, workers, None)
+
+
+def _flow(files, tokenizer, out: Path, workers: int, address: str | None) -> tuple[float, int]:
     from flows.shard_data import shard_corpus_on_dask
     from megatrain.data.index import load_index
 
-    cfg = data_config(files, tokenizer, out, workers, "dask")
+    cfg = data_config(files, tokenizer, out, workers, "dask").model_copy(update={"dask_address": address})
     started = time.perf_counter()
     summary = shard_corpus_on_dask(cfg.model_dump(mode="json"), 2048, VOCAB)
     wall = time.perf_counter() - started
@@ -111,9 +132,10 @@ def run_dask(files, tokenizer, out: Path, workers: int) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=48, help="MB of text in the corpus")
-    parser.add_argument("--files", type=int, default=8, help="gzip JSONL files it is split into")
+    parser.add_argument("--files", type=int, default=32, help="gzip JSONL files it is split into (a unit each)")
     parser.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated")
-    parser.add_argument("--engines", default="local,dask")
+    parser.add_argument("--engines", default="local,dask,dask-cold",
+                        help="local, dask (a running cluster), dask-cold (the flow starts its own)")
     parser.add_argument("--out", default="runs/bench/shard.json")
     args = parser.parse_args(argv)
     counts = [int(w) for w in args.workers.split(",")]
@@ -128,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokenizer alone (encode_batch, one core): {ceiling / 1e6:.3f}M tokens/s")
     rows = []
     context = None
-    if "dask" in engines:
+    if any(e.startswith("dask") for e in engines):
         from prefect.testing.utilities import prefect_test_harness
 
         context = prefect_test_harness(server_startup_timeout=120)
@@ -136,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for engine in engines:
             for workers in counts:
-                run = run_local if engine == "local" else run_dask
+                run = {"local": run_local, "dask": run_dask, "dask-cold": run_dask_cold}[engine]
                 wall, packed = run(files, tokenizer, work / f"shards-{engine}-{workers}", workers)
                 per_worker = tokens / wall / workers
                 rows.append({"engine": engine, "workers": workers, "wall_s": round(wall, 2), "tokens": tokens,
@@ -145,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if context is not None:
             context.__exit__(None, None, None)
-    print(f"\n{'engine':<7} {'workers':>7} {'wall s':>8} {'tok/s/worker':>13} {'x tokenizer':>12} {'x 1 worker':>11}")
+    print(f"\n{'engine':<9} {'workers':>7} {'wall s':>8} {'tok/s/worker':>13} {'x tokenizer':>12} {'x 1 worker':>11}")
     for row in rows:
         one = next(r for r in rows if r["engine"] == row["engine"] and r["workers"] == counts[0])
         row["speedup"] = round(one["wall_s"] / row["wall_s"], 3)
-        print(f"{row['engine']:<7} {row['workers']:>7} {row['wall_s']:>8.2f} {row['tokens_per_s_per_worker']:>13,} "
+        print(f"{row['engine']:<9} {row['workers']:>7} {row['wall_s']:>8.2f} {row['tokens_per_s_per_worker']:>13,} "
               f"{row['vs_tokenizer']:>12.3f} {row['speedup']:>11.3f}")
     best = max(r["tokens_per_s_per_worker"] for r in rows)
     projection = {n: round(1e12 / (best * n) / 3600, 1) for n in (64, 256, 1024, 4096)}

@@ -68,21 +68,28 @@ def samples_per_member(seq_len: int, dtype: np.dtype) -> int:
     return max(1, MEMBER_BYTES // ((seq_len + 1) * np.dtype(dtype).itemsize))
 
 
+def _member(name: str, size: int) -> tarfile.TarInfo:
+    """The tar header of a member, as webdataset's TarWriter writes it (ustar, read-only, owner
+    megatrain) with mtime 0, so the same windows always give byte-identical shards."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, 0o444, "megatrain", "megatrain"
+    return info
+
+
 def write_shard(url: str, windows: np.ndarray, first_key: int) -> ShardInfo:
     """Write one format-2 tar shard of ``windows`` [samples, seq_len + 1]; sample i has key
-    ``first_key + i``. The sha256 and byte count are those of the bytes written."""
-    import webdataset  # here, not at the top: it imports torch, which tokenizer workers never need
-
+    ``first_key + i``. The sha256 and byte count are those of the bytes written. Plain ``tarfile``
+    (webdataset's TarWriter adds nothing here but an import of torch in every sharding worker)."""
     k = samples_per_member(windows.shape[1] - 1, windows.dtype)
     with storage.open_url(url, "wb") as handle:
         stream = _HashingWriter(handle)
-        # mtime=0 and fixed owners: the same windows always give byte-identical shards.
-        tar = webdataset.TarWriter(stream, mtime=0, user="megatrain", group="megatrain", encoder=False)
+        tar = tarfile.open(fileobj=stream, mode="w|", format=tarfile.USTAR_FORMAT)
         try:
             for start in range(0, len(windows), k):
-                tar.write({"__key__": f"{first_key + start:09d}", SAMPLE_FIELD: _npy(windows[start:start + k])})
+                payload = _npy(windows[start:start + k])
+                tar.addfile(_member(f"{first_key + start:09d}.{SAMPLE_FIELD}", len(payload)), io.BytesIO(payload))
             # The members end at tarfile's offset; the two zero blocks after them end the archive.
-            stream.end = tar.tarstream.offset + 2 * tarfile.BLOCKSIZE
+            stream.end = tar.offset + 2 * tarfile.BLOCKSIZE
         finally:
             tar.close()
     return ShardInfo(url.rsplit("/", 1)[-1], len(windows), stream.sha.hexdigest(), stream.count)
