@@ -18,13 +18,15 @@ def check_inputs(campaign: CampaignConfig) -> None:
 
     for index, stage in enumerate(campaign.stages):
         data = stage_config(campaign, index).data
-        for source in data.sources:
+        named = [("data.sources", s) for s in data.sources] if data.mixture is None else [
+            (f"data.mixture component {c.name!r}", s) for c in data.mixture for s in c.sources]
+        for field, source in named:
             if source == "stdlib":
                 continue
             glob = any(ch in source for ch in "*?[")
             if not (storage.glob(source) if glob else storage.exists(source)):
                 what = "matches no file" if glob else "does not exist"
-                raise InputError(f"stage {stage.name}: data.sources entry {source!r} {what}")
+                raise InputError(f"stage {stage.name}: {field} source {source!r} {what}")
         if data.tokenizer != "bpe" and not storage.exists(data.tokenizer):
             raise InputError(f"stage {stage.name}: data.tokenizer {data.tokenizer!r} does not exist")
 

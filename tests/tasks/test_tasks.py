@@ -87,11 +87,15 @@ def test_validate_campaign_names_a_missing_data_source_or_tokenizer(campaign_fil
     from tasks.campaign import validate_campaign
 
     glob = campaign_file("noglob", f'- {{name: only, steps: 6, overrides: ["data.sources=[{tmp_path}/none-*.txt]"]}}\n')
-    with pytest.raises(InputError, match=r"stage only: data.sources entry '.*none-\*.txt' matches no file"):
+    with pytest.raises(InputError, match=r"stage only: data.sources source '.*none-\*.txt' matches no file"):
         validate_campaign.fn(str(glob))
     missing = campaign_file("nofile", f'- {{name: only, steps: 6, overrides: ["data.sources=[{tmp_path}/gone.txt]"]}}\n')
-    with pytest.raises(InputError, match="data.sources entry .*gone.txt' does not exist"):
+    with pytest.raises(InputError, match="data.sources source .*gone.txt' does not exist"):
         validate_campaign.fn(str(missing))
+    component = campaign_file("nomix", "- {name: only, steps: 6, overrides: ['data.mixture=[{name: code, sources: [stdlib], "
+                              f"weight: 1}}, {{name: web, sources: [{tmp_path}/web.jsonl.gz], weight: 1}}]']}}\n")
+    with pytest.raises(InputError, match="stage only: data.mixture component 'web' source .*web.jsonl.gz' does not exist"):
+        validate_campaign.fn(str(component))
     tokenizer = campaign_file("notok", f"- {{name: only, steps: 6, overrides: [data.tokenizer={tmp_path}/tok.json]}}\n")
     with pytest.raises(InputError, match="data.tokenizer .*tok.json' does not exist"):
         validate_campaign.fn(str(tokenizer))

@@ -241,3 +241,14 @@ def test_cli_prints_the_summary(corpus, tmp_path, capsys):
     assert "samples of 32+1 tokens" in out and "vocab 512" in out
     assert cli([f"data.sources=[{tmp_path}/nope.txt]", f"data.shard_url={tmp_path}"]) == 1
     assert "nope.txt" in capsys.readouterr().err
+
+
+def test_under_skip_a_refused_file_is_left_out_and_counted_in_the_index(corpus, tmp_path):
+    (tmp_path / "picture.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 20)  # binary under a text name
+    sources = [str(corpus / "notes.md"), str(tmp_path / "picture.txt")]
+    with pytest.raises(DataError, match=r"picture.txt: .*(binary|PNG)"):
+        shard_corpus(data_config(sources, str(tmp_path / "strict")), SEQ_LEN, VOCAB)
+    assert not list((tmp_path / "strict").rglob("*.tar"))  # refused before anything was written
+    index = shard_corpus(data_config(sources, str(tmp_path / "lenient"), on_bad_source="skip"), SEQ_LEN, VOCAB)
+    assert [b["url"] for b in index.bad_sources] == [str(tmp_path / "picture.txt")]
+    assert [f["url"] for f in index.inputs["files"]] == [str(corpus / "notes.md")] and index.num_samples > 0
