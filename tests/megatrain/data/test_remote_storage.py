@@ -100,3 +100,24 @@ def test_shard_from_and_to_s3(small_index, corpus, s3_server):
 def test_s3_errors_name_the_url(s3_server):
     with pytest.raises(storage.StorageError, match=f"{s3_server}/nope/file.bin: not found"):
         storage.read_bytes(s3_server + "/nope/file.bin")
+
+
+def test_parquet_and_compressed_jsonl_on_s3_read_as_they_do_locally(corpus, s3_server, tmp_path):
+    """Parquet row groups and zstd JSONL read through fsspec's S3 (ranged reads of footers and
+    heads at planning): the same documents, hence the same shards, as from local copies."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    local = tmp_path / "local"
+    local.mkdir()
+    texts = [(corpus / name).read_text() for name in ("textwrap.py", "bisect.py", "fnmatch.py")]
+    pq.write_table(pa.table({"text": texts}), local / "books.parquet", row_group_size=1)
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts[::-1])
+    (local / "web.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    for path in local.iterdir():
+        storage.put_file(str(path), storage.join_url(s3_server, "mixed", path.name))
+    remote = shard_corpus(data_config([s3_server + "/mixed/*"], s3_server + "/mixed-shards"), SEQ_LEN, VOCAB)
+    here = shard_corpus(data_config([str(local)], str(tmp_path / "shards")), SEQ_LEN, VOCAB)
+    assert [f["kind"] for f in remote.inputs["files"]] == ["parquet", "jsonl"]
+    np.testing.assert_array_equal(np.concatenate(all_windows(remote)), np.concatenate(all_windows(here)))
