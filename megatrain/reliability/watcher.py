@@ -9,6 +9,11 @@ Run by the orchestrator (or a test), never inside a rank. The ranks publish thro
   is stuck, usually inside a collective waiting for a peer. The timestamp stays fresh while
   ``step`` stops advancing (``step_since`` grows old). The rank whose phase differs from the
   others (e.g. ``forward`` while everyone else waits in ``collective``) is the likely culprit.
+- **frozen**: a stuck step whose rank stopped beating too, while its peers still beat: the whole
+  process does not run (SIGSTOP, a debugger, a machine that stalls), so its heartbeat thread is as
+  still as its training thread. It is the culprit; the peers that still beat are **waiting** (in
+  the collective, for it), reported so but not blamed. A frozen process cannot dump its stack: the
+  stacks come from the ranks that can still answer, and the report says which could not.
 
 To see *where* a hung rank is stuck, the watcher signals its pid and reads the stack the rank's
 ``faulthandler`` wrote (``stacks.py``).
@@ -42,6 +47,8 @@ from megatrain.reliability.stacks import collect_stacks
 
 log = logging.getLogger(__name__)
 
+FROZEN_MIN_S = 2.0  # heartbeat silence that, with a stuck step, means the process is not running
+
 
 @dataclass
 class WatchResult:
@@ -52,6 +59,8 @@ class WatchResult:
     records: dict[int, HeartbeatRecord]
     dead: list[int] = field(default_factory=list)  # silent longer than the timeout
     hung: list[int] = field(default_factory=list)  # beating, but the step is frozen
+    frozen: list[int] = field(default_factory=list)  # step stuck and the heartbeat silent, peers beating
+    waiting: list[int] = field(default_factory=list)  # beating, step stuck, while a peer is frozen: not blamed
     missing: list[int] = field(default_factory=list)  # never heard from within the init grace
     slow: list[int] = field(default_factory=list)  # stragglers: reported, not a fault
     unknown: str | None = None  # the store could not be read: no verdict this time (why)
@@ -60,21 +69,25 @@ class WatchResult:
     @property
     def ok(self) -> bool:
         """No fault found. An unreadable store (``unknown``) is no fault: nothing is known."""
-        return not (self.dead or self.hung or self.missing)
+        return not (self.dead or self.hung or self.frozen or self.missing)
 
     def headline(self) -> str:
         if self.unknown is not None:
             return f"heartbeats unknown: {self.unknown}"
         if self.ok:
             return "heartbeats ok" + (f" (slow: {self.slow})" if self.slow else "")
+        if self.frozen:
+            return (f"fault detected: frozen={self.frozen} (the process stopped: no heartbeat, no step) "
+                    f"waiting={self.waiting} (in the collective, for it) dead={self.dead} missing={self.missing}")
         return f"fault detected: dead={self.dead} hung={self.hung} missing={self.missing}"
 
     @property
     def faulty(self) -> list[int]:
-        return sorted({*self.dead, *self.hung, *self.missing})
+        """The ranks to blame: a waiting rank is stuck only because a frozen one is."""
+        return sorted({*self.dead, *self.hung, *self.frozen, *self.missing})
 
     def status(self, rank: int) -> str:
-        for name in ("dead", "hung", "missing"):
+        for name in ("dead", "frozen", "hung", "missing", "waiting"):
             if rank in getattr(self, name):
                 return name
         return "ok"
@@ -223,8 +236,28 @@ class HeartbeatWatcher:
                 result.hung.append(rank)
                 result.notes.append(f"rank {rank}: step {record.step + 1} stuck {stuck_s:.1f} s in {record.phase}, "
                                     f"over the stall limit {stall_limit:.1f} s (before the {self.timeout_s:g} s timeout)")
+        self._tell_frozen_from_waiting(result)
         self._find_slow(fresh, result)
         return result
+
+    @staticmethod
+    def _tell_frozen_from_waiting(result: WatchResult) -> None:
+        """Among the hung ranks, those whose heartbeat went silent along with their step (for more
+        than half the time the step is stuck, and at least FROZEN_MIN_S) while a peer still beats
+        are frozen; the still-beating hung ranks then wait for them."""
+        now = result.checked_at
+
+        def silent(rank: int) -> bool:
+            record = result.records[rank]
+            stuck_s = now - max(record.step_since, record.phase_since)
+            return now - record.timestamp > max(FROZEN_MIN_S, stuck_s / 2)
+
+        frozen = [rank for rank in result.hung if silent(rank)]
+        beating = [rank for rank in result.records if rank not in frozen and rank not in result.dead]
+        if frozen and beating:
+            result.frozen = frozen
+            result.waiting = [rank for rank in result.hung if rank not in frozen]
+            result.hung = []
 
     def _stall_limit(self) -> float | None:
         """Seconds after which a frozen step is hung by the stall rule now, or None where the rule
@@ -276,9 +309,13 @@ class HeartbeatWatcher:
         result.slow = sorted(self._slow)
 
     def collect_stacks(self, result: WatchResult, ranks: list[int] | None = None) -> dict[int, str]:
-        """Stacks of the given ranks (default: all hung ones) that run on this host."""
+        """Stacks of the given ranks (default: all hung ones) that run on this host. A frozen rank
+        cannot answer (its signal handler does not run): its peers that wait for it are asked
+        instead, and its entry says why it has none (with its process state where this host can
+        read it: ``T`` is stopped by a signal, ``t`` by a debugger)."""
         here = socket.gethostname()
         chosen = result.hung if ranks is None else ranks
+        chosen = sorted({*chosen, *result.waiting}) if result.frozen else chosen
         pids = {}
         stacks = {}
         for rank in chosen:
@@ -287,6 +324,9 @@ class HeartbeatWatcher:
                 continue
             if record.host != here:
                 stacks[rank] = f"(rank runs on {record.host}; collect its stack there)"
+            elif rank in result.frozen:
+                stacks[rank] = (f"(frozen: pid {record.pid} does not run ({_process_state(record.pid)}), so it cannot "
+                                "dump its stack; the stacks of the ranks waiting for it follow)")
             else:
                 pids[rank] = record.pid
         stacks.update(collect_stacks(pids, self.stacks_dir))
@@ -294,3 +334,14 @@ class HeartbeatWatcher:
 
     def close(self) -> None:
         self.sink.close()
+
+
+def _process_state(pid: int) -> str:
+    """``state T (stopped)`` from /proc, or why it cannot be told."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "state unknown"
+    names = {"T": "stopped by a signal", "t": "stopped by a debugger", "D": "in uninterruptible I/O",
+             "Z": "exited, not reaped", "R": "running", "S": "sleeping"}
+    return f"state {state}: {names.get(state, 'see proc(5)')}"

@@ -22,7 +22,8 @@ from pathlib import Path
 from megatrain.reliability.heartbeat import HeartbeatRecord
 from megatrain.reliability.watcher import WatchResult
 
-COLORS = {"ok": "#b7e4c7", "hung": "#ff6b6b", "dead": "#c1121f", "missing": "#c1121f"}
+COLORS = {"ok": "#b7e4c7", "hung": "#ff6b6b", "dead": "#c1121f", "missing": "#c1121f", "frozen": "#c1121f",
+          "waiting": "#ffd166"}
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,14 @@ class Cell:
     pp: int
     dp: int
     tp: int
-    status: str  # ok | hung | dead | missing
+    status: str  # ok | hung | dead | missing | frozen (stopped: no beat, no step) | waiting (for a frozen peer)
     phase: str | None
     step: int | None
     suspect: bool = False
 
     @property
     def faulty(self) -> bool:
-        return self.status != "ok"
+        return self.status not in ("ok", "waiting")
 
 
 def hang_grid(
@@ -64,10 +65,12 @@ def hang_grid(
     dead: Iterable[int] = (),
     hung: Iterable[int] = (),
     missing: Iterable[int] = (),
+    frozen: Iterable[int] = (),
+    waiting: Iterable[int] = (),
 ) -> list[Cell]:
     """One cell per rank of the layout, with its status and the suspects marked."""
-    status = {rank: "hung" for rank in hung} | {rank: "dead" for rank in dead}
-    status |= {rank: "missing" for rank in missing}
+    status = {rank: "waiting" for rank in waiting} | {rank: "hung" for rank in hung} | {rank: "dead" for rank in dead}
+    status |= {rank: "missing" for rank in missing} | {rank: "frozen" for rank in frozen}
     cells = []
     for rank in range(layout.world_size):
         record = records.get(rank)
@@ -86,11 +89,12 @@ def hang_grid(
 
 
 def grid_from_watch(result: WatchResult, layout: Layout) -> list[Cell]:
-    return hang_grid(result.records, layout, dead=result.dead, hung=result.hung, missing=result.missing)
+    return hang_grid(result.records, layout, dead=result.dead, hung=result.hung, missing=result.missing,
+                     frozen=result.frozen, waiting=result.waiting)
 
 
 def _suspects(cells: list[Cell]) -> list[Cell]:
-    silent = [cell for cell in cells if cell.status in ("dead", "missing")]
+    silent = [cell for cell in cells if cell.status in ("dead", "missing", "frozen")]
     if silent:
         return silent
     hung = [cell for cell in cells if cell.status == "hung"]

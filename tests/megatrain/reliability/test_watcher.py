@@ -80,6 +80,29 @@ def _stall_case(phases: dict[int, str], frozen_s: float, steps_s: list[float] | 
     return result.hung, result.notes
 
 
+def test_a_rank_that_stopped_beating_with_its_step_is_frozen_and_its_peers_wait_for_it(tmp_path: Path) -> None:
+    """SIGSTOP (or a debugger) stops a whole process: its heartbeat thread goes silent with its
+    step. It alone is to blame; the ranks still beating are waiting for it in the collective."""
+    sink = DirectorySink(tmp_path)
+    now = time.time()
+    steps = [0.1, 0.1, 0.1]  # steps of 0.1 s: the stall rule's limit is its 5 s floor
+    sink.publish(HeartbeatRecord(0, step=7, phase="collective", timestamp=now, step_since=now - 8,
+                                 first_step_done=True, recent_step_s=steps))
+    sink.publish(HeartbeatRecord(1, step=7, phase="forward", timestamp=now - 7.5, step_since=now - 8,
+                                 first_step_done=True, recent_step_s=steps))
+    watcher = HeartbeatWatcher(sink, world_size=2, timeout_s=60.0, since=0, stall_factor=20.0, stall_min_s=5.0)
+    result = watcher.check()
+    assert (result.frozen, result.waiting, result.hung) == ([1], [0], [])
+    assert result.faulty == [1] and not result.ok
+    assert "frozen=[1]" in result.headline() and "waiting=[0]" in result.headline()
+    assert result.status(0) == "waiting" and result.status(1) == "frozen"
+    # a rank whose heartbeat is only a beat late is no frozen rank: both are hung as before
+    sink.publish(HeartbeatRecord(1, step=7, phase="forward", timestamp=now - 0.4, step_since=now - 8,
+                                 first_step_done=True, recent_step_s=steps))
+    result = watcher.check()
+    assert (result.frozen, result.waiting, result.hung) == ([], [], [0, 1])
+
+
 def test_a_frozen_step_of_short_steps_is_hung_long_before_the_timeout() -> None:
     # a rank hung in forward, its peer waiting in the gradients' all-reduce: 6 s >> 20 x 0.1 s
     hung, notes = _stall_case({0: "forward", 1: "backward"}, frozen_s=6.0)
@@ -178,9 +201,15 @@ CHILD = textwrap.dedent(
     sink = RedisSink(where, run_id) if kind == "redis" else DirectorySink(where)
     writer = HeartbeatWriter(sink, int(rank), interval_s=0.2, stacks_dir=stacks)
 
-    def stuck_in_allreduce():
-        while True:
-            time.sleep(1)
+    def stuck_in_allreduce(until=lambda: False):
+        while not until():
+            time.sleep(0.01 if mode == "peer" else 1)
+
+    def peer_at(step):  # "peer": a collective with rank 1, which writes its step to a file
+        try:
+            return int(open(stacks + "/progress").read() or 0) >= step
+        except (OSError, ValueError):
+            return False
 
     for step in range(1, 10**9):
         writer.beat(step=step, phase="forward", loss=1.0 / step)
@@ -190,6 +219,14 @@ CHILD = textwrap.dedent(
         if mode == "hang" and step == 10:
             writer.beat(phase="collective")
             stuck_in_allreduce()
+        if mode == "peer":
+            writer.beat(phase="collective")
+            stuck_in_allreduce(lambda: peer_at(step))
+        if mode == "lead":
+            with open(stacks + "/progress.tmp", "w") as out:
+                out.write(str(step))
+            import os
+            os.replace(stacks + "/progress.tmp", stacks + "/progress")
     """
 )
 
@@ -232,6 +269,38 @@ def test_watcher_finds_killed_and_hung_ranks(kind: str, tmp_path: Path, redis_ur
         assert "stuck_in_allreduce" in stacks_text[1], stacks_text
         report = result.message(stacks_text)
         assert "stuck_in_allreduce" in report and "dead=[0]" in report and "hung=[1]" in report
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        watcher.close()
+
+
+@pytest.mark.slow
+def test_a_sigstopped_rank_is_named_alone_and_the_stacks_come_from_its_peers(tmp_path: Path) -> None:
+    """Rank 1 is stopped (SIGSTOP) while rank 0 waits in a collective: the verdict names rank 1
+    frozen and rank 0 waiting; rank 0's stack is collected, rank 1's entry says it cannot answer."""
+    stacks = tmp_path / "stacks"
+    sink = DirectorySink(tmp_path / "hb")
+    watcher = HeartbeatWatcher(sink, world_size=2, timeout_s=60.0, init_timeout_s=60.0, stacks_dir=stacks,
+                               stall_factor=20.0, stall_min_s=3.0)
+    stacks.mkdir()
+    procs = {rank: subprocess.Popen([sys.executable, "-c", CHILD, "directory", str(tmp_path / "hb"), "run", str(rank),
+                                     mode, str(stacks)]) for rank, mode in ((0, "peer"), (1, "lead"))}
+    try:
+        wait_for(lambda: (r := sink.read_all(2)) and len(r) == 2 and r[0].step > 12 and r[1].step > 12)
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        result = watcher.check()
+        while result.ok:
+            assert time.time() - stopped_at < 20, result.message()
+            time.sleep(0.1)
+            result = watcher.check()
+        assert (result.frozen, result.waiting, result.faulty) == ([1], [0], [1]), result.message()
+        stacks_text = watcher.collect_stacks(result, result.faulty)
+        assert "stuck_in_allreduce" in stacks_text[0], stacks_text  # the waiting rank answers
+        assert "frozen" in stacks_text[1] and "state T: stopped by a signal" in stacks_text[1], stacks_text
+        assert "frozen=[1]" in result.message(stacks_text) and "waiting=[0]" in result.message(stacks_text)
     finally:
         for proc in procs.values():
             proc.kill()
