@@ -85,11 +85,13 @@ def verify_remote(url: str, record: FileRecord) -> None:
 
 def replace_if_corrupt(durable_url: str, step: int) -> list[str]:
     """A step staged again (a later attempt redid it) but already committed: keep the committed
-    copy if it verifies; if it does not, un-commit it (remove the manifest) so that the upload
-    replaces it. Returns the problems found (none: the committed copy stands).
+    copy if it verifies; if it does not, un-commit it and empty it, so that the upload writes the
+    staged copy into a clean folder in one go. Returns the problems found (none: it stands).
 
-    The old rank markers stay, so the REPLACING file written first tells whoever commits to re-check
-    every file against them: it cannot vouch for a corrupt file that no rank has replaced yet."""
+    Emptying comes first: whatever the step holds (a damaged file, a planted symlink, a leftover)
+    is removed as a link or a file, never followed, so nothing in it can make the new upload fail
+    or read from outside. The REPLACING file, written after, tells whoever commits to re-check
+    every file against the markers."""
     from megatrain.checkpoint.restore import verify_checkpoint
 
     step_url = storage.join_url(durable_url, step_dir_name(step))
@@ -101,9 +103,28 @@ def replace_if_corrupt(durable_url: str, step: int) -> list[str]:
     if problems:
         log.warning("committed step %d at %s does not verify (%s); replacing it with the staged copy",
                     step, step_url, "; ".join(problems))
+        storage.rm(storage.join_url(step_url, MANIFEST), missing_ok=True)  # un-committed first: readers skip it
+        _empty(step_url)
         storage.write_bytes(storage.join_url(step_url, REPLACING), json.dumps({"problems": problems}).encode())
-        storage.rm(storage.join_url(step_url, MANIFEST), missing_ok=True)  # another rank may have been first
     return problems
+
+
+def _empty(step_url: str) -> None:
+    """Remove everything below a step folder: links as links (never followed), files, folders.
+    Another uploader may have emptied it first: what is already gone is fine."""
+    local = storage.local_path(step_url)
+    if local is None:  # object stores and HDFS have no links to follow
+        for url in storage.listdir(step_url) if storage.exists(step_url) else []:
+            storage.rm(url, recursive=True, missing_ok=True)
+        return
+    folder = Path(local)
+    if folder.is_symlink():  # the step folder itself planted as a link: drop the link, make a real folder
+        folder.unlink()
+    for entry in list(folder.iterdir()) if folder.is_dir() else []:
+        if entry.is_symlink() or not entry.is_dir():
+            entry.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _files_match_markers(step_url: str, markers: dict[int, dict[str, Any]]) -> list[str]:
@@ -262,6 +283,32 @@ def upload_checkpoint(
             shutil.rmtree(staged_dir, ignore_errors=True)
         return UploadResult(step, step_url, True, 0, time.perf_counter() - start)
 
+    try:
+        sent, markers = _upload_ranks(staged_dir, step_url, step, ranks, retry)
+    except MemoryError as exc:
+        # Host memory ran out mid-upload: not a step to resume later from half its files. What this
+        # call wrote is removed (the step is not committed), and the cause is said in one line.
+        if not storage.exists(manifest_url):
+            storage.rm(step_url, recursive=True, missing_ok=True)
+        raise UploadError(f"{step_url}: out of host memory while uploading step {step}; the uncommitted "
+                          "step was removed, the staged copy is kept for the next try") from exc
+    seconds = time.perf_counter() - start
+    log.info("uploaded step %d, ranks %s: %.2f GB in %.1f s (%.0f MB/s)", step, sorted(markers), sent / 1e9,
+             seconds, sent / 1e6 / max(seconds, 1e-9))
+
+    committed = False
+    if commit:
+        world_size = int(markers[min(markers)]["layout"]["world_size"])
+        commit_checkpoint(step_url, world_size, commit_timeout_s, poll_s, **retry)
+        committed = True
+        if clean_staged:
+            shutil.rmtree(staged_dir, ignore_errors=True)
+    return UploadResult(step, step_url, committed, sent, time.perf_counter() - start)
+
+
+def _upload_ranks(staged_dir: Path, step_url: str, step: int, ranks: Iterable[int] | None,
+                  retry: dict[str, Any]) -> tuple[int, dict[int, dict[str, Any]]]:
+    """Every staged file of ``ranks`` (all: None) and then its rank's marker; returns (bytes sent, markers)."""
     sent = 0
     markers = read_staged_markers(staged_dir, ranks)
     for rank, marker in sorted(markers.items()):
@@ -275,18 +322,7 @@ def upload_checkpoint(
         marker_url = storage.join_url(step_url, rank_marker(rank))
         marker_bytes = (staged_dir / rank_marker(rank)).read_bytes()
         with_retries(lambda: storage.write_bytes(marker_url, marker_bytes), f"upload {marker_url}", **retry)
-    seconds = time.perf_counter() - start
-    log.info("uploaded step %d, ranks %s: %.2f GB in %.1f s (%.0f MB/s)", step, sorted(markers), sent / 1e9,
-             seconds, sent / 1e6 / max(seconds, 1e-9))
-
-    committed = False
-    if commit:
-        world_size = int(markers[min(markers)]["layout"]["world_size"])
-        commit_checkpoint(step_url, world_size, commit_timeout_s, poll_s, **retry)
-        committed = True
-        if clean_staged:
-            shutil.rmtree(staged_dir, ignore_errors=True)
-    return UploadResult(step, step_url, committed, sent, time.perf_counter() - start)
+    return sent, markers
 
 
 def mark_staged(step_dir: Path, world_size: int, timeout_s: float = 600.0, poll_s: float = 0.2) -> bool:

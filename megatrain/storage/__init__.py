@@ -40,6 +40,7 @@ from megatrain.storage.urls import (
     join_url,
     list,
     listdir,
+    local_path,
     makedirs,
     open_url,
     parent_url,
@@ -51,6 +52,6 @@ from megatrain.storage.urls import (
 
 __all__ = [
     "NoSpaceError", "StorageError", "atomic_write", "check_space", "confined", "exists", "find", "free_bytes",
-    "glob", "info", "is_no_space", "join_url", "list", "listdir", "makedirs", "open_url", "parent_url", "put_file",
+    "glob", "info", "is_no_space", "join_url", "list", "listdir", "local_path", "makedirs", "open_url", "parent_url", "put_file",
     "read_bytes", "resolve", "rm", "size", "write_bytes",
 ]

@@ -41,7 +41,8 @@ def confined(base: str, name: object, source: str) -> str:
     Every name read from metadata (a manifest, a staged marker, a shard index) goes through here
     before anything is read or written under it. ``source`` names the metadata file the name came
     from, for the error. On a local filesystem the joined path is also resolved (symlinks
-    followed) and must still lie inside ``base`` resolved: a planted symlink cannot lead out.
+    followed) and must still lie inside ``base`` resolved: a planted symlink cannot lead out (the
+    error then names the path on disk that leads out).
     Raises UnsafePathError (a deterministic error: no retry reads a different name).
     """
     problem = _name_problem(name)
@@ -52,7 +53,8 @@ def confined(base: str, name: object, source: str) -> str:
             root = os.path.realpath(local_base)
             real = os.path.realpath(local_joined)
             if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
-                problem = f"resolves (through a symlink) to {real}, outside {root}"
+                # the name may be fine: the link on disk is at fault, so the message names that path
+                problem = f"on disk {local_joined} resolves (through a symlink) to {real}, outside {root}"
         if problem is None:
             return joined
     shown = repr(name) if len(repr(name)) <= 120 else repr(name)[:100] + "...(truncated)"

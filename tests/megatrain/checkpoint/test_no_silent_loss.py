@@ -187,3 +187,55 @@ def test_a_manifest_that_does_not_parse_is_corrupt(fresh, capsys):
     assert "step 4: CORRUPT" in out and "not valid JSON" in out and "restore would use step 2" in out
     other = make_trainer(cfg, seed=5)
     assert Checkpointer(cfg, other.env, other.groups).restore(other) == 2
+
+
+def test_a_committed_step_with_a_planted_symlink_is_replaced_in_one_go(fresh, tmp_path):
+    """A committed file replaced by a link to a file outside: the step no longer verifies, and the
+    redone step replaces it in the first rerun - the link is removed as a link (the file it points
+    at is untouched), never followed, and nothing blames the staged copy."""
+    cfg, trainer, checkpointer = fresh(interval=2)
+    run(trainer, checkpointer, 4)
+    checkpointer.close()
+    outside = tmp_path / "not-a-checkpoint.bin"
+    outside.write_bytes(b"someone else's file" * 100)
+    victim = Path(cfg.checkpoint.durable_url) / step_dir_name(4) / "rank-00000.safetensors"
+    victim.unlink()
+    victim.symlink_to(outside)
+
+    again = make_trainer(cfg, seed=9)
+    redo = Checkpointer(cfg, again.env, again.groups)
+    assert redo.restore(again) == 2  # step 4 does not verify (its file leads out): back to 2
+    again.step = 2
+    run(again, redo, 4)  # the first rerun redoes step 4 and commits it
+    redo.close()
+    assert [info.step for info in catalog.committed(cfg.checkpoint.durable_url)] == [2, 4]
+    newest = catalog.committed(cfg.checkpoint.durable_url)[-1]
+    assert verify_checkpoint(newest.url, newest.manifest) == []
+    assert not victim.is_symlink() and victim.is_file()
+    assert outside.read_bytes() == b"someone else's file" * 100
+
+
+def test_out_of_host_memory_mid_upload_leaves_no_partial_step_and_says_so(fresh, monkeypatch):
+    """MemoryError in the middle of an upload: one line saying so, no half-uploaded step left in
+    the durable store, the staged copy kept; the next upload commits it."""
+    cfg, trainer, checkpointer = fresh(interval=1)
+    real_put, calls = storage.put_file, {"n": 0}
+
+    def put_then_run_out(local, url):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first file is up, the second runs out of memory
+            raise MemoryError()
+        return real_put(local, url)
+
+    monkeypatch.setattr(storage, "put_file", put_then_run_out)
+    run(trainer, checkpointer, 1)
+    with pytest.raises(UploadError, match=r"out of host memory while uploading step 1; the uncommitted step was removed"):
+        checkpointer.close()
+    durable = Path(cfg.checkpoint.durable_url)
+    assert calls["n"] == 2 and not (durable / step_dir_name(1)).exists()
+    staged = Path(cfg.checkpoint.staging_dir) / step_dir_name(1)
+    assert staged.is_dir()
+    monkeypatch.setattr(storage, "put_file", real_put)
+    upload_checkpoint(staged, str(durable))
+    (info,) = catalog.committed(str(durable))
+    assert info.step == 1 and verify_checkpoint(info.url, info.manifest) == []
