@@ -255,7 +255,7 @@ class FaultConfig(_Section):
     """One injected fault (off unless listed; used by tests, the demo and the chaos benchmark)."""
 
     kind: Literal[
-        "kill_rank", "hang_rank", "slow_rank", "nan_loss", "spike_loss",
+        "kill_rank", "hang_rank", "freeze_rank", "slow_rank", "nan_loss", "spike_loss",
         "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node",
     ]
     step: int = Field(0, ge=0)

@@ -5,8 +5,9 @@ environment variable (a JSON list of ``FaultConfig`` dicts; handy for a relaunch
 builds one ``FaultInjector`` per rank and calls two hooks:
 
 - ``on_step_start(step)`` - at the top of each step, inside the step's compute timer so that an
-  injected slowdown counts as the rank's own time: kill_rank, hang_rank, slow_rank,
-  storage_outage, corrupt_checkpoint, corrupt_shard, kill_redis.
+  injected slowdown counts as the rank's own time: kill_rank, hang_rank, freeze_rank (SIGSTOP:
+  the whole process stops, heartbeat thread included), slow_rank, storage_outage,
+  corrupt_checkpoint, corrupt_shard, kill_redis.
 - ``transform_loss(step, loss)`` - on the loss before backward: nan_loss, spike_loss.
 
 A fault with ``once=True`` claims a marker file in ``<run_dir>/faults/`` *before* it fires
@@ -41,7 +42,7 @@ from megatrain.reliability._files import atomic_write_text
 log = logging.getLogger(__name__)
 
 FAULTS_ENV = "MEGATRAIN_FAULTS"
-STEP_KINDS = {"kill_rank", "hang_rank", "slow_rank", "storage_outage", "corrupt_checkpoint",
+STEP_KINDS = {"kill_rank", "hang_rank", "freeze_rank", "slow_rank", "storage_outage", "corrupt_checkpoint",
               "corrupt_shard", "kill_redis"}
 LOSS_KINDS = {"nan_loss", "spike_loss"}
 NEEDS_TARGET = {"corrupt_checkpoint", "corrupt_shard", "kill_redis"}
@@ -132,6 +133,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang_rank":
             hang_forever()
+        elif fault.kind == "freeze_rank":
+            os.kill(os.getpid(), signal.SIGSTOP)  # as a debugger or a stalled machine would: nothing runs on
         elif fault.kind == "slow_rank":
             delay = fault.slowdown * (self._step_s or 0.0)
             time.sleep(delay)

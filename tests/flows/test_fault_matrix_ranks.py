@@ -71,6 +71,28 @@ def test_hang_rank(reference, workdir, shard_root, logs):
 
 
 @pytest.mark.slow
+def test_freeze_rank(reference, workdir, shard_root, logs):
+    """SIGSTOP of rank 1 (a debugger, a stalled machine): the whole process stops, its heartbeat
+    thread too. The verdict names rank 1 alone (frozen) and rank 0 as waiting for it; rank 0's
+    stack is collected, rank 1's entry says it cannot answer; the stage recovers bit-exact."""
+    outcome = run_campaign(write_campaign(workdir, "freeze-rank", shard_url=shard_root, nproc=2,
+                                          faults=[{"kind": "freeze_rank", "step": 5, "rank": 1}]))
+    t_fault = fault_time(outcome.run_dir, "freeze_rank")
+    t_detect, verdict = logs.need(r"\[watcher\] fault detected: frozen=\[1\] .*waiting=\[0\]", after=t_fault)
+    assert "hung=" not in verdict, verdict  # the waiting rank is not blamed
+    _, ended = logs.need(r"attempt 1 ended: hung", after=t_fault)
+    assert "--- stack of rank 0 ---" in ended, ended  # the rank that can answer gives its stack
+    rank1 = ended.split("--- stack of rank 1 ---", 1)[1].split("--- stack of rank", 1)[0]
+    assert "frozen" in rank1 and "state T: stopped by a signal" in rank1, rank1
+    t_recover, _ = logs.need(r"\bstep 5/8\b", after=t_detect)
+    assert (outcome.stage["attempts"], outcome.stage["restarts"]) == (2, 1)
+    assert_committed_intact(outcome.durable)
+    assert_bit_exact(outcome.durable, reference(2))
+    record_row("freeze_rank", "heartbeat watcher (silent with its step: frozen)", t_fault, t_detect, t_recover,
+               outcome, True, "SIGSTOP rank 1 of 2 at step 5; rank 0 reported waiting, not hung")
+
+
+@pytest.mark.slow
 def test_slow_rank(reference, workdir, shard_root, logs):
     outcome = run_campaign(write_campaign(workdir, "slow-rank", shard_url=shard_root, nproc=2,
                                           faults=[{"kind": "slow_rank", "step": 1, "rank": 1, "slowdown": 1.0}]))
