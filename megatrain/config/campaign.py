@@ -157,7 +157,7 @@ def load_campaign(path: str | Path, overrides: list[str] | None = None) -> Campa
     try:
         return CampaignConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(str(path), exc)) from None
+        raise ConfigError(format_validation_error(str(path), exc, CampaignConfig, overrides)) from None
 
 
 # A campaign on disk: runs/campaigns/<id>/ holds one folder per stage, each with its run config.

@@ -9,11 +9,13 @@ package, this imports neither torch nor prefect.
 
 from __future__ import annotations
 
+import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from megatrain.config.schema import Config
 from megatrain.errors import DeterministicError
@@ -24,14 +26,15 @@ class ConfigError(DeterministicError, ValueError):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a recipe (or the defaults when ``path`` is None), apply overrides, validate."""
+    """Read a recipe (or the defaults when ``path`` is None), apply overrides, validate. A bad
+    field set by an override is blamed on the override, not on the file."""
     raw = read_yaml(path) if path is not None else {}
     raw = merge(raw, parse_overrides(overrides))
     source = str(path) if path is not None else "<defaults>"
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(source, exc)) from None
+        raise ConfigError(format_validation_error(source, exc, Config, overrides)) from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -93,10 +96,44 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def format_validation_error(source: str, error: ValidationError) -> str:
-    """pydantic's errors as ``source: invalid config`` and one ``  field: reason`` line each."""
-    lines = [f"{source}: invalid config"]
+def format_validation_error(source: str, error: ValidationError, model: type[BaseModel] | None = None,
+                            overrides: list[str] | None = None) -> str:
+    """pydantic's errors as ``source: invalid config`` and one ``  field: reason`` line each. With
+    the ``model`` validated, an unknown key gets the nearest known one ("did you mean"); a field
+    that one of ``overrides`` set names that override instead of the file."""
+    set_by = {item.split("=", 1)[0].strip(): item for item in overrides or [] if "=" in item}
+    lines: list[str] = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        lines.append(f"  {field}: {item['msg']}")
-    return "\n".join(lines)
+        loc = [str(part) for part in item["loc"]]
+        field = ".".join(loc) or "(top level)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden" and model is not None:
+            message += _did_you_mean(model, loc)
+        override = next((set_by[k] for k in set_by if field == k or field.startswith(k + ".") or k.startswith(field + ".")),
+                        None)
+        lines.append(f"  {field}: {message}" + (f" (set by the override {override!r})" if override else ""))
+    where = source if len(lines) > sum("(set by the override" in line for line in lines) else "the command line"
+    return "\n".join([f"{where}: invalid config", *lines])
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds: ``X``, ``X | None``, ``list[X] | None``, ..."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _did_you_mean(model: type[BaseModel], loc: list[str]) -> str:
+    """`` (did you mean 'lr'?)`` for an unknown key, from the fields of the section it sits in."""
+    section: Any = model
+    for part in loc[:-1]:
+        if part.isdigit():  # an item of a list field: the same section
+            continue
+        field = getattr(section, "model_fields", {}).get(part)
+        candidates = _models_in(field.annotation if field is not None else None)
+        if not candidates:
+            return ""
+        section = candidates[0]
+    known = list(getattr(section, "model_fields", {}))
+    close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"

@@ -127,3 +127,18 @@ def test_data_parallel_size_is_derived_from_the_world():
     assert cfg.parallel.data_parallel_size(12288) == 192
     with pytest.raises(ValueError, match="not divisible by tp\\*pp"):
         cfg.parallel.data_parallel_size(100)
+
+
+def test_an_unknown_key_gets_the_nearest_known_one_and_an_override_is_blamed_as_such(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model:\n  n_layr: 2\n")
+    with pytest.raises(ConfigError) as from_file:
+        load_config(recipe)
+    assert str(from_file.value) == f"{recipe}: invalid config\n  model.n_layr: Extra inputs are not permitted (did you mean 'n_layer'?)"
+    with pytest.raises(ConfigError) as from_override:
+        load_config(ROOT / "configs/tiny-cpu.yaml", ["optim.lrr=3e-4"])
+    text = str(from_override.value)
+    assert text.startswith("the command line: invalid config") and "(did you mean 'lr'?)" in text
+    assert "(set by the override 'optim.lrr=3e-4')" in text and "tiny-cpu.yaml" not in text
+    with pytest.raises(ConfigError, match=r"data.mixture.0.weigth: .*did you mean 'weight'"):
+        load_config(None, ["data.mixture=[{name: a, sources: [x], weigth: 1}]"])
