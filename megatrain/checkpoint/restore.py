@@ -78,7 +78,11 @@ def check_tokenizer(meta0: dict[str, Any] | None, tokenizer_sha256: str | None, 
 
 
 def _differences(saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, list]:
-    return {k: [saved.get(k), mine.get(k)] for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)}
+    """Fields whose values differ; a knob added after the checkpoint was written (absent from
+    it) had its default then."""
+    later = compat.later_knob_defaults()
+    old = lambda k: saved[k] if k in saved else later.get(k)  # noqa: E731
+    return {k: [old(k), mine.get(k)] for k in sorted(set(saved) | set(mine)) if old(k) != mine.get(k)}
 
 
 def _describe(diff: dict[str, list]) -> str:

@@ -96,6 +96,23 @@ def schedule_fields(cfg: Config) -> dict[str, object]:
     return out
 
 
+def later_knob_defaults() -> dict[str, object]:
+    """Each knob added after checkpoints were first written, by dotted name, with its default (as
+    JSON): a checkpoint that does not record one was written under that default. Restore fills
+    them in before comparing fields, so adding a knob never strands an older checkpoint."""
+    defaults: dict[str, object] = {}
+    for dotted, knobs in _LATER_KNOBS.items():
+        section: object = Config()
+        for part in dotted.split("."):
+            section = getattr(section, part)
+        dumped = type(section)().model_dump(mode="json")  # type: ignore[operator]
+        for knob in knobs:
+            value = dumped[knob]
+            flat = _flatten(value, f"{dotted}.{knob}.") if isinstance(value, dict) else {f"{dotted}.{knob}": value}
+            defaults.update(flat)
+    return defaults
+
+
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
     out: dict[str, object] = {}

@@ -108,3 +108,19 @@ def test_extend_rebatch_and_checkpoint_activations_resume_like_one_run(tmp_path,
     meta = json.loads((resumed / "durable" / "step-00000008" / "rank-00000.json").read_text())
     assert meta["history"] == [{"step": 6, "schedule": {"train.global_batch_size": [8, 16]}}]
     assert meta["loader"]["samples_consumed"] == 6 * 8 + 2 * 16
+
+
+def test_a_checkpoint_written_before_a_knob_existed_still_matches_at_its_default():
+    """State fields recorded by older code lack the knobs added since (the data section's
+    mixture, unit_bytes, ...): they count as their defaults, so an upgrade strands no checkpoint -
+    unless the run sets one away from it, or a field the checkpoint never knew is not a later knob."""
+    from megatrain.checkpoint.restore import _differences
+    from megatrain.config import compat, load_config
+
+    mine = state_fields(load_config(REPO / "configs/tiny-cpu.yaml"))
+    older = {k: v for k, v in mine.items() if k not in compat.later_knob_defaults()}
+    assert len(older) < len(mine) and _differences(older, mine) == {}
+    changed = state_fields(load_config(REPO / "configs/tiny-cpu.yaml", ["data.unit_bytes=1000000"]))
+    assert _differences(older, changed) == {"data.unit_bytes": [64 << 20, 1000000]}
+    assert _differences({k: v for k, v in mine.items() if k != "model.n_layer"}, mine) == {
+        "model.n_layer": [None, mine["model.n_layer"]]}
