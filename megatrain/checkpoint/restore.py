@@ -216,6 +216,7 @@ class Candidate:
     manifest: dict[str, Any]
     schedule_changes: dict[str, list]  # field -> [checkpoint's, this run's] (allowed by the flag)
     history: list[dict]  # the checkpoint's record of earlier changes
+    last_lr: float | None = None  # the LR the checkpoint's run used at its step (its scheduler state)
 
 
 def _candidates(durable_url: str, identity: RunIdentity | None, tokenizer_sha256: str | None) -> list[Candidate]:
@@ -236,7 +237,8 @@ def _candidates(durable_url: str, identity: RunIdentity | None, tokenizer_sha256
         check_tokenizer(meta0, tokenizer_sha256, info.url)
         changes = {} if identity is None else check_compatible(info.manifest, meta0, identity, info.url)
         history = (meta0 or {}).get("history", [])
-        found.append(Candidate(info.step, info.url, info.manifest, changes, history))
+        last_lr = ((meta0 or {}).get("scheduler") or {}).get("_last_lr") or [None]
+        found.append(Candidate(info.step, info.url, info.manifest, changes, history, last_lr[0]))
     return found
 
 
@@ -280,7 +282,7 @@ def restore_checkpoint(trainer: Any, durable_url: str, identity: RunIdentity | N
             continue
         put_back(full, bool(c.schedule_changes))
         log.info("restored checkpoint %s (step %d%s)", c.url, c.step, "" if full else ", weights and optimizer only")
-        return Restored(c.step, c.history + _changes(c, layout))
+        return Restored(c.step, c.history + _changes(c, layout, trainer, announce=groups.rank == 0))
     if candidates:
         raise CheckpointError(
             f"{durable_url}: {len(candidates)} committed checkpoint(s), none verified (reasons above); "
@@ -289,11 +291,19 @@ def restore_checkpoint(trainer: Any, durable_url: str, identity: RunIdentity | N
     return None
 
 
-def _changes(c: Candidate, layout: dict[str, int]) -> list[dict]:
-    """This restore's entry of the checkpoint history (none when nothing changed)."""
+def _changes(c: Candidate, layout: dict[str, int], trainer: Any, announce: bool) -> list[dict]:
+    """This restore's entry of the checkpoint history (none when nothing changed). A schedule
+    change records the LR at the resume step under the checkpoint's schedule and under this run's
+    (an extended cosine run, for one, jumps back up), and says so in the log."""
     entry: dict[str, Any] = {}
     if c.schedule_changes:
         entry["schedule"] = c.schedule_changes
+        scheduler = getattr(trainer.engine, "lr_scheduler", None)
+        now = scheduler.get_last_lr()[0] if scheduler is not None else None
+        entry["lr"] = [c.last_lr, now]
+        if announce and c.last_lr is not None and now is not None:
+            log.warning("resuming step %d with a changed schedule: the LR goes from %.3e (the checkpoint's run) to "
+                        "%.3e (this run's schedule at that step)", c.step, c.last_lr, now)
     saved = c.manifest["layout"]
     if not same_layout(saved, layout) or saved.get("zero_stage", layout.get("zero_stage")) != layout.get("zero_stage"):
         entry["layout"] = [saved, layout]

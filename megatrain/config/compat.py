@@ -28,6 +28,7 @@ _LATER_KNOBS: dict[str, tuple[str, ...]] = {
     "model.kernels": ("rmsnorm", "swiglu", "rope"),
     "train.fp8": ("casts",),  # an implementation choice, like model.kernels: the same e4m3 values
     "data": ("mixture", "on_exhausted", "on_bad_source", "unit_bytes"),
+    "optim": ("decay_fraction",),
 }
 
 # Held-out evaluation and experiment tracking: they change what is measured, never the training math.
@@ -47,6 +48,7 @@ _NOT_STATE = {
 SCHEDULE_FIELDS = (
     "train.global_batch_size", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.schedule", "optim.decay_steps",
     "optim.betas", "optim.eps", "optim.weight_decay", "optim.max_trust_ratio", "optim.grad_clip",
+    "optim.decay_fraction",
 )
 
 
@@ -91,8 +93,10 @@ def schedule_fields(cfg: Config) -> dict[str, object]:
     optimizer hyper-parameters. Changing one on resume needs ``checkpoint.allow_schedule_change``."""
     flat = _flatten(cfg.model_dump(mode="json"))
     out = {k: flat[k] for k in SCHEDULE_FIELDS}
-    # decay_steps defaults to train.steps: extending a cosine run changes its schedule
-    out["optim.decay_steps"] = None if cfg.optim.schedule == "constant" else (cfg.optim.decay_steps or cfg.train.steps)
+    # decay_steps defaults to train.steps: extending a cosine run changes its schedule; a WSD run's
+    # definition (lr, warm-up, the decay's length or share) does not move with train.steps
+    out["optim.decay_steps"] = (None if cfg.optim.schedule == "constant" else cfg.optim.decay_steps
+                                if cfg.optim.schedule == "wsd" else cfg.optim.decay_steps or cfg.train.steps)
     return out
 
 

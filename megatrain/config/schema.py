@@ -99,8 +99,16 @@ class OptimConfig(_Section):
     max_trust_ratio: float = Field(10.0, gt=0, description="LAMB: clip of ||w|| / ||update||")
     grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 disables")
     warmup_steps: int = Field(100, ge=0)
-    schedule: Literal["cosine", "constant"] = "cosine"
-    decay_steps: int | None = Field(None, gt=0, description="cosine length; default train.steps")
+    schedule: Literal["cosine", "constant", "wsd"] = Field(
+        "cosine", description="cosine: warm-up, then cosine decay to min_lr over decay_steps; wsd (warm-up, "
+        "stable, decay): lr until the last decay_steps (default decay_fraction of train.steps), then 1-sqrt decay "
+        "to min_lr - a run extended while stable resumes with no LR change; constant: lr after warm-up",
+    )
+    decay_steps: int | None = Field(
+        None, gt=0, description="cosine: its length (default train.steps); wsd: the final decay's length"
+    )
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the share of train.steps spent decaying "
+                                  "when decay_steps is not set")
 
     @model_validator(mode="after")
     def _check(self) -> OptimConfig:

@@ -106,7 +106,9 @@ def test_extend_rebatch_and_checkpoint_activations_resume_like_one_run(tmp_path,
     assert "train.global_batch_size: 8 -> 16" in refused.stderr and "allow_schedule_change" in refused.stderr
     _ok(_train(resumed, shard_url, "train.steps=8", "train.global_batch_size=16", "checkpoint.allow_schedule_change=true"))
     meta = json.loads((resumed / "durable" / "step-00000008" / "rank-00000.json").read_text())
-    assert meta["history"] == [{"step": 6, "schedule": {"train.global_batch_size": [8, 16]}}]
+    (entry,) = meta["history"]
+    assert entry["step"] == 6 and entry["schedule"] == {"train.global_batch_size": [8, 16]}
+    assert entry["lr"][0] == pytest.approx(entry["lr"][1])  # a new batch size, the same LR at the resume step
     assert meta["loader"]["samples_consumed"] == 6 * 8 + 2 * 16
 
 
@@ -124,3 +126,32 @@ def test_a_checkpoint_written_before_a_knob_existed_still_matches_at_its_default
     assert _differences(older, changed) == {"data.unit_bytes": [64 << 20, 1000000]}
     assert _differences({k: v for k, v in mine.items() if k != "model.n_layer"}, mine) == {
         "model.n_layer": [None, mine["model.n_layer"]]}
+
+
+@pytest.mark.slow
+def test_extending_a_wsd_run_needs_no_schedule_change_and_a_cosine_one_says_how_its_lr_jumps(tmp_path, shard_url):
+    """WSD: a run stopped in its stable phase and extended resumes at the same LR, with no flag.
+    Cosine: extending stretches the curve; with the flag, the LR at the resume step jumps, and the
+    log and the checkpoint history say from what to what."""
+    common = ["optim.decay_steps=null", "optim.warmup_steps=1", "optim.lr=1e-3", "optim.min_lr=1e-4",
+              "train.micro_batch_size=8"]
+    wsd = tmp_path / "wsd"
+    crash = 'reliability.faults=[{kind: kill_rank, step: 5}]'
+    assert _train(wsd, shard_url, *common, "optim.schedule=wsd", "train.steps=8", crash).returncode != 0
+    resumed = _train(wsd, shard_url, *common, "optim.schedule=wsd", "train.steps=16")
+    _ok(resumed)
+    rows = {row["step"]: row for row in map(json.loads, (wsd / "metrics.jsonl").read_text().splitlines())}
+    assert [rows[s]["lr"] for s in (4, 5, 6)] == pytest.approx([1e-3] * 3)  # stable across the extension
+    assert "changed schedule" not in resumed.stderr + resumed.stdout
+
+    cosine = tmp_path / "cosine"
+    _ok(_train(cosine, shard_url, *common, "train.steps=4"))
+    before = _losses(cosine)
+    extended = _train(cosine, shard_url, *common, "train.steps=8", "checkpoint.allow_schedule_change=true")
+    _ok(extended)
+    meta = json.loads((cosine / "durable" / "step-00000008" / "rank-00000.json").read_text())
+    (entry,) = meta["history"]
+    old_lr, new_lr = entry["lr"]
+    assert entry["step"] == 4 and new_lr > 2 * old_lr, entry  # the stretched cosine is high again at step 4
+    assert f"from {old_lr:.3e}" in extended.stdout + extended.stderr and f"to {new_lr:.3e}" in extended.stdout + extended.stderr
+    assert sorted(before) == [1, 2, 3, 4]
