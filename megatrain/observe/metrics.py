@@ -117,14 +117,16 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def build_sinks(train_cfg: Any, run_name: str, config: dict[str, Any]) -> list[MetricsSink]:
-    """The tracking sinks a run's ``train`` section enables (TensorBoard by default)."""
+def build_sinks(train_cfg: Any, run_name: str, config: dict[str, Any], first_step: int = 1) -> list[MetricsSink]:
+    """The tracking sinks a run's ``train`` section enables (TensorBoard by default).
+    ``first_step``: the step this attempt logs first (its resume step + 1): TensorBoard drops
+    what earlier attempts logged from there on."""
     sinks: list[MetricsSink] = []
     run_dir = Path(train_cfg.run_dir)
     if train_cfg.tensorboard:
         from megatrain.observe.tensorboard import TensorBoardSink
 
-        sinks.append(TensorBoardSink(tensorboard_dir(train_cfg)))
+        sinks.append(TensorBoardSink(tensorboard_dir(train_cfg), purge_step=first_step))
     if train_cfg.wandb_project:
         sinks.append(WandbSink(train_cfg.wandb_project, run_name, run_dir, config))
     if train_cfg.mlflow_tracking_uri:

@@ -136,7 +136,8 @@ class Trainer:
         peak = peak_flops(torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu")
         self.flops_per_token = flops_per_token(cfg.model.model_copy(update={"seq_len": cfg.seq_len}), self.n_params)
         self.peak_flops = peak * env.world_size if peak else None
-        sinks = build_sinks(cfg.train, cfg.run_id, cfg.model_dump(mode="json")) if env.rank == 0 else []
+        sinks = build_sinks(cfg.train, cfg.run_id, cfg.model_dump(mode="json"), first_step=self.step + 1) \
+            if env.rank == 0 else []
         self.metrics = MetricsLogger(cfg.train.run_dir, cfg.train.steps, cfg.train.log_interval, enabled=env.rank == 0,
                                      sinks=sinks)
         self.evaluator = Evaluator(cfg, self.index, self.groups, env.device, self.grad_accumulation)

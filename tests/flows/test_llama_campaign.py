@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from megatrain.config.campaign import load_campaign, stage_config
+from megatrain.observe.tensorboard import read_scalars
 from megatrain.report.runs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,3 +46,11 @@ def test_llama_campaign_recovers_from_a_killed_rank_and_a_nan_loss(prefect_api, 
         assert (cfg.model.position, cfg.model.norm, cfg.model.mlp, cfg.model.kv_heads) == ("rope", "rmsnorm", "swiglu", 2)
         rows = read_metrics(cfg.train.run_dir)
         assert rows[-1]["step"] == 6 and all(math.isfinite(r["loss"]) for r in rows)
+        # TensorBoard shows only the timeline that led to the final state: the killed attempt's
+        # and the rolled-back NaN's steps are purged, the steps increase strictly, and each step's
+        # loss is the one of the last attempt that logged it
+        curve = read_scalars(Path(cfg.train.run_dir) / "tb")["train/loss"]
+        steps = [step for step, _ in curve]
+        assert steps == sorted(set(steps)) == list(range(1, 7)), steps
+        last = {row["step"]: row["loss"] for row in rows}  # later rows (attempts) overwrite earlier ones
+        assert [loss for _, loss in curve] == pytest.approx([last[step] for step in steps], rel=1e-6)
