@@ -16,6 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+FLEX_BLOCK = 128  # FlexAttention's tile: it runs for lengths that are multiples of it
+
 
 def sliding_window_mask(seq_len: int, window: int | None, device: torch.device | None = None, offset: int = 0,
                         kv_len: int | None = None) -> torch.Tensor:
@@ -65,14 +67,17 @@ def attention_at_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None, impl: str = "auto") -> torch.Tensor:
     """q [B, H, T, hd], k, v [B, H_kv, T, hd] -> [B, H, T, hd]. ``impl``: auto, sdpa, flex or reference.
 
-    A real window (w < T) on CUDA always runs FlexAttention (``auto`` and ``sdpa`` alike): SDPA
-    has no sliding-window kernel, and its dense-mask path would compute every masked block and
-    hold a [T, T] mask. Full causal runs SDPA (flash/cuDNN) unless ``flex`` is asked for.
+    A real window (w < T) on CUDA runs FlexAttention (``auto`` and ``sdpa`` alike) at training
+    lengths, multiples of its 128-token block: SDPA has no sliding-window kernel, and its dense-mask
+    path would compute every masked block and hold a [T, T] mask. Other lengths (generation without
+    a KV cache grows T one token at a time) take SDPA with the dense mask, which is small there:
+    FlexAttention compiles one kernel per length and Inductor fails on some odd ones. Full causal
+    runs SDPA (flash/cuDNN) unless ``flex`` is asked for.
     """
     if impl == "reference":
         return attention_reference(q, k, v, window)
     windowed = window is not None and window < q.shape[-2]
-    if impl == "flex" or (q.is_cuda and windowed):
+    if impl == "flex" or (q.is_cuda and windowed and q.shape[-2] % FLEX_BLOCK == 0):
         from megatrain.kernels.flex_attention import attention_flex
 
         return attention_flex(q, k, v, window)
