@@ -21,12 +21,14 @@ from flows.lifecycle import campaign_lease, run_from_command_line
 from flows.shard_data import shard_campaign_data
 from megatrain.launch.lease import LeaseHeld
 from tasks.campaign import validate_campaign
+from tasks.export import export_final_model
 from tasks.report import sample_stage, write_report
 from tasks.selfcheck import run_self_check
 from tasks.stop import STOP, stop_on_signals
 from tasks.train import final_checkpoint_problem, train_stage
 
 DEFAULT_CAMPAIGN = "configs/campaign-local.yaml"
+EXPORT_PROMPTS = ("def ", "import ", "class ")  # greedy samples from the exported model, by transformers
 
 
 @flow(name="pretrain", log_prints=True)
@@ -82,6 +84,9 @@ def _run_stages(campaign):
     if cached == len(campaign.stages):
         print(f"campaign {campaign.id} was already finished: every stage's final checkpoint is committed and "
               "verifies; nothing was trained again")
+    if campaign.export:  # a model people can load; a failed export is shown red and noted, training stands
+        export_final_model(results[-1]["run_dir"], str(campaign.campaign_dir / "model"), list(EXPORT_PROMPTS),
+                           return_state=True)
     return write_report(campaign, results)
 
 

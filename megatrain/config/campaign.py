@@ -52,6 +52,9 @@ class CampaignConfig(_Section):
     samples: int = Field(3, ge=0, le=3,
                          description="texts sampled on CPU from each stage's final checkpoint for the report, one "
                          "per prompt of megatrain.evaluate.generate.DEFAULT_PROMPTS (fixed seed); 0 = none")
+    export: bool = Field(True, description="end with the final stage's model as a Hugging Face folder in "
+                         "<campaign dir>/model, loaded back by transformers and checked against megatrain's (the "
+                         "report says why when no transformers class computes the model exactly)")
     stage_timeout_s: float = Field(6 * 3600, gt=0, description="a stage attempt is killed after this long")
     stages: list[StageConfig] = Field(min_length=1)
 

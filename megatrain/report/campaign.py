@@ -21,6 +21,7 @@ from megatrain.report.runs import markdown_image, plot_loss, summarize_run
 
 
 SAMPLES_FILE = "samples.json"  # [{"prompt", "text", "step"}] in a stage's run dir
+EXPORT_FILE = "export.json"  # in the final stage's run dir: the export-model task's result (tasks/export.py)
 
 
 @dataclass
@@ -92,6 +93,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         "tensorboard": str(tensorboard) if tensorboard else None,
         "pictures": {title: str(png) for title, png in pictures.items()},
         "samples": samples,
+        "export": _read_export(Path(status.stages[-1].run_dir) / EXPORT_FILE) if status.stages else None,
     }
     body = _markdown_body(summary)
     files = "\n".join(f"## {title}\n\n![{title}]({_relative(png, report_dir)})\n" for title, png in pictures.items())
@@ -108,6 +110,33 @@ def _read_samples(path: Path) -> list[dict]:
     except (OSError, ValueError):
         return []
     return [s for s in found if isinstance(s, dict) and {"prompt", "text"} <= s.keys()] if isinstance(found, list) else []
+
+
+def _read_export(path: Path) -> dict | None:
+    import json
+
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and "exported" in found else None
+
+
+def _export_markdown(export: dict | None) -> list[str]:
+    """The final model: where it is and how transformers reads it, or why there is none."""
+    if export is None:
+        return []
+    if not export["exported"]:
+        return ["", "## Final model", "", f"Not exported: {export['reason']}"]
+    lines = ["", "## Final model", "",
+             f"`{export['path']}`: {export['architecture']}, step {export['step']}; "
+             f"`transformers.AutoModelForCausalLM.from_pretrained(...)` loads it, its logits within "
+             f"{export['max_logit_diff']:.1e} of megatrain's (fp32).", "", "Greedy samples, transformers | megatrain:", ""]
+    for sample in export.get("samples", []):
+        same = "same" if sample["transformers"] == sample["megatrain"] else "DIFFERENT"
+        lines += [f"* `{sample['prompt']}` ({same}):", "", *("    " + line for line in sample["transformers"].splitlines()),
+                  ""]
+    return lines
 
 
 def _samples_markdown(samples: dict[str, list[dict]]) -> list[str]:
@@ -147,4 +176,5 @@ def _markdown_body(summary: dict) -> str:
     if summary["tensorboard"]:
         lines.append(f"TensorBoard: `tensorboard --logdir {summary['tensorboard']}`.")
     lines += _samples_markdown(summary["samples"])
+    lines += _export_markdown(summary.get("export"))
     return "\n".join(lines) + "\n"
