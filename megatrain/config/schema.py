@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 from megatrain.config.data import DataConfig
 from megatrain.config.model import ModelConfig
 from megatrain.config.section import _Section
+from megatrain.errors import DeterministicError
 
 
 class OverlapConfig(_Section):
@@ -159,6 +160,10 @@ class FP8Config(_Section):
     )
 
 
+class BatchSplitError(DeterministicError, ValueError):
+    """A global batch the data-parallel ranks cannot split (``TrainConfig.grad_accumulation_steps``)."""
+
+
 class TrainConfig(_Section):
     steps: int = Field(100, gt=0, description="optimizer steps")
     seq_len: int | None = Field(
@@ -193,11 +198,15 @@ class TrainConfig(_Section):
     mlflow_tracking_uri: str | None = Field(None, description="also log to this MLflow tracking URI (needs mlflow)")
 
     def grad_accumulation_steps(self, dp: int) -> int:
+        """Micro-batches per rank per step. A global batch the ``dp`` ranks cannot split into whole
+        micro-batches raises ``BatchSplitError``: deterministic (a ConfigError-class failure: a
+        rank prints it in one line, no restart) and a ValueError, which a pydantic validator
+        reports as a field error."""
         per_step = self.micro_batch_size * dp
         if self.global_batch_size % per_step:
-            raise ValueError(
-                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
-                f"micro_batch_size * dp = {self.micro_batch_size} * {dp}"
+            raise BatchSplitError(
+                f"train.global_batch_size {self.global_batch_size} is not divisible by train.micro_batch_size * dp "
+                f"= {self.micro_batch_size} * {dp} = {per_step} (dp: the data-parallel size, world size / (tp * pp))"
             )
         return self.global_batch_size // per_step
 

@@ -9,7 +9,8 @@ measures one thing a bad node gets wrong, and compares it with a floor (or a cei
 - intra-node all-reduce bus bandwidth (GB/s) over the node's local processes, gloo on CPU and
   NCCL on GPU: a broken NVLink/PCIe link. Bus bandwidth = algorithm bandwidth * 2(n-1)/n, the
   per-link traffic of a ring all-reduce, comparable across process counts.
-- storage round trip (MB/s): the checkpoint URL is writable and readable from this node.
+- storage round trip (MB/s): the checkpoint URL is writable and readable from this node, and has
+  room for two checkpoints (the preflight's probe).
 - Redis PING round trip (ms), when a Redis URL is configured: the control plane is reachable.
 
 The result is a ``NodeReport``; the orchestrator merges one per node into a
@@ -27,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -183,21 +183,15 @@ def allreduce_busbw_gbs(nproc: int, megabytes: int, timeout_s: float = 120.0) ->
     return algbw * 2 * (nproc - 1) / nproc / 1e9
 
 
-def storage_roundtrip_mbs(url: str, megabytes: int, node: str) -> float:
+def storage_roundtrip_mbs(cfg: Config, url: str, megabytes: int) -> float:
     """Write (atomically, as checkpoints are committed), read back, verify and delete a test
-    file under ``url``, through ``megatrain.storage`` so every supported scheme is covered."""
-    from megatrain import storage
+    file under ``url``, through ``megatrain.storage`` so every supported scheme is covered: the
+    preflight's probe (``reliability/preflight.py``), which also fails the check when the durable
+    store has no room for two checkpoints, naming the location and the bytes."""
+    from megatrain.reliability.preflight import storage_check
 
-    target = storage.join_url(url, "_selfcheck", f"{node}-{uuid.uuid4().hex[:8]}.bin")
-    payload = os.urandom(megabytes * 2**20)
-    start = time.perf_counter()
-    storage.write_bytes(target, payload)
-    data = storage.read_bytes(target)
-    elapsed = time.perf_counter() - start
-    storage.rm(target)
-    if data != payload:
-        raise OSError(f"{target}: data read back differs from data written")
-    return 2 * len(payload) / elapsed / 1e6
+    result = storage_check(cfg, url, megabytes * 2**20)
+    return 2 * result.nbytes / (result.write_s + result.read_s) / 1e6
 
 
 def redis_rtt_ms(url: str, pings: int = 50) -> float:
@@ -248,7 +242,7 @@ def run_node_checks(cfg: Config, node: str | None = None) -> NodeReport:
                      lambda: allreduce_busbw_gbs(nproc, sc.allreduce_mb or (256 if cuda else 8))))
     storage_url = sc.storage_url or cfg.checkpoint.durable_url
     add(_measure("storage", "MB/s", sc.min_storage_mbs,
-                 lambda: storage_roundtrip_mbs(storage_url, sc.storage_mb, node)))
+                 lambda: storage_roundtrip_mbs(cfg, storage_url, sc.storage_mb)))
     if cfg.reliability.redis_url:
         add(_measure("redis_rtt", "ms", sc.max_redis_rtt_ms,
                      lambda: redis_rtt_ms(cfg.reliability.redis_url or ""), higher_is_better=False))

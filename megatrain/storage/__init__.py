@@ -25,11 +25,20 @@ config is found from the log line alone.
 
 Modules: ``urls`` (URL -> filesystem; reads, listings, deletes), ``atomic`` (writes that appear
 whole or not at all), ``space`` (free space before a write), ``confine`` (names read from metadata
-stay inside their folder). Callers use the package: ``from megatrain import storage``.
+stay inside their folder), ``probe`` (is a location writable and big enough, before a run needs it).
+Callers use the package: ``from megatrain import storage``.
 """
 
 from megatrain.storage.atomic import atomic_write, put_file, write_bytes
 from megatrain.storage.confine import confined
+from megatrain.storage.probe import (
+    LocationNotWritable,
+    LocationTooSmall,
+    ProbeResult,
+    Target,
+    probe_location,
+    probe_locations,
+)
 from megatrain.storage.space import NoSpaceError, check_space, free_bytes, is_no_space
 from megatrain.storage.urls import (
     StorageError,
@@ -51,7 +60,8 @@ from megatrain.storage.urls import (
 )
 
 __all__ = [
-    "NoSpaceError", "StorageError", "atomic_write", "check_space", "confined", "exists", "find", "free_bytes",
-    "glob", "info", "is_no_space", "join_url", "list", "listdir", "local_path", "makedirs", "open_url", "parent_url", "put_file",
-    "read_bytes", "resolve", "rm", "size", "write_bytes",
+    "LocationNotWritable", "LocationTooSmall", "NoSpaceError", "ProbeResult", "StorageError", "Target",
+    "atomic_write", "check_space", "confined", "exists", "find", "free_bytes", "glob", "info", "is_no_space",
+    "join_url", "list", "listdir", "local_path", "makedirs", "open_url", "parent_url", "probe_location", "probe_locations",
+    "put_file", "read_bytes", "resolve", "rm", "size", "write_bytes",
 ]

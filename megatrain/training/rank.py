@@ -1,6 +1,7 @@
-"""One rank's life: parse, validate, hold the run dir, join the process groups, train, exit with
-a code that tells the launcher what happened (``megatrain.errors``: ok, config, anomaly,
-deterministic). Started as ``torchrun --nproc-per-node N -m megatrain.train --config X [k=v ...]``
+"""One rank's life: parse, validate (also the rules that need the world size), hold the run dir
+and probe the locations the run writes (rank 0: the preflight), join the process groups, train,
+exit with a code that tells the launcher what happened (``megatrain.errors``: ok, config,
+anomaly, deterministic). A failure known before training is one line, from rank 0 only. Started as ``torchrun --nproc-per-node N -m megatrain.train --config X [k=v ...]``
 (``megatrain/train.py``), as ``megatrain train --config X`` for one process, or by a warm standby
 process (``megatrain/training/standby.py``)."""
 
@@ -11,12 +12,15 @@ import logging
 import math
 import os
 import sys
+import time
 
 from megatrain.config import ConfigError, load_config
 from megatrain.launch.lease import FileLeaseStore, Lease, LeaseHeld
 from megatrain.errors import (
     DETERMINISTIC_PREFIX, EXIT_ANOMALY, EXIT_CONFIG, EXIT_DETERMINISTIC, DeterministicError,
 )
+
+PEER_GRACE_S = 3.0  # how long a rank other than 0 waits before exiting on a failure rank 0 also reports
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,27 +42,70 @@ def setup_logging(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging(int(os.environ.get("RANK", 0)))
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(rank)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive the agent
         from megatrain.launch.ranks import die_with_parent
 
         die_with_parent()
-    try:
+    try:  # before any process group or model exists; every rank finds the same, rank 0 says it
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:  # before any process group or model exists
-        print(f"{DETERMINISTIC_PREFIX}{exc}".replace("\n", " | "), file=sys.stderr)
+        check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as exc:
+        if rank == 0:
+            print(f"{DETERMINISTIC_PREFIX}{exc}".replace("\n", " | "), file=sys.stderr, flush=True)
+        else:  # torchrun stops every rank at the first exit: let rank 0 say why before that
+            time.sleep(PEER_GRACE_S)
         return EXIT_CONFIG
 
     try:
-        lease = hold_run_dir(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+        lease = hold_run_dir(cfg) if rank == 0 else None
     except LeaseHeld as exc:  # another run writes here: refuse, naming it (its peers stop with us)
-        print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return EXIT_DETERMINISTIC
+        return say_deterministic(exc)
     try:
+        if rank == 0:
+            try:
+                run_preflight(cfg)
+            except DeterministicError as exc:  # a location that cannot take the run's writes
+                return say_deterministic(exc)
         return _train(cfg)
     finally:
         if lease is not None:
             lease.release()
+
+
+def say_deterministic(exc: BaseException) -> int:
+    """The same on every retry: say it once, in one line the launcher finds (``megatrain.errors``)."""
+    print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}".replace("\n", " | "), file=sys.stderr, flush=True)
+    return EXIT_DETERMINISTIC
+
+
+def check_layout(cfg, world_size: int) -> None:
+    """The rules that need the world size, checked at a rank's start (they fail alike on every
+    rank): the layout fits it, and the global batch splits into whole micro-batches over its
+    data-parallel ranks (a checkpoint of 2 ranks restored on 3 meets this). Raises ConfigError
+    naming the field and the rule."""
+    try:
+        cfg.train.grad_accumulation_steps(cfg.parallel.data_parallel_size(world_size))
+    except ValueError as exc:  # BatchSplitError names its fields; the layout's errors name parallel
+        text = str(exc)
+        raise ConfigError(text if text.startswith("train.") else f"parallel: {text}") from None
+
+
+def run_preflight(cfg) -> None:
+    """Rank 0, before the process groups, the data and the model: the run dir, the staging dir
+    and the durable store take a write and have room for two checkpoints
+    (``megatrain/reliability/preflight.py``). A location that cannot is a DeterministicError; an
+    outage of the store raises StorageError, a crash the launcher retries."""
+    from megatrain.reliability.preflight import preflight
+
+    cuda = cfg.train.device == "cuda"
+    if cfg.train.device == "auto":  # as init_distributed resolves it
+        import torch
+
+        cuda = torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    preflight(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), cuda=cuda)
 
 
 def hold_run_dir(cfg) -> Lease:
@@ -81,9 +128,8 @@ def _train(cfg) -> int:
     try:
         try:
             result = Trainer(cfg, env, startup).train()
-        except DeterministicError as exc:  # the same on every retry: say it once, in one line
-            print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}".replace("\n", " | "), file=sys.stderr, flush=True)
-            return EXIT_DETERMINISTIC
+        except DeterministicError as exc:
+            return say_deterministic(exc)
         if env.rank == 0 and result.status == "completed" and math.isnan(result.final_loss):  # no step ran here
             logging.getLogger("megatrain").info("already finished: step %d is committed, nothing to train", result.steps)
         elif env.rank == 0:

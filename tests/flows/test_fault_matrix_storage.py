@@ -85,9 +85,12 @@ def run_failing(path: Path) -> str:
 
 @pytest.mark.slow
 def test_staging_disk_full(reference, workdir, shard_root, logs):
-    """The user's staging_dir (a small disk) is honoured and is too small for one checkpoint: the
-    ranks stop at the next step with the path, bytes needed and bytes free, no restart burns time
-    on it, nothing is committed, and the flow fails instead of reporting the stage Completed."""
+    """The user's staging_dir (a small disk) is honoured and is too small for one checkpoint: since
+    the preflight, validate-campaign refuses it before any rank starts, with the path, bytes needed
+    (two checkpoints' share of the node) and bytes free; no restart burns time on it, nothing is
+    written or committed, and the flow fails instead of reporting the stage Completed. (Before the
+    preflight the ranks trained and stopped at step 2's staging; that check still guards a disk
+    that fills during the run.)"""
     step = step_bytes(reference(1), COMMITTED[-1])
     with small_disk(workdir / "small-staging", step // 2) as disk:
         path = write_campaign(workdir, "staging-full", shard_url=shard_root,
@@ -96,15 +99,15 @@ def test_staging_disk_full(reference, workdir, shard_root, logs):
         assert stage_config(campaign, 0).checkpoint.staging_dir == str(disk / "staging-full" / "only")
         t_start = time.time()
         failure = run_failing(path)
-        assert re.search(rf"{disk}/staging-full/only/step-00000002: no space for staging step 2 \(rank 0\): "
-                         r"needs \d+ bytes, \d+ bytes free", failure), failure
-        t_detect, _ = logs.need(r"attempt 1 ended: deterministic", after=t_start)
-        assert logs.find(r"attempt 2", after=t_start) is None  # a full disk is not retried as a crash
+        assert re.search(rf"{disk}/staging-full/only: too small for two checkpoints' share of one node "
+                         r"\(2 x \d+ bytes\): needs \d+ bytes \(.*\), \d+ bytes \(.*\) free", failure), failure
+        t_detect, _ = logs.need(r"too small for two checkpoints' share", after=t_start)
+        assert logs.find(r"attempt 1", after=t_start) is None  # refused before any rank started
         assert [p for p in disk.rglob("*") if p.is_file()] == []  # no partial file on the full disk
         durable = campaign.stage_durable_url(0)
         assert catalog.committed(durable) == []
-        failed_row("staging_full", "disk space check before staging", t_start, t_detect,
-               "tmpfs of half a checkpoint as checkpoint.staging_dir; rank fails at step 2, flow Failed")
+        failed_row("staging_full", "preflight in validate-campaign", t_start, t_detect,
+               "tmpfs of half a checkpoint as checkpoint.staging_dir; refused before any rank, flow Failed")
 
 
 @pytest.mark.slow

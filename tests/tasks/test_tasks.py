@@ -187,3 +187,51 @@ def test_an_unsafe_staged_name_fails_the_upload_task_once_without_retries(prefec
         run = client.read_task_run(task_run_id)
     assert failed and run.run_count == 1  # no retry
     assert not (tmp_path / "durable").exists() or not any((tmp_path / "durable").rglob("manifest.json"))
+
+
+class _Ended:
+    """A task run's final state as ``retry_condition_fn`` sees it: ``result()`` raises its error."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def result(self):
+        raise self.exc
+
+
+def test_validate_campaign_probes_every_location_and_retries_only_an_outage(campaign_file, tmp_path):
+    """The preflight in validate-campaign: a read-only durable store (a real ro tmpfs) fails at
+    once in one line naming the field, the path and the bytes, and the task does not retry it; a
+    store where nothing listens is an outage, which it does retry."""
+    import socket
+    import subprocess
+
+    from megatrain.storage import LocationNotWritable, StorageError
+    from tasks.campaign import validate_campaign
+
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], check=False,
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        path = campaign_file("ro", ONE_STAGE, extra=f"durable_url: {disk}\n")
+        with pytest.raises(LocationNotWritable) as failed:
+            validate_campaign.fn(str(path))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    message = str(failed.value)
+    assert message.startswith(f"checkpoint.durable_url {disk}/only is not writable: OSError: [Errno 30] Read-only "
+                              "file system; it must hold two checkpoints (2 x ") and message.endswith("(1.0 MiB) free")
+    assert "\n" not in message
+    assert validate_campaign.retry_condition_fn(None, None, _Ended(failed.value)) is False
+    assert not (tmp_path / "campaigns" / "ro").exists()  # the probes of the run and staging dirs left nothing
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = campaign_file("down", ONE_STAGE, extra=f"durable_url: webhdfs://127.0.0.1:{port}/ckpt\n")
+    with pytest.raises(StorageError, match=rf"^webhdfs://127.0.0.1:{port}/ckpt/only/\S+: ConnectionError") as down:
+        validate_campaign.fn(str(path))
+    assert validate_campaign.retry_condition_fn(None, None, _Ended(down.value)) is True

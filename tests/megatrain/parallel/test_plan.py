@@ -117,3 +117,32 @@ def test_llama_8b_plan_matches_the_hand_calculation():
     assert plan.recompute_working_bytes == pytest.approx(working)
     assert plan.total_bytes == pytest.approx(4 * P + 12 * P / dp + stored + working)
     assert plan.total_bytes / GIB < 141 / 1.074  # fits an H200 (141 GB) with room to spare
+
+
+# One checkpoint of the whole run (megatrain/parallel/plan.py checkpoint_size): every parameter once
+# in bf16 (2 bytes) plus fp32 master, m and v (12 bytes; ZeRO-1 partitions them over dp, so the
+# checkpoint holds them once), plus the last pipeline stage's copy of the tied token embedding, plus
+# each rank's RNG state and metadata (64 KiB counted per rank).
+WHOLE = V * d + s * d + L * ((4 * d * d + 4 * d) + (2 * d * ff + ff + d) + 2 * d) + 2 * d  # 174,770,774,016
+CHECKPOINT = (WHOLE + V * d) * (2 + 12) + WORLD * 64 * 1024  # 2,458,606,190,592 B = 2289.76 GiB
+
+
+def test_175b_checkpoint_size_matches_the_hand_calculation(capsys):
+    from megatrain.model.gpt import expected_parameter_count
+    from megatrain.parallel.plan import checkpoint_size
+
+    cfg = load_config(RECIPE)
+    assert WHOLE == expected_parameter_count(cfg.model) == 174_770_774_016
+    size = checkpoint_size(cfg, WORLD)
+    assert size.total == CHECKPOINT == 2_458_606_190_592
+    # a node of 8 GPUs is one TP group of one (dp, pp) slot: DP rank 0's 8 ranks hold the weights
+    # of their stage shard and 1/192 of its optimizer state each
+    shard = P + V * d // t  # the first stage's shard plus the last stage's head bound
+    rank0 = shard * 2 + -(-shard * 12 // dp) + 64 * 1024
+    assert size.largest_rank == rank0 and size.per_node == 8 * rank0
+    assert memory_plan(cfg, world_size=WORLD).checkpoint == size
+
+    assert cli([RECIPE, "--world-size", str(WORLD)]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint: {CHECKPOINT / GIB:.2f} GiB (two: {2 * CHECKPOINT / GIB:.2f} GiB)" in out
+    assert "checkpoint: 2289.76 GiB (two: 4579.51 GiB)" in out
