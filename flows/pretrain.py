@@ -115,6 +115,15 @@ def print_summary(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line, under megatrain's one error path (``megatrain/cli.py``): a bad campaign
+    is one line naming the file and field (exit 2), Ctrl-C one line (exit 130), a bug one line
+    naming the file that holds its traceback (exit 70)."""
+    from megatrain.cli import run_command
+
+    return run_command("python -m flows.pretrain", _main, sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flows.pretrain",
         description="Run a pretraining campaign (validate, shard, self-check, stages, report) as a Prefect "
@@ -125,11 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show every rank line on the console (the files have them anyway)")
     args = parser.parse_args(argv)
 
+    from megatrain.config.campaign import load_campaign
     from megatrain.report.console import campaign_finished, quiet_console
 
+    load_campaign(args.campaign_path, args.overrides)  # a bad campaign raises, before any server starts
     try:
         finished = campaign_finished(args.campaign_path, args.overrides)
-    except Exception:  # a bad campaign: the run below says why, in one line
+    except Exception:  # noqa: BLE001 (a report or status that cannot be read: the flow decides what to run)
         finished = None
     if finished:
         print(finished)

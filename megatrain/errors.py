@@ -18,6 +18,13 @@ EXIT_CONFIG = 2  # the config did not validate (before any process group exists)
 EXIT_ANOMALY = 3  # NaN / loss spike: the flow rolls back
 EXIT_DETERMINISTIC = 4  # see DeterministicError: no restart can help
 
+# Further exit codes of the ``megatrain`` command (``megatrain/cli.py`` maps errors to them).
+EXIT_INPUT = 1  # bad input: a data source, tokenizer, shard, checkpoint or path missing or corrupt
+EXIT_NO_MEMORY = 5  # out of host memory
+EXIT_BUG = 70  # an unexpected exception (sysexits' EX_SOFTWARE): its traceback went to a file
+EXIT_TEMPORARY = 75  # a storage outage, an upload that gave up (EX_TEMPFAIL): a retry may help
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+
 # The line a rank prints before exiting with EXIT_DETERMINISTIC; the launcher looks for it.
 DETERMINISTIC_PREFIX = "megatrain: deterministic error: "
 
@@ -40,3 +47,8 @@ class InputError(DeterministicError):
 
 class UnsafePathError(DeterministicError, ValueError):
     """A name read from metadata that would leave its folder (``..``, absolute, symlink out)."""
+
+
+def one_line(text: str) -> str:
+    """A message folded onto one line: its non-blank lines, stripped, joined by `` | ``."""
+    return " | ".join(line.strip() for line in str(text).splitlines() if line.strip())

@@ -230,19 +230,21 @@ def shard_corpus(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardIn
 
 def cli(argv: list[str]) -> int:
     """``megatrain shard [--config PATH] [data.shard_url=... model.seq_len=...]``"""
-    from megatrain.config import ConfigError, load_config
+    from megatrain.config import load_config
+    from megatrain.errors import EXIT_INPUT, one_line
 
     parser = argparse.ArgumentParser(prog="megatrain shard", description="tokenize a corpus into webdataset shards")
     parser.add_argument("--config", help="recipe YAML (default: built-in defaults)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_source_bytes=2000000")
     args = parser.parse_args(argv)
+    # A bad config or a storage outage raises: megatrain.cli says it in one line (exit 2, 75).
+    cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        cfg = load_config(args.config, args.overrides)
         indexes = [shard_corpus(data, cfg.seq_len, cfg.model.vocab_size) for data in component_configs(cfg.data)]
-    except (ConfigError, DataError, storage.StorageError) as exc:
-        print(f"megatrain shard: {exc}", file=sys.stderr)
-        return 1
+    except DataError as exc:  # a missing, binary or refused source: one line naming it (callers of cli() too)
+        print(f"megatrain shard: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_INPUT
     print("\n".join(index.summary() for index in indexes))
     return 0
 

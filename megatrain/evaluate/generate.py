@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -146,17 +145,22 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--config", help="the run's config YAML, when the checkpoint has no run.json beside it")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     args = parser.parse_args(argv)
+    try:
+        sampling = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p, args.greedy, args.seed)
+    except ValueError as exc:  # an argument out of range: argparse's usage line, exit 2
+        parser.error(str(exc))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from megatrain.errors import InputError
     from megatrain.interop.checkpoint import load_run
 
-    try:
-        sampling = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p, args.greedy, args.seed)
-        run = load_run(args.checkpoint, config=args.config, device=args.device, step=args.step)
-        texts = generate_text(run, args.prompt, sampling, use_cache=not args.no_cache)
-    except (InputError, ValueError) as exc:
-        print(f"megatrain generate: {exc}", file=sys.stderr)
-        return 1
+    # A missing run or a corrupt checkpoint raises: megatrain.cli says it in one line.
+    run = load_run(args.checkpoint, config=args.config, device=args.device, step=args.step)
+    tokenizer, window = run.tokenizer(), run.cfg.model.seq_len
+    for prompt in args.prompt:
+        if (length := len(tokenizer.encode(prompt).ids)) > window:
+            raise InputError(f"--prompt {prompt[:40]!r}: {length} tokens, more than the model's window of {window} "
+                             "(model.seq_len)")
+    texts = generate_text(run, args.prompt, sampling, use_cache=not args.no_cache)
     for prompt, text in zip(args.prompt, texts):
         print(json.dumps({"prompt": prompt, "text": text, "step": run.step, **asdict(sampling)}) if args.json
               else f"--- step {run.step}, prompt {prompt!r}\n{text}")
