@@ -222,8 +222,10 @@ class TrainConfig(_Section):
 
 class CheckpointConfig(_Section):
     interval: int = Field(50, gt=0, description="save every this many steps")
-    staging_dir: str = Field("runs/default/staging", description="fast local disk for stage 1")
-    durable_url: str = Field("runs/default/checkpoints", description="fsspec URL for committed checkpoints")
+    staging_dir: str | None = Field(
+        None, description="fast local disk for stage 1; default <train.run_dir>/staging (a run owns its files)")
+    durable_url: str | None = Field(
+        None, description="fsspec URL for committed checkpoints; default <train.run_dir>/checkpoints")
     keep_last: int = Field(3, gt=0)
     keep_every: int | None = Field(None, gt=0, description="also keep every step divisible by this")
     upload_retries: int = Field(5, ge=0, description="retries per file (and per commit) before a step is given up")
@@ -389,6 +391,12 @@ class Config(_Section):
             )
         if self.train.seq_len is not None and self.train.seq_len > self.model.seq_len:
             raise ValueError(f"train.seq_len ({self.train.seq_len}) must be <= model.seq_len ({self.model.seq_len})")
+        # a run owns its files: checkpoints follow train.run_dir unless a field says otherwise
+        run_dir = self.train.run_dir.rstrip("/")
+        if self.checkpoint.staging_dir is None:
+            self.checkpoint.staging_dir = f"{run_dir}/staging"
+        if self.checkpoint.durable_url is None:
+            self.checkpoint.durable_url = f"{run_dir}/checkpoints"
         return self
 
     @property
