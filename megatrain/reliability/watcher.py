@@ -244,7 +244,7 @@ class HeartbeatWatcher:
     def _tell_frozen_from_waiting(result: WatchResult) -> None:
         """Among the hung ranks, those whose heartbeat went silent along with their step (for more
         than half the time the step is stuck, and at least FROZEN_MIN_S) while a peer still beats
-        are frozen; the still-beating hung ranks then wait for them."""
+        are frozen; the still-beating ranks mid-step then wait for them."""
         now = result.checked_at
 
         def silent(rank: int) -> bool:
@@ -256,7 +256,10 @@ class HeartbeatWatcher:
         beating = [rank for rank in result.records if rank not in frozen and rank not in result.dead]
         if frozen and beating:
             result.frozen = frozen
-            result.waiting = [rank for rank in result.hung if rank not in frozen]
+            # A peer that entered its collective a little after the frozen rank stopped is not over
+            # the stall limit yet, but it waits all the same: every beating rank still mid-step does.
+            result.waiting = sorted(rank for rank in beating if rank in result.hung
+                                    or result.records[rank].phase in STEP_PHASES)
             result.hung = []
 
     def _stall_limit(self) -> float | None:
