@@ -4,7 +4,8 @@
   written; a stale one (its flow process died) is taken over, and that flow run, left RUNNING by
   its dead process, is marked Crashed;
 - the temporary Prefect server of a command-line run, started here so that it dies with this
-  process (PR_SET_PDEATHSIG), even after SIGKILL, instead of Prefect's own, which is orphaned;
+  process (PR_SET_PDEATHSIG), even after SIGKILL, instead of Prefect's own, which is orphaned,
+  and with a database of its own, so that runs side by side never share one SQLite file;
 - the command line's exit: one line for a bad campaign (before any server starts), one line
   for a failed or stopped run, and an exit code that says which.
 """
@@ -12,11 +13,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from megatrain.config.campaign import CampaignConfig, stage_config
 from megatrain.launch.lease import Lease, lease_store
@@ -50,6 +56,7 @@ def _mark_crashed(owner: str, message: str) -> None:
     """The flow run named in a stale lease, if still RUNNING (its process was killed), becomes
     Crashed: the UI then shows what happened instead of a run that never ends."""
     from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
     from prefect.states import Crashed
 
     found = _UUID.search(owner)
@@ -61,20 +68,53 @@ def _mark_crashed(owner: str, message: str) -> None:
             if run.state is not None and run.state.is_running():
                 client.set_flow_run_state(run.id, Crashed(message=message), force=True)
                 run_logger().warning("flow run %s marked Crashed: %s", run.name, message)
-    except Exception as exc:  # another server's run, or none: nothing to mark
-        run_logger().info("stale lease owner %s not marked Crashed (%s)", owner, exc)
+    except ObjectNotFound:  # a command-line run's flow run went with its temporary server
+        run_logger().info("stale lease owner %s not marked Crashed: its flow run is not on this server", owner)
+    except Exception as exc:  # no server to ask: nothing to mark
+        run_logger().info("stale lease owner %s not marked Crashed (%s: %s)", owner, type(exc).__name__, exc)
+
+
+def _server_environment() -> dict[str, str]:
+    """What a command-line run's temporary server gets on top of Prefect's own environment: its
+    own ``PREFECT_HOME`` (a new folder; see ``temporary_server``) unless the user said where
+    Prefect keeps its state (``PREFECT_HOME`` or the database URL, in the environment, a .env or
+    prefect.toml file or a profile), and no telemetry unless the user asked for it: its heartbeat
+    reads, then writes, the database while the server's other services start, and on busy cores
+    SQLite refuses that upgrade at once ("database is locked", a traceback on the run's console;
+    seen once in three runs side by side, with a database each). ``make`` turns it off too."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    extra = {}
+    if "home" not in settings.model_fields_set and "connection_url" not in settings.server.database.model_fields_set:
+        extra["PREFECT_HOME"] = _own_state_dir()
+    if "analytics_enabled" not in settings.server.model_fields_set:
+        extra["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    return extra
 
 
 @contextlib.contextmanager
 def temporary_server() -> Iterator[None]:
     """A temporary local Prefect server that dies with this process, when no API is configured
-    (a configured one, e.g. ``make serve``'s, is used as it is)."""
+    (a configured one, e.g. ``make serve``'s, is used as it is).
+
+    Its state is this run's own: ``PREFECT_HOME`` (hence its SQLite database) is a folder made
+    for it and removed after it. Two command-line campaigns at once used to start two servers on
+    the one ``~/.prefect/prefect.db`` (one printed a "database is locked" traceback). A temp
+    folder rather than one under the campaign dir: a second run of the same campaign (refused by
+    the campaign lease, but only once its server is up) would share that one too, and a campaign
+    dir may sit on a network file system, where SQLite's locks are not to be trusted. Nothing
+    reads a temporary server's history after its run (the campaign's files are the record); only
+    the server moves: results, and so the cache of finished stages, stay in the user's Prefect
+    home. A ``PREFECT_HOME`` or database URL the user set is theirs, used as it is (runs side by
+    side then share it: their choice)."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
     if PREFECT_API_URL.value():
         yield
         return
+    extra_env = _server_environment()
 
     class ServerDyingWithUs(SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen:
@@ -82,8 +122,9 @@ def temporary_server() -> Iterator[None]:
 
             real_popen = subprocess.Popen
 
-            def popen(*args, **kwargs):  # Prefect's own command line, plus PR_SET_PDEATHSIG
-                return real_popen(*args, preexec_fn=die_with_parent, **kwargs)
+            def popen(*args, env=None, **kwargs):  # Prefect's own command line, plus PR_SET_PDEATHSIG
+                env = {**(env or os.environ), **extra_env}  # and this run's own state (the server's only)
+                return real_popen(*args, preexec_fn=die_with_parent, env=env, **kwargs)
 
             subprocess.Popen = popen
             try:
@@ -92,9 +133,9 @@ def temporary_server() -> Iterator[None]:
                 subprocess.Popen = real_popen
 
     server = ServerDyingWithUs()
-    # Prefect's default (20 s) is too short on 2 busy cores (NOTES.md: 60)
-    server.start(timeout=max(60, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
     try:
+        # Prefect's default (20 s) is too short on 2 busy cores (NOTES.md: 60)
+        server.start(timeout=max(60, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             try:
                 yield
@@ -102,6 +143,20 @@ def temporary_server() -> Iterator[None]:
                 _drain_to_api()  # Prefect's exit-time drain retries a dead server for a minute)
     finally:
         server.stop()
+        if "PREFECT_HOME" in extra_env:
+            shutil.rmtree(extra_env["PREFECT_HOME"], ignore_errors=True)
+
+
+def _own_state_dir() -> str:
+    """A new folder for this run's server state, ``megatrain-prefect-run-<host>-<pid>-*`` in the
+    temp dir; first the folders of runs on this host whose process is gone (killed: nothing
+    removed them) are removed."""
+    prefix = f"megatrain-prefect-run-{socket.gethostname()}-"
+    for old in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        pid = old.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
 
 
 def _drain_to_api(timeout_s: float = 15.0) -> None:

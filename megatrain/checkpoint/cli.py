@@ -3,7 +3,12 @@
 - ``list URL``: every step directory with committed?, size and file count;
 - ``verify URL [--step N]``: re-hash every file of the committed checkpoints (or one) against its
   manifest; exit 1 naming each bad file;
-- ``inspect URL [--step N]``: the manifest of the newest committed checkpoint (or step N).
+- ``inspect URL [--step N]``: the manifest of the newest committed checkpoint (or step N), once it
+  verifies.
+
+A step asked for by itself (``--step N``, or a step dir URL) that is not committed (no manifest,
+one that does not parse) or does not verify is one line on stderr saying so and why, and exit 1:
+never a manifest printed for files that restore would refuse.
 
 URL is the ``checkpoint.durable_url`` of a run (any fsspec URL); it may also name one step dir,
 or a campaign dir (or its ``durable`` dir): then each stage's checkpoints, stage by stage.
@@ -60,11 +65,42 @@ def _select(url: str, step: int | None) -> list[catalog.CheckpointInfo] | str:
     return committed or (f"{url}: no committed checkpoint" + (f" at step {step}" if step is not None else ""))
 
 
+def _verified_step(url: str, step: int) -> tuple[catalog.CheckpointInfo | None, str | None]:
+    """(``step`` under ``url``, None) when it is committed and verifies, else (None, one line
+    saying why not)."""
+    found = [info for info in _checkpoints(url) if info.step == step]
+    if not found:
+        return None, f"step {step} is not committed: there is no such step under {url}"
+    info = found[0]
+    if info.problem:
+        return None, f"step {step} at {info.url} is not committed: its manifest is unreadable ({info.problem})"
+    if not info.committed:
+        return None, (f"step {step} at {info.url} is not committed: it has no manifest.json (an upload that "
+                      f"never finished; {info.files} files so far)")
+    problems = verify_checkpoint(info.url, info.manifest)
+    if problems:
+        return None, (f"step {step} at {info.url} does not verify, so it counts as not committed: "
+                      f"{len(problems)} problem(s): {'; '.join(problems)}")
+    return info, None
+
+
+def _one_line(problem: str) -> int:
+    print(f"megatrain checkpoints: {' '.join(problem.split())}", file=sys.stderr)
+    return 1
+
+
 def cmd_verify(url: str, step: int | None) -> int:
     """Re-hash and parse every committed step; a manifest that does not parse (or names a file
     outside its step) is as corrupt as a bad file. Ends with the step restore would use."""
-    unreadable = [info for info in _checkpoints(url) if info.problem and step in (None, info.step)]
-    selected = _select(url, step)
+    asked = step if step is not None else parse_step(url)
+    if asked is not None:  # one step: committed and verified, or one line saying why not
+        info, problem = _verified_step(url, asked)
+        if problem:
+            return _one_line(problem)
+        print(f"step {asked}: ok ({info.files} files, {_human(info.size_bytes)})")
+        return 0
+    unreadable = [info for info in _checkpoints(url) if info.problem]
+    selected = _select(url, None)
     if isinstance(selected, str) and not unreadable:
         print(selected, file=sys.stderr)
         return 1
@@ -85,11 +121,17 @@ def cmd_verify(url: str, step: int | None) -> int:
 
 
 def cmd_inspect(url: str, step: int | None) -> int:
-    selected = _select(url, step)
-    if isinstance(selected, str):
-        print(selected, file=sys.stderr)
-        return 1
-    print(json.dumps(selected[-1].manifest, indent=2, sort_keys=True))
+    """The manifest of step N (or of the newest committed step) once its files verify."""
+    asked = step if step is not None else parse_step(url)
+    if asked is None:
+        selected = _select(url, None)
+        if isinstance(selected, str):
+            return _one_line(selected)
+        asked = selected[-1].step
+    info, problem = _verified_step(url, asked)
+    if problem:
+        return _one_line(problem)
+    print(json.dumps(info.manifest, indent=2, sort_keys=True))
     return 0
 
 

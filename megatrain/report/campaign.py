@@ -17,7 +17,7 @@ from pathlib import Path
 from megatrain.checkpoint.files import step_dir_name
 from megatrain.observe.attempt_log import read_attempts
 from megatrain.report.status import CampaignStatus, campaign_status, describe_data, stage_status
-from megatrain.report.runs import markdown_image, plot_loss, summarize_run
+from megatrain.report.runs import markdown_image, plot_loss, summarize_run, tensorboard_problems
 
 
 SAMPLES_FILE = "samples.json"  # [{"prompt", "text", "step"}] in a stage's run dir
@@ -49,10 +49,10 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
     report_dir.mkdir(parents=True, exist_ok=True)
     results = {r["stage"]: r for r in stage_results or []}
 
-    rows, attempts_seen, checkpoints, pictures, samples = [], [], [], {}, {}
+    rows, attempts_seen, checkpoints, pictures, samples, problems = [], [], [], {}, {}, []
     for stage in status.stages:
         result = results.get(stage.name, {})
-        summary = summarize_run(stage.run_dir) if stage.last_step else None
+        summary = summarize_run(stage.run_dir) if stage.loss is not None else None  # rows to summarize
         history = result.get("history")
         attempts = read_attempts(stage.run_dir)  # written by AttemptLog: status, message, log file
         if history is None:
@@ -62,7 +62,8 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
                            "message": attempt.get("message") or "", "log": logs.get(number)}
                           for number, attempt in enumerate(history, start=1)]
         rows.append({
-            "stage": stage.name, "state": stage.state, "steps": summary.steps if summary else 0,
+            "stage": stage.name, "state": stage.state,
+            "steps": summary.steps if summary else stage.last_step,  # no metrics: the committed steps
             "first loss": _round(summary.first_loss) if summary else None,
             "final loss": _round(summary.final_loss) if summary else None,
             "val loss": _round(summary.val_loss) if summary else None,
@@ -76,6 +77,9 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         checkpoints += [{"stage": stage.name, "step": step, "url": f"{stage.durable_url.rstrip('/')}/{step_dir_name(step)}"}
                         for step in stage.committed]
         samples[stage.name] = _read_samples(Path(stage.run_dir) / SAMPLES_FILE)
+        found = stage.notes + _tensorboard_problems(stage)
+        if found:
+            problems.append({"stage": stage.name, "problems": found})
         for png in sorted(Path(stage.run_dir).glob("stragglers.png")) + sorted(Path(stage.run_dir).glob("hang-attempt*.png")):
             kind = "straggler heat map" if png.name == "stragglers.png" else f"who hung ({png.stem})"
             pictures[f"{stage.name}: {kind}"] = png
@@ -93,12 +97,30 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         "tensorboard": str(tensorboard) if tensorboard else None,
         "pictures": {title: str(png) for title, png in pictures.items()},
         "samples": samples,
+        "problems": problems,  # files missing or damaged, per stage
         "export": _read_export(Path(status.stages[-1].run_dir) / EXPORT_FILE) if status.stages else None,
     }
-    body = _markdown_body(summary)
-    files = "\n".join(f"## {title}\n\n![{title}]({_relative(png, report_dir)})\n" for title, png in pictures.items())
-    inline = "\n".join(f"## {title}\n\n{markdown_image(png, title)}\n" for title, png in pictures.items())
-    return CampaignReport(summary, f"{body}\n{files}", f"{body}\n{inline}", pictures)
+    head, body = _markdown_body(summary)
+
+    def with_pictures(show) -> str:
+        # the loss curve right under the stage table, where a reader (and a screenshot) sees it first
+        shown = [f"## {title}\n\n{show(png, title)}\n" for title, png in pictures.items()]
+        return "\n".join([head, shown[0], body, *shown[1:]])
+
+    files = with_pictures(lambda png, title: f"![{title}]({_relative(png, report_dir)})")
+    return CampaignReport(summary, files, with_pictures(markdown_image), pictures)
+
+
+def _tensorboard_problems(stage) -> list[str]:
+    """A stage that trained with TensorBoard on (its config.yaml) and has no whole event file: named.
+    A running stage's writer may be mid-flush, so it is looked at once it has ended."""
+    from megatrain.config import read_yaml
+
+    config = Path(stage.run_dir) / "config.yaml"
+    train = read_yaml(config).get("train", {}) if config.exists() else {}
+    if stage.state in ("running", "pending") or not stage.last_step or not train.get("tensorboard", True):
+        return []
+    return tensorboard_problems(train.get("tensorboard_dir") or Path(stage.run_dir) / "tb")
 
 
 def _read_samples(path: Path) -> list[dict]:
@@ -161,13 +183,15 @@ def _relative(path: Path, start: Path) -> str:
         return os.path.relpath(path, start)
 
 
-def _markdown_body(summary: dict) -> str:
+def _markdown_body(summary: dict) -> tuple[str, str]:
+    """The report's text in two parts: its title and stage table, and the rest."""
     columns = ["stage", "state", "steps", "final loss", "val loss", "tokens/s", "attempts", "restarts", "rollbacks",
                "data"]
     lines = [f"# Campaign `{summary['campaign']}`", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join("-" if row[c] is None else str(row[c]) for c in columns) + " |" for row in summary["stages"]]
-    lines += ["", f"## Attempts ({len(summary['faults'])} faults detected)", ""]
+    head, lines = "\n".join(lines) + "\n", []
+    lines += [f"## Attempts ({len(summary['faults'])} faults detected)", ""]
     lines += [f"* `{a['stage']}` attempt {a['attempt']}: **{a['status']}**" + (f": {a['message']}" if a["message"] else "")
               + (f" (full log: `{a['log']}`)" if a.get("log") else "") for a in summary["attempts"]]
     newest = summary["checkpoints"][-1]["url"] if summary["checkpoints"] else "-"
@@ -175,6 +199,9 @@ def _markdown_body(summary: dict) -> str:
               f"(`megatrain checkpoints verify {summary['campaign_dir']}`)."]
     if summary["tensorboard"]:
         lines.append(f"TensorBoard: `tensorboard --logdir {summary['tensorboard']}`.")
+    if summary.get("problems"):
+        lines += ["", "## Missing or damaged files", ""]
+        lines += [f"* `{p['stage']}`: {problem}" for p in summary["problems"] for problem in p["problems"]]
     lines += _samples_markdown(summary["samples"])
     lines += _export_markdown(summary.get("export"))
-    return "\n".join(lines) + "\n"
+    return head, "\n".join(lines) + "\n"

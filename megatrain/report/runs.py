@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +31,94 @@ class RunSummary:
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """One row per logged step; rows of steps that were redone after a restart or rollback
     replace the earlier ones, so the result is the run as it finally happened."""
+    return final_rows(read_raw_metrics(run_dir))
+
+
+def final_rows(raw: list[dict]) -> list[dict]:
+    """The last row logged for each step, in step order (see ``read_metrics``)."""
     by_step: dict[int, dict] = {}
-    for row in read_raw_metrics(run_dir):
-        by_step[row["step"]] = row
+    for row in raw:
+        if isinstance(row.get("step"), int):
+            by_step[row["step"]] = row
     return [by_step[s] for s in sorted(by_step)]
+
+
+@dataclass
+class JsonlFile:
+    """An append-only JSON-lines file as found: its rows, and what is wrong with it."""
+    path: Path
+    exists: bool
+    rows: list[dict]  # every line that parses as a JSON object, in file order
+    torn: list[int]  # numbers of the lines that do not (a write cut short)
+    ends_torn: bool  # the file ends inside a row: its last line is torn and has no newline
+
+    def problems(self, live: bool = False) -> list[str]:
+        """``metrics.jsonl: last line torn (line 41)``; a live writer may be in the middle of its
+        last line, so ``live`` leaves that one out."""
+        torn = self.torn[:-1] if self.ends_torn and live else self.torn
+        if not torn:
+            return []
+        if self.ends_torn and torn[-1] == self.torn[-1]:
+            earlier = f"; also line {', '.join(map(str, torn[:-1][:5]))}" if len(torn) > 1 else ""
+            return [f"{self.path.name}: last line torn (line {torn[-1]}, a write cut short){earlier}"]
+        return [f"{self.path.name}: torn line {', '.join(map(str, torn[:5]))} skipped"]
+
+
+def read_jsonl(path: str | Path) -> JsonlFile:
+    """Like ``observe.jsonl.read_rows``, but says which lines were torn instead of only logging it
+    (the status and the report name a damaged file; they never fail on one)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return JsonlFile(path, False, [], [], False)
+    rows, torn = [], []
+    lines = data.decode(errors="replace").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            torn.append(number)
+    ends_torn = bool(torn) and torn[-1] == len(lines) and not data.endswith(b"\n")
+    return JsonlFile(path, True, rows, torn, ends_torn)
+
+
+def event_file_problem(path: str | Path) -> str | None:
+    """Why a TensorBoard event file is damaged, or None. The file is a sequence of TFRecords
+    (8-byte length, 4-byte CRC, the event, 4-byte CRC); a writer killed mid-flush, or a copy cut
+    short, leaves a last record that ends past the end of the file. (Only the framing is read:
+    TensorBoard's own reader would stop at the cut without a word.)"""
+    path = Path(path)
+    size = path.stat().st_size
+    if size == 0:
+        return f"{path.name} is empty"
+    offset = 0
+    with path.open("rb") as handle:
+        while offset < size:
+            handle.seek(offset)
+            header = handle.read(12)
+            end = offset + 12 + (struct.unpack("<Q", header[:8])[0] + 4 if len(header) == 12 else 0)
+            if len(header) < 12 or end > size:
+                return f"{path.name} is truncated: its record at byte {offset} ends past the file's {size} bytes"
+            offset = end
+    return None
+
+
+def tensorboard_problems(tb_dir: str | Path) -> list[str]:
+    """What is missing or damaged in a run's TensorBoard folder (``<run_dir>/tb`` by default)."""
+    tb_dir = Path(tb_dir)
+    if not tb_dir.is_dir():
+        return [f"TensorBoard folder {tb_dir} missing"]
+    files = sorted(tb_dir.rglob("events.out.tfevents.*"))
+    if not files:
+        return [f"TensorBoard: no event file in {tb_dir}"]
+    return [f"TensorBoard: {problem}" for problem in map(event_file_problem, files) if problem]
 
 
 def summarize_run(run_dir: str | Path) -> RunSummary:

@@ -48,3 +48,33 @@ def test_missing_url(tmp_path, capsys):
     assert cli(["list", str(tmp_path / "nothing")]) == 0
     assert "no checkpoints" in capsys.readouterr().out
     assert cli(["verify", str(tmp_path / "nothing")]) == 1
+
+
+def test_inspect_and_verify_of_a_step_that_is_not_committed_exit_1_with_one_line(fresh, capsys):
+    cfg, trainer, checkpointer = fresh(interval=2)
+    run(trainer, checkpointer, 4)
+    checkpointer.close()
+    durable = cfg.checkpoint.durable_url
+    unfinished = Path(durable, step_dir_name(6))
+    unfinished.mkdir()  # an upload that never finished: files, no manifest
+    (unfinished / "model-pp00-tp00.safetensors").write_bytes(b"partial")
+    capsys.readouterr()
+
+    for argv in (["inspect", durable, "--step", "6"], ["inspect", str(unfinished)],
+                 ["verify", durable, "--step", "6"], ["verify", str(unfinished)]):
+        assert cli(argv) == 1, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1, (argv, out, err)
+        assert "step 6" in err and "is not committed: it has no manifest.json" in err, err
+    assert cli(["inspect", durable, "--step", "8"]) == 1
+    assert "step 8 is not committed: there is no such step" in capsys.readouterr().err
+
+    victim = Path(durable, step_dir_name(4), "model-pp00-tp00.safetensors")  # committed, then damaged
+    victim.write_bytes(victim.read_bytes()[:-10])
+    for argv in (["inspect", durable], ["inspect", durable, "--step", "4"], ["verify", durable, "--step", "4"]):
+        assert cli(argv) == 1, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1, (argv, out, err)
+        assert "step 4" in err and "does not verify, so it counts as not committed" in err and victim.name in err
+    assert cli(["inspect", durable, "--step", "2"]) == 0  # an older step still verifies
+    assert json.loads(capsys.readouterr().out)["step"] == 2

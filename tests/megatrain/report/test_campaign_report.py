@@ -24,6 +24,19 @@ def metrics_row(step: int, loss: float, **extra) -> str:
                        "tokens_per_s": 640.0, "mfu": None, "phases_ms": {}, **extra})
 
 
+def hold_lease(directory: Path, owner: str, pid: int | None = None) -> None:
+    """A lease file as ``megatrain.launch.lease`` writes it, held by this test process (alive) or
+    by ``pid``."""
+    from dataclasses import asdict
+
+    from megatrain.launch.lease import LeaseRecord
+
+    record = LeaseRecord(owner=owner)
+    if pid is not None:
+        record.pid, record.pid_start = pid, None
+    (directory / "lease.json").write_text(json.dumps(asdict(record)))
+
+
 def make_campaign(tmp_path):
     """Two stages written the way the flow writes them (config.yaml from a real resolved config),
     the second listed first on disk so that only the init_from chain can order them."""
@@ -61,9 +74,16 @@ def test_status_orders_stages_by_their_chain_and_reads_faults(tmp_path):
     assert [s.name for s in status.stages] == ["a-first", "b-second"]
     first, second = status.stages
     assert (first.attempts, first.restarts, first.last_step) == (2, 1, 6)
-    assert first.last_fault == "attempt 1 crashed: rank 1 exited on SIGKILL at step 5"
+    assert first.last_fault == "the ranks finished but final step 6 is not committed"
     assert second.rollbacks == 1 and second.val_loss == 5.9 and "nan_loss at step 4" in second.last_fault
-    assert not status.finished and first.state == "running"  # nothing committed, metrics just written
+    # nothing committed and no lease: the ranks finished without a durable final step (what the
+    # flow fails a stage for), whatever the age of metrics.jsonl; the second stage was never ended
+    assert not status.finished and (first.state, second.state) == ("failed", "stopped")
+    assert first.notes == second.notes == []
+    hold_lease(campaign, "flow run of camp-1")  # a live flow: it works on the first stage not done
+    first, second = campaign_status(campaign).stages
+    assert (first.state, second.state) == ("running", "stopped")
+    assert first.last_fault == "attempt 1 crashed: rank 1 exited on SIGKILL at step 5"
     assert campaign_status("camp-1", root=tmp_path).dir == str(campaign)
     assert stage_durable_urls(campaign) == [str(campaign / "durable/a-first"), str(campaign / "durable/b-second")]
 
