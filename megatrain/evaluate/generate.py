@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatrain.config.run_dirs import CHECKPOINT_HELP
 from megatrain.model.cache import KVCache
 
 log = logging.getLogger("megatrain")
@@ -131,7 +132,7 @@ def sample_texts(checkpoint: str, prompts: list[str] | tuple[str, ...] = DEFAULT
 
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatrain generate", description="Sample text from a committed checkpoint.")
-    parser.add_argument("--checkpoint", required=True, help="a run dir, a durable checkpoint URL or one step-* dir")
+    parser.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.config import Config
+from megatrain.config.run_dirs import CHECKPOINT_HELP
 from megatrain.data.index import DataError, ShardIndex
 from megatrain.data.loader import ShardCache, to_tensors
 from megatrain.observe.metrics import StepMetrics
@@ -209,12 +210,12 @@ def evaluate_checkpoint(checkpoint: str, data: str | None = None, split: str = "
                         f"more than {run.cfg.seq_len} tokens)")
     loss = loss_on_windows(run.model, windows, batch_size, run.device)
     return {"checkpoint": run.step_url, "step": run.step, "data": where, "split": split,
-            "samples": int(len(windows)), "loss": loss, "perplexity": perplexity(loss)}
+            "samples": len(windows), "loss": loss, "perplexity": perplexity(loss)}
 
 
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatrain eval", description="Validation loss of a committed checkpoint.")
-    parser.add_argument("--checkpoint", required=True, help="a run dir, a durable checkpoint URL or one step-* dir")
+    parser.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     parser.add_argument("--data", help="a shard version directory (holding index.json), or text files (a path or "
                         "glob: .txt/.jsonl/.py/.md), tokenized with the run's tokenizer; default the run's own shards")
     parser.add_argument("--split", choices=["val", "train"], default="val")

@@ -10,7 +10,10 @@ the plain model's, and concatenates tensor-parallel slices along the dimension t
 What rebuilds the model is the run record ``run.json`` (the resolved config and the shard
 version), which rank 0 writes at the start of every run into the run dir and beside the
 checkpoints in the durable URL, with a copy of the tokenizer, so a checkpoint URL alone is
-enough: ``load_run`` accepts a run dir, a durable checkpoint URL or one ``step-*`` directory.
+enough. Its paths are absolute; read from a run dir, they are taken where the run dir lies now
+(``megatrain/config/run_dirs.py``: a moved run dir still finds its checkpoints). ``load_run``
+accepts a run dir, a campaign's stage dir, a campaign dir (its final stage), a durable checkpoint
+URL or one ``step-*`` directory, from any working directory.
 """
 
 from __future__ import annotations
@@ -30,12 +33,20 @@ from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import load_safetensors, parse_step
 from megatrain.checkpoint.restore import read_verified
 from megatrain.config import Config
+from megatrain.config.campaign import stage_dirs
+from megatrain.config.run_dirs import (
+    RUN_RECORD,
+    RunDir,
+    absolute,
+    absolute_locations,
+    find_run_dir,
+    read_run_dir,
+)
 from megatrain.data.index import TOKENIZER_NAME, ShardIndex
-from megatrain.errors import InputError
+from megatrain.errors import InputError, one_line
 
 log = logging.getLogger("megatrain.interop")
 
-RUN_RECORD = "run.json"
 _MODEL_FILE = re.compile(r"^model-pp(\d+)-tp(\d+)\.safetensors$")
 
 
@@ -45,12 +56,14 @@ class RunNotFound(InputError):
 
 def write_run_record(cfg: Config, index: ShardIndex) -> None:
     """Rank 0, at the start of a run: the resolved config and the shard version, in the run dir
-    and beside the checkpoints (with the tokenizer). A failure only costs a warning here: it
-    matters to export and generation, not to training."""
-    record = {"config": cfg.model_dump(mode="json"), "data_index": index.url, "tokenizer": TOKENIZER_NAME}
+    and beside the checkpoints (with the tokenizer). Every local path in it is absolute (a reader
+    runs from any folder, ``run_dirs.relocate`` follows a moved run dir). A failure beside the
+    checkpoints only costs a warning here: it matters to export and generation, not to training."""
+    record = {"config": absolute_locations(cfg.model_dump(mode="json")), "data_index": absolute(index.url),
+              "tokenizer": TOKENIZER_NAME}
     data = json.dumps(record, indent=1).encode()
     Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.train.run_dir) / RUN_RECORD).write_bytes(data)
+    storage.write_bytes(str(Path(cfg.train.run_dir) / RUN_RECORD), data)  # whole or not at all: readers trust it
     try:
         storage.write_bytes(storage.join_url(cfg.checkpoint.durable_url, RUN_RECORD), data)
         tokenizer = storage.read_bytes(index.tokenizer_url)
@@ -61,29 +74,73 @@ def write_run_record(cfg: Config, index: ShardIndex) -> None:
 
 def _read_record(url: str) -> dict[str, Any] | None:
     path = storage.join_url(url, RUN_RECORD)
-    return json.loads(storage.read_bytes(path)) if storage.exists(path) else None
+    if not storage.exists(path):
+        return None
+    try:
+        return json.loads(storage.read_bytes(path))
+    except ValueError as exc:
+        raise RunNotFound(f"{path}: not valid JSON ({exc})") from None
 
 
-def _locate(checkpoint: str, config: str | None) -> tuple[Config, str, str | None]:
-    """(config, durable URL, step URL or None) for what the user pointed at."""
-    url = checkpoint.rstrip("/")
+@dataclass
+class _Located:
+    """What a command's checkpoint argument names."""
+
+    cfg: Config  # the run's config, its own locations where they lie now
+    durable: str  # where its checkpoints are
+    step_url: str | None  # one step dir, when the argument named one
+    data_index: str | None  # the shard version it trained on, as its run.json says
+    run: RunDir | None  # the run dir, when one was named (a campaign dir: its final stage's)
+
+
+def _is_checkpoint_dir(url: str) -> bool:
+    """A durable checkpoint URL: step-* dirs, or the tokenizer copy only the record beside checkpoints has."""
+    return bool(catalog.list_checkpoints(url)) or storage.exists(storage.join_url(url, TOKENIZER_NAME))
+
+
+def _locate(checkpoint: str, config: str | None) -> _Located:
+    """Resolve what the user pointed at, from any working directory: a step dir, a durable
+    checkpoint URL, a run dir, a campaign's stage dir, or a campaign dir (its final stage)."""
+    url = checkpoint.rstrip("/") or checkpoint
     if not storage.exists(url):
         raise RunNotFound(f"{checkpoint}: no such run dir or checkpoint URL")
     step_url = url if parse_step(posixpath.basename(url)) is not None else None
-    durable = storage.parent_url(url) if step_url else url
-    record = _read_record(durable)
-    if step_url is None and record is not None and not catalog.committed(url):
-        durable = record["config"]["checkpoint"]["durable_url"]  # a run dir: its record names the checkpoints
+    checkpoints = step_url is not None or _is_checkpoint_dir(url)
+    run = None if checkpoints else find_run_dir(url)
+    if run is not None:  # its record, read against where the run dir lies now
+        recorded = run.located()
+        durable = recorded["checkpoint"]["durable_url"]
+        data_index = run.data_index() or (_read_record(durable) or {}).get("data_index")
+    elif checkpoints:  # the record written beside them
+        durable = storage.parent_url(url) if step_url else url
+        record = _read_record(durable) or {}
+        recorded, data_index = record.get("config"), record.get("data_index")
+    else:
+        raise RunNotFound(f"{checkpoint}: not a run dir (no {RUN_RECORD} or config.yaml), nor a campaign dir (stage folders "
+                          "with config.yaml), nor a checkpoint dir (step-* folders)")
     if config is not None:
         from megatrain.config import load_config
 
-        cfg = load_config(config, [])
-    elif record is not None:
-        cfg = Config.model_validate(record["config"])
-    else:
+        return _Located(load_config(config, []), durable, step_url, data_index, run)
+    if recorded is None:
         raise RunNotFound(f"{checkpoint}: no {RUN_RECORD} here or in {durable} (written by runs since megatrain "
                           "wrote it); pass --config with the run's recipe")
-    return cfg, durable, step_url
+    return _Located(Config.model_validate(recorded), durable, step_url, data_index, run)
+
+
+def _nothing_committed(checkpoint: str, where: _Located, step: int | None) -> str:
+    """Why there is no checkpoint to load, in one line; for a campaign, which stages have one."""
+    what = f"no committed checkpoint{'' if step is None else f' of step {step}'}"
+    if where.run is None or where.run.campaign is None:
+        return f"{checkpoint}: {what} in {where.durable}"
+    others = []
+    for stage in stage_dirs(where.run.campaign)[:-1]:
+        run = read_run_dir(stage)
+        steps = [i.step for i in catalog.committed(run.where(run.config["checkpoint"]["durable_url"]))] if run else []
+        if steps:
+            others.append(f"stage {stage.name!r} has step {steps[-1]} ({stage})")
+    return (f"{checkpoint}: the campaign's final stage {where.run.path.name!r} has {what} yet in {where.durable}"
+            + (f"; {', '.join(others)}" if others else ""))
 
 
 def _layer_name(name: str, n_layer: int) -> str:
@@ -160,7 +217,7 @@ def full_state_dict(step_url: str, manifest: dict[str, Any], model: torch.nn.Mod
 
 def read_run_config(checkpoint: str, config: str | None = None) -> Config:
     """The config of the run that wrote ``checkpoint`` (see ``load_run``), without reading tensors."""
-    return _locate(checkpoint, config)[0]
+    return _locate(checkpoint, config).cfg
 
 
 @dataclass
@@ -171,15 +228,19 @@ class LoadedRun:
     step_url: str
     durable_url: str
     device: torch.device
+    data_index: str | None = None  # the shard version it trained on (its run.json's data_index)
 
     def index(self) -> ShardIndex:
         """The shard version this run trained on (its held-out shards, its tokenizer)."""
         from megatrain.data.index import load_index
 
-        record = _read_record(self.durable_url) or {}
-        if record.get("data_index"):
-            return load_index(record["data_index"])
-        from megatrain.data.shard import component_configs, mixture_tokenizer, shard_corpus
+        if self.data_index:
+            return load_index(self.data_index)
+        from megatrain.data.shard import (
+            component_configs,
+            mixture_tokenizer,
+            shard_corpus,
+        )
 
         # as the trainer chose: a mixture's heaviest component (the first of the heaviest)
         data = mixture_tokenizer(self.cfg.data, self.cfg.model.vocab_size)
@@ -191,36 +252,52 @@ class LoadedRun:
         """The run's tokenizer (``tokenizers.Tokenizer``): the copy beside the checkpoints, else the shards'."""
         from tokenizers import Tokenizer
 
+        url, data = self._tokenizer_json()
+        try:
+            return Tokenizer.from_str(data.decode())
+        except Exception as exc:  # noqa: BLE001 (valid JSON tokenizers refuses: its own error names no file)
+            raise InputError(f"{url}: not a tokenizer.json that tokenizers reads ({one_line(str(exc))})") from None
+
+    def tokenizer_bytes(self) -> bytes:
+        return self._tokenizer_json()[1]
+
+    def _tokenizer_json(self) -> tuple[str, bytes]:
+        """(where, bytes) of the run's tokenizer.json, checked to be JSON: a truncated copy fails
+        here naming its file, not inside tokenizers ("EOF while parsing", no file named)."""
         url = storage.join_url(self.durable_url, TOKENIZER_NAME)
         if not storage.exists(url):
             url = self.index().tokenizer_url
-        return Tokenizer.from_str(storage.read_bytes(url).decode())
-
-    def tokenizer_bytes(self) -> bytes:
-        url = storage.join_url(self.durable_url, TOKENIZER_NAME)
-        return storage.read_bytes(url if storage.exists(url) else self.index().tokenizer_url)
+        data = storage.read_bytes(url)
+        try:
+            json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{url}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                             "truncated or damaged") from None
+        except ValueError as exc:  # not UTF-8
+            raise InputError(f"{url}: not valid JSON ({exc})") from None
+        return url, data
 
 
 def load_run(checkpoint: str, config: str | None = None, device: str | torch.device = "cpu",
              step: int | None = None) -> LoadedRun:
-    """The newest committed checkpoint (or ``step``) under what ``checkpoint`` points at, as a
-    plain fp32 GPT in eval mode on ``device``."""
+    """The newest committed checkpoint (or ``step``) under what ``checkpoint`` points at (see
+    ``_locate``), as a plain fp32 GPT in eval mode on ``device``."""
     from megatrain.model import GPT
 
-    cfg, durable, step_url = _locate(checkpoint, config)
-    infos = catalog.committed(durable)
-    if step_url is not None:
-        infos = [i for i in infos if i.url.rstrip("/") == step_url.rstrip("/")]
+    where = _locate(checkpoint, config)
+    infos = catalog.committed(where.durable)
+    if where.step_url is not None:
+        infos = [i for i in infos if i.url.rstrip("/") == where.step_url.rstrip("/")]
     if step is not None:
         infos = [i for i in infos if i.step == step]
     if not infos:
-        raise RunNotFound(f"{checkpoint}: no committed checkpoint{'' if step is None else f' of step {step}'} in {durable}")
+        raise RunNotFound(_nothing_committed(checkpoint, where, step))
     info = infos[-1]
-    model_cfg = cfg.model.model_copy(update={"dropout": 0.0, "activation_checkpointing": False, "compile": False})
+    model_cfg = where.cfg.model.model_copy(update={"dropout": 0.0, "activation_checkpointing": False, "compile": False})
     with torch.device("meta"):
         skeleton = GPT(model_cfg)
     tensors = full_state_dict(info.url, info.manifest, skeleton)
     model = GPT(model_cfg)
     model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     device = torch.device(device)
-    return LoadedRun(cfg, model.to(device).eval(), info.step, info.url, durable, device)
+    return LoadedRun(where.cfg, model.to(device).eval(), info.step, info.url, where.durable, device, where.data_index)

@@ -41,8 +41,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatrain.config import read_yaml
 from megatrain.config.campaign import DEFAULT_ROOT, find_campaign_dir, stage_dirs
+from megatrain.config.run_dirs import is_stage_dir, read_run_dir
+from megatrain.errors import InputError
 
 # How old a lease's heartbeat may be before a holder on another host counts as gone: the
 # holders' own limits (rank 0: ``Lease``'s default; the flow: ``flows.lifecycle.LEASE_STALE_S``).
@@ -83,13 +84,15 @@ class CampaignStatus:
     id: str
     dir: str
     stages: list[StageStatus]
+    kind: str = "campaign"  # or "run": a run dir of its own (``run_status``), shown as one stage
 
     @property
     def finished(self) -> bool:
         return all(s.state == "done" for s in self.stages)
 
     def as_dict(self) -> dict:
-        return {"id": self.id, "dir": self.dir, "finished": self.finished, "stages": [asdict(s) for s in self.stages]}
+        return {"id": self.id, "kind": self.kind, "dir": self.dir, "finished": self.finished,
+                "stages": [asdict(s) for s in self.stages]}
 
 
 @dataclass
@@ -195,7 +198,8 @@ def stage_status(stage_dir: Path, durable_url: str | None = None, target_steps: 
     from megatrain.report.runs import final_rows, read_jsonl
 
     stage_dir = Path(stage_dir)
-    cfg = read_yaml(stage_dir / "config.yaml") if (stage_dir / "config.yaml").exists() else {}
+    run = read_run_dir(stage_dir)  # its paths where they lie now: a moved campaign still finds its checkpoints
+    cfg = run.located() if run else {}
     target = target_steps or int(cfg.get("train", {}).get("steps", 0))
     durable = durable_url or str(cfg.get("checkpoint", {}).get("durable_url", ""))
     metrics = read_jsonl(stage_dir / "metrics.jsonl")
@@ -218,7 +222,7 @@ def stage_status(stage_dir: Path, durable_url: str | None = None, target_steps: 
         attempts=len(attempts), restarts=sum(a.get("status") in RESTARTED for a in attempts),
         rollbacks=len(rollbacks), committed=steps, last_fault=fault or _last_fault(attempts, rollbacks),
         run_dir=str(stage_dir), durable_url=durable,
-        logs=[a["log"] for a in attempts if a.get("log")],
+        logs=[run.where(a["log"]) if run else a["log"] for a in attempts if a.get("log")],
         data=next((r["data"] for r in reversed(rows) if r.get("data")), {}),
         notes=_notes(metrics, attempts, steps, live=state == "running"),
     )
@@ -263,25 +267,42 @@ def campaign_status(target: str | Path, root: str | Path | None = None) -> Campa
     return CampaignStatus(id=campaign_dir.name, dir=str(campaign_dir), stages=stages)
 
 
+def run_status(run_dir: str | Path) -> CampaignStatus:
+    """A run dir that is no campaign's stage (``megatrain train``'s), shown as a campaign of one stage."""
+    path = Path(run_dir).resolve()
+    return CampaignStatus(id=path.name, dir=str(path), stages=[stage_status(path)], kind="run")
+
+
+def find_status(target: str | Path, root: str | Path | None = None) -> CampaignStatus:
+    """What ``megatrain status`` shows for ``target``: a campaign dir or id (under ``root``), a
+    campaign's stage dir (its campaign), or a run dir (that run). Raises InputError, one line
+    naming ``target``, when it is none of these."""
+    if read_run_dir(target) is not None and not is_stage_dir(target):
+        return run_status(target)
+    try:
+        return campaign_status(target, root)
+    except FileNotFoundError:
+        raise InputError(f"{target}: not a run dir (no run.json or config.yaml), nor a campaign dir (stage folders "
+                         f"with config.yaml) or a stage dir in one, and no campaign of that id under "
+                         f"{root or DEFAULT_ROOT}") from None
+
+
 def step_text(stage: StageStatus) -> str:
     """``40/40``, or ``40/40 (metrics.jsonl missing)`` when a file is missing or damaged."""
     return f"{stage.last_step}/{stage.target_steps}" + (f" ({'; '.join(stage.notes)})" if stage.notes else "")
 
 
 def cli(argv: list[str]) -> int:
-    """``megatrain status CAMPAIGN [--json]``: a campaign dir or id (under ``--root``)."""
+    """``megatrain status TARGET [--json]``: a campaign dir or id (under ``--root``), a stage dir, a run dir."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="megatrain status", description="Where a campaign stands, at a glance.")
-    parser.add_argument("campaign", help="campaign dir (runs/campaigns/<id>) or campaign id")
+    parser.add_argument("campaign", help="a campaign dir (runs/campaigns/<id>), a stage dir in one, a campaign id, "
+                        "or a run dir")
     parser.add_argument("--root", default=None, help=f"where campaign ids live (default {DEFAULT_ROOT})")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    try:
-        status = campaign_status(args.campaign, args.root)
-    except FileNotFoundError as exc:
-        print(f"megatrain status: {exc}")
-        return 2
+    status = find_status(args.campaign, args.root)  # none of these: InputError, one line from megatrain.cli
     if args.json:
         print(json.dumps(status.as_dict(), indent=2))
         return 0
@@ -289,7 +310,7 @@ def cli(argv: list[str]) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"campaign {status.id} ({'finished' if status.finished else 'not finished'})",
+    table = Table(title=f"{status.kind} {status.id} ({'finished' if status.finished else 'not finished'})",
                   caption=status.dir)
     for column in ("stage", "state", "step", "loss", "val loss", "tokens/s", "data", "attempts", "checkpoints",
                    "last fault"):
