@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain.config import ModelConfig
-from megatrain.interop.mapping import Family, ImportMismatch, Rename, field, full_attention
+from megatrain.interop.mapping import Family, HFConfig, Rename, field, full_attention
 
 
 def _gpt2_refusal(cfg: ModelConfig) -> str | None:
@@ -36,22 +36,40 @@ def _gpt2_config(cfg: ModelConfig, eos_id: int) -> dict[str, Any]:
     }
 
 
-def _gpt2_model_config(hf: dict[str, Any]) -> dict[str, Any]:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ImportMismatch(f"config.json activation_function={act!r}: megatrain's GeLU is the tanh approximation")
+# transformers' GPT2Config defaults of the keys read below (tests compare them)
+_GPT2_DEFAULTS = {
+    "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+    "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+    "layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256,
+    "pad_token_id": None,
+}
+
+
+def _gpt2_model_config(hf: HFConfig) -> dict[str, Any]:
+    if hf["activation_function"] not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise hf.refuse("activation_function", "megatrain's GeLU is the tanh approximation")
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if hf.get(flag):
-            raise ImportMismatch(f"config.json {flag}=true: megatrain's attention does not do that")
-    if hf.get("scale_attn_weights") is False:
-        raise ImportMismatch("config.json scale_attn_weights=false: megatrain scales attention by 1/sqrt(head_dim)")
+        if hf[flag]:
+            raise hf.refuse(flag, "megatrain's attention does not do that")
+    if not hf["scale_attn_weights"]:
+        raise hf.refuse("scale_attn_weights", "megatrain scales attention by 1/sqrt(head_dim)")
+    # megatrain's one dropout sits after the embedding, where GPT-2's embd_pdrop does; it has none
+    # on attention probabilities or on the residual branches
+    for key in ("attn_pdrop", "resid_pdrop"):
+        if hf[key]:
+            raise hf.refuse(key, "megatrain has dropout only after the embeddings (model.dropout = embd_pdrop); "
+                            "a config.json with 0.0 here imports")
     return {
         "vocab_size": hf["vocab_size"], "n_layer": hf["n_layer"], "n_head": hf["n_head"], "d_model": hf["n_embd"],
-        "d_ff": hf.get("n_inner") or 4 * hf["n_embd"], "seq_len": hf["n_positions"], "block": "serial",
-        "attention": "full", "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True),
-        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "d_ff": hf["n_inner"] or 4 * hf["n_embd"], "seq_len": hf["n_positions"], "block": "serial",
+        "position": "learned", "norm": "layernorm", "mlp": "gelu", "n_kv_head": None, "attention": "full",
+        "window": None, "bias": True, "tie_embeddings": bool(hf["tie_word_embeddings"]),
+        "norm_eps": hf["layer_norm_epsilon"], "dropout": float(hf["embd_pdrop"]), "rope_scaling": None,
     }
 
+
+_SUMMARY = "GPT2DoubleHeadsModel's classification head, which a causal LM does not have"
 
 GPT2 = Family(
     name="gpt2", architecture="GPT2LMHeadModel", model_type="gpt2",
@@ -76,5 +94,9 @@ GPT2 = Family(
         Rename("blocks.{i}.mlp.proj.weight", "transformer.h.{i}.mlp.c_proj.weight", "transpose"),
         Rename("blocks.{i}.mlp.proj.bias", "transformer.h.{i}.mlp.c_proj.bias"),
     ),
-    refusal=_gpt2_refusal, hf_config=_gpt2_config, model_config=_gpt2_model_config,
+    refusal=_gpt2_refusal, hf_config=_gpt2_config, model_config=_gpt2_model_config, defaults=_GPT2_DEFAULTS,
+    base_prefix="transformer.",
+    neutral={**{f"summary_{k}": _SUMMARY for k in ("type", "use_proj", "activation", "proj_to_labels", "first_dropout")},
+             "n_ctx": "the context length of transformers 2 (n_positions is the one transformers reads)"},
+    ignored_tensors={r"\.attn\.(bias|masked_bias)$": "the causal-mask buffers older transformers saved and rebuilds"},
 )

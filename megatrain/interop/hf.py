@@ -27,6 +27,12 @@ The MegaScale default (parallel block, learned positions) and the Llama parts in
 
 A family's ``refusal`` names the first field its architecture cannot express; ``family_for``
 tries every family and reports why each one refused.
+
+Import is checked whole before a run starts (``megatrain import``: ``hf_import.py``): every key of
+config.json mapped or refused (``hf_config.py``, RoPE's spellings in ``hf_rope.py``), every tensor
+checked by its Hugging Face name and shape from the safetensors headers (``hf_tensors.py``), the
+model's own tokenizer in the recipe. Loading the weights (``load_hf_weights``, when the run
+starts) runs the same checks again, then reads only the tensors the table names.
 """
 
 from __future__ import annotations
@@ -39,41 +45,27 @@ from typing import Any
 
 import torch
 
-from megatrain import storage
 from megatrain.config import ModelConfig
 from megatrain.errors import InputError
-from megatrain.interop.gpt2 import GPT2
-from megatrain.interop.llama import LLAMA, MISTRAL
-from megatrain.interop.mapping import ExportRefused, Family, ImportMismatch, full_attention
-from megatrain.interop.neox import NEOX_PARALLEL, NEOX_SERIAL
+from megatrain.interop.hf_config import (  # noqa: F401 (re-exported: the import side's names)
+    FAMILIES,
+    at_seq_len,
+    family_for,
+    family_of_hf,
+    model_config_from_hf,
+    read_hf_config,
+    read_model,
+)
+from megatrain.interop.hf_import import HF_PREFIX, import_cli  # noqa: F401 (import_cli: megatrain import's entry)
+from megatrain.interop.hf_tensors import (  # noqa: F401
+    SAFETENSORS_NAME,
+    check_tensors,
+    read_hf_tensors,
+    read_tensors,
+)
+from megatrain.interop.mapping import ExportRefused, ImportMismatch, full_attention
 
 log = logging.getLogger("megatrain.interop")
-
-SAFETENSORS_NAME = "model.safetensors"
-
-
-FAMILIES: tuple[Family, ...] = (GPT2, LLAMA, MISTRAL, NEOX_SERIAL, NEOX_PARALLEL)
-
-
-def family_for(cfg: ModelConfig) -> Family:
-    """The family that expresses ``cfg`` exactly, or ExportRefused naming the field."""
-    reasons: dict[str, str] = {}  # architecture -> its first reason (GPT-NeoX has two families)
-    for family in FAMILIES:
-        reason = family.refusal(cfg)
-        if reason is None:
-            return family
-        reasons.setdefault(family.architecture, reason)
-    raise ExportRefused("no Hugging Face architecture computes this model exactly; "
-                        + "; ".join(f"{arch}: {why}" for arch, why in reasons.items()))
-
-
-def family_of_hf(hf_config: dict[str, Any]) -> Family:
-    model_type = hf_config.get("model_type")
-    for family in FAMILIES:
-        if family.model_type == model_type and family.imports(hf_config):
-            return family
-    raise ImportMismatch(f"config.json model_type={model_type!r}: megatrain imports "
-                         f"{', '.join(f.model_type for f in FAMILIES)}")
 
 
 # ------------------------------------------------------------------------------------ export
@@ -127,58 +119,32 @@ def export_checkpoint(checkpoint: str, out: str | Path, config: str | None = Non
 # ------------------------------------------------------------------------------------ import
 
 
-def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise ImportMismatch(f"{hf_dir}: no config.json (a transformers model folder, saved with save_pretrained)")
-    return json.loads(path.read_text())
-
-
-def model_config_from_hf(hf_dir: str | Path) -> dict[str, Any]:
-    """The ``model`` fields of a recipe that match a transformers folder (``model.<k>=<v>`` overrides)."""
-    hf = read_hf_config(hf_dir)
-    return family_of_hf(hf).model_config(hf)
-
-
-def read_hf_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers folder: one model.safetensors or an indexed set of shards."""
-    from safetensors.torch import load_file
-
-    hf_dir = Path(hf_dir)
-    single = hf_dir / SAFETENSORS_NAME
-    if single.is_file():
-        return load_file(str(single))
-    index = hf_dir / "model.safetensors.index.json"
-    if not index.is_file():
-        raise ImportMismatch(f"{hf_dir}: no {SAFETENSORS_NAME} or model.safetensors.index.json (safetensors only, no pickle)")
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        names = set(json.loads(index.read_text())["weight_map"].values())
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ImportMismatch(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from exc
-    for name in sorted(names, key=str):
-        shard = storage.confined(str(hf_dir), name, str(index))  # a name read from metadata never leaves its folder
-        tensors.update(load_file(shard))
-    return tensors
+def _differences(wanted: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path) -> list[str]:
+    """The architecture fields where the recipe's model is not the one config.json describes
+    (seq_len and dropout are the recipe's to choose)."""
+    ours: dict[str, Any] = {k: getattr(cfg, k, None) for k in wanted}
+    ours.update(d_ff=cfg.ffn_dim, n_kv_head=cfg.kv_heads)
+    wanted = {**wanted, "n_kv_head": wanted.get("n_kv_head") or wanted["n_head"]}
+    if cfg.rope_scaling is not None:
+        ours["rope_scaling"] = cfg.rope_scaling.model_dump()
+    if full_attention(cfg):  # a window as long as the context
+        ours.update(attention="full", window=None)
+    return [f"model.{k}: recipe {ours[k]!r}, {hf_dir} {v!r}" for k, v in wanted.items()
+            if k not in ("seq_len", "dropout") and ours[k] != v]
 
 
 def import_hf_state(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """megatrain tensors for a model of ``cfg`` from a transformers folder whose architecture
-    and shape must equal ``cfg``'s (the differing fields are named)."""
-    hf = read_hf_config(hf_dir)
-    family = family_of_hf(hf)
-    wanted = family.model_config(hf)
-    ours = {k: cfg.ffn_dim if k == "d_ff" else getattr(cfg, k, None) for k in wanted}  # d_ff None = its default
-    ours = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in ours.items()}  # rope_scaling
-    if wanted.get("attention") == "full" and full_attention(cfg):
-        ours["attention"] = "full"  # a window as long as the context
-    differing = [f"model.{k}: recipe {ours[k]!r}, {hf_dir} {v!r}" for k, v in wanted.items()
-                 if k != "seq_len" and ours[k] != v]
-    if cfg.seq_len > wanted.get("seq_len", cfg.seq_len) and "embed.wpe.weight" in {e.ours for e in family.globals}:
-        differing.append(f"model.seq_len: recipe {cfg.seq_len} > the {wanted['seq_len']} learned positions of {hf_dir}")
+    and shape must equal ``cfg``'s (the differing fields are named). Every tensor is checked by its
+    Hugging Face name and shape before any is read."""
+    model = read_model(hf_dir)
+    differing = _differences(at_seq_len(model.fields, cfg.seq_len), cfg, hf_dir)
+    if cfg.position == "learned" and cfg.seq_len > model.max_positions:
+        differing.append(f"model.seq_len: recipe {cfg.seq_len} > the {model.max_positions} learned positions of {hf_dir}")
     if differing:
         raise ImportMismatch(f"{hf_dir} is not the recipe's model: " + "; ".join(differing))
-    state = family.from_hf(read_hf_tensors(hf_dir), cfg)
+    own = model.model_config()  # the folder's own context: its learned position table is that long
+    state = model.family.from_hf(read_tensors(check_tensors(hf_dir, model.family, own)), own)
     if "embed.wpe.weight" in state:  # a shorter context than the checkpoint's: the first positions
         state["embed.wpe.weight"] = state["embed.wpe.weight"][: cfg.seq_len]
     return state
@@ -188,17 +154,13 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> None:
     """Copy a transformers checkpoint's weights into a plain megatrain model (before parallelize)."""
     state = import_hf_state(hf_dir, model.cfg)
     own = model.state_dict()
-    if set(own) != set(state):
-        raise ImportMismatch(f"{hf_dir}: tensors missing {sorted(set(own) - set(state))[:3]}, "
+    if set(own) != set(state):  # the checks above make this a bug, not an input
+        raise AssertionError(f"{hf_dir}: tensors missing {sorted(set(own) - set(state))[:3]}, "
                              f"unexpected {sorted(set(state) - set(own))[:3]}")
     with torch.no_grad():
         for name, tensor in own.items():
-            if tensor.shape != state[name].shape:
-                raise ImportMismatch(f"{hf_dir}: {name} is {list(state[name].shape)}, the recipe's model {list(tensor.shape)}")
             tensor.copy_(state[name])
 
-
-HF_PREFIX = "hf:"
 
 
 def hf_weights(init_from: str | None) -> Callable[[torch.nn.Module], None] | None:
@@ -235,36 +197,4 @@ def cli(argv: list[str]) -> int:
         print(f"megatrain export: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {path} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(path)!r}))")
-    return 0
-
-
-def import_cli(argv: list[str]) -> int:
-    """``megatrain import --hf <dir> [--config base.yaml] --out recipe.yaml``: a recipe that
-    continues pretraining from a transformers checkpoint (its model section and
-    ``checkpoint.init_from: hf:<dir>``); the weights are read when the run starts."""
-    import argparse
-    import sys
-
-    import yaml
-
-    parser = argparse.ArgumentParser(prog="megatrain import", description="A recipe starting from a transformers model.")
-    parser.add_argument("--hf", required=True, help="a local transformers folder (config.json + safetensors)")
-    parser.add_argument("--config", help="the recipe to start from (data, optimizer, layout); default the defaults")
-    parser.add_argument("--out", required=True, help="the recipe YAML to write")
-    args = parser.parse_args(argv)
-    from megatrain.config import ConfigError, load_config, read_yaml
-
-    try:
-        fields = model_config_from_hf(args.hf)
-        read_hf_tensors(args.hf)  # fail now, not at the run's start, on a folder without weights
-        raw = read_yaml(args.config) if args.config else {}
-        raw.setdefault("model", {}).update(fields)
-        raw.setdefault("checkpoint", {})["init_from"] = f"{HF_PREFIX}{Path(args.hf).resolve()}"
-        Path(args.out).write_text(yaml.safe_dump(raw, sort_keys=False))
-        load_config(args.out, [])  # the written recipe validates
-    except (InputError, ConfigError) as exc:
-        print(f"megatrain import: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out}: {family_of_hf(read_hf_config(args.hf)).architecture} -> megatrain "
-          f"(train it with: megatrain train --config {args.out})")
     return 0

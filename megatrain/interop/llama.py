@@ -6,7 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain.config import ModelConfig
-from megatrain.interop.mapping import Family, ImportMismatch, Rename, Split, field, full_attention, kv_heads
+from megatrain.interop.hf_rope import rope_fields
+from megatrain.interop.mapping import (
+    Family,
+    HFConfig,
+    Rename,
+    Split,
+    field,
+    full_attention,
+    kv_heads,
+)
 
 
 def _qkv_rows(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -61,35 +70,46 @@ def _mistral_config(cfg: ModelConfig, eos_id: int) -> dict[str, Any]:
     return {**out, "sliding_window": cfg.window}
 
 
-def _llama_model_config(hf: dict[str, Any]) -> dict[str, Any]:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ImportMismatch(f"config.json hidden_act={hf['hidden_act']!r}: megatrain's SwiGLU uses silu")
-    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-        raise ImportMismatch("config.json attention_bias != mlp_bias: megatrain has one model.bias for every linear")
+# transformers' LlamaConfig / MistralConfig defaults of the keys read below (tests compare them)
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "mlp_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
+}
+_MISTRAL_DEFAULTS = {
+    **{k: v for k, v in _LLAMA_DEFAULTS.items() if k not in ("attention_bias", "mlp_bias")},
+    "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096,
+}
+
+
+def _llama_model_config(hf: HFConfig, biases: bool = True) -> dict[str, Any]:
+    """ModelConfig fields of a Llama config.json (``biases``: the architecture has attention_bias
+    and mlp_bias; Mistral has neither key and no biases)."""
+    if hf["hidden_act"] != "silu":
+        raise hf.refuse("hidden_act", "megatrain's SwiGLU uses silu")
+    bias = False
+    if biases:
+        bias = bool(hf["attention_bias"])
+        if bool(hf["mlp_bias"]) != bias:
+            raise hf.refuse("mlp_bias", f"differs from attention_bias={bias}: megatrain has one model.bias for every linear")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hidden // heads):
-        raise ImportMismatch(f"config.json head_dim={hf['head_dim']}: megatrain's head_dim is hidden_size / heads")
-    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
-    fields: dict[str, Any] = {
+    if hf["head_dim"] not in (None, hidden // heads):
+        raise hf.refuse("head_dim", f"megatrain's head_dim is hidden_size / num_attention_heads = {hidden // heads}")
+    if hf["attention_dropout"]:
+        raise hf.refuse("attention_dropout", "megatrain has no dropout on attention probabilities")
+    return {
         "vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"], "n_head": heads,
-        "n_kv_head": hf.get("num_key_value_heads") or heads, "d_model": hidden, "d_ff": hf["intermediate_size"],
-        "seq_len": hf.get("max_position_embeddings", 2048), "block": "serial", "position": "rope",
-        "norm": "rmsnorm", "mlp": "swiglu", "bias": bool(hf.get("attention_bias", False)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "rope_theta": rope["rope_theta"], "attention": "full",
+        "n_kv_head": hf["num_key_value_heads"] or heads, "d_model": hidden, "d_ff": hf["intermediate_size"],
+        "seq_len": hf["max_position_embeddings"], "block": "serial", "position": "rope", "norm": "rmsnorm",
+        "mlp": "swiglu", "bias": bias, "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_eps": hf["rms_norm_eps"],
+        "attention": "full", "window": None, "dropout": 0.0, **rope_fields(hf),
     }
-    if rope["rope_type"] == "llama3":
-        fields["rope_scaling"] = {"factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
-                                  "high_freq_factor": rope["high_freq_factor"],
-                                  "original_max_position": rope["original_max_position_embeddings"]}
-    elif rope["rope_type"] != "default":
-        raise ImportMismatch(f"config.json rope_type={rope['rope_type']!r}: megatrain has plain RoPE and llama3 scaling")
-    return fields
 
 
-def _mistral_model_config(hf: dict[str, Any]) -> dict[str, Any]:
-    fields = _llama_model_config(hf)
-    if hf.get("sliding_window"):
+def _mistral_model_config(hf: HFConfig) -> dict[str, Any]:
+    fields = _llama_model_config(hf, biases=False)
+    if hf["sliding_window"] is not None:  # null: no window; a window past the context is full attention
         fields.update(attention="sliding", window=min(hf["sliding_window"], fields["seq_len"]))
     return fields
 
@@ -119,11 +139,15 @@ _LLAMA_BLOCK = (
 LLAMA = Family(
     name="llama", architecture="LlamaForCausalLM", model_type="llama", globals=_LLAMA_GLOBALS, per_block=_LLAMA_BLOCK,
     refusal=lambda cfg: _llama_like_refusal(cfg, "Llama", sliding=False), hf_config=_llama_config,
-    model_config=_llama_model_config,
+    model_config=_llama_model_config, defaults=_LLAMA_DEFAULTS, base_prefix="model.",
+    neutral={"pretraining_tp": "transformers 4 split each projection into that many slices and summed them: the same "
+                               "product"},
+    ignored_tensors={r"rotary_emb\.inv_freq$": "RoPE's frequencies, a buffer older transformers saved and recomputes"},
 )
 # Llama with a sliding window and no biases; the same tensor names
 MISTRAL = Family(
     name="mistral", architecture="MistralForCausalLM", model_type="mistral", globals=_LLAMA_GLOBALS,
     per_block=_LLAMA_BLOCK, refusal=lambda cfg: _llama_like_refusal(cfg, "Mistral", sliding=True),
-    hf_config=_mistral_config, model_config=_mistral_model_config,
+    hf_config=_mistral_config, model_config=_mistral_model_config, defaults=_MISTRAL_DEFAULTS, base_prefix="model.",
+    ignored_tensors={r"rotary_emb\.inv_freq$": "RoPE's frequencies, a buffer older transformers saved and recomputes"},
 )

@@ -1,13 +1,16 @@
 """The vocabulary of the Hugging Face mapping tables (``gpt2.py``, ``llama.py``, ``neox.py``):
 a ``Family`` is one transformers architecture, a table of entries that say how each megatrain
 tensor becomes Hugging Face tensors and back, the config.json fields both ways, and the first
-config field it cannot express (its refusal).
+config field it cannot express (its refusal). ``HFConfig`` is a config.json as transformers reads
+it, remembering which keys a family's mapping read, so that no key goes unmapped unnoticed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import field as dataclass_field
+from typing import Any
 
 import torch
 
@@ -21,6 +24,39 @@ class ExportRefused(InputError):
 
 class ImportMismatch(InputError):
     """A transformers checkpoint that megatrain cannot load exactly, or that differs from the recipe."""
+
+
+class HFConfig(dict):
+    """A config.json as transformers reads it. A key the file lacks has the default of that
+    model type's transformers config class (``defaults``: a file of three keys is still a whole
+    model to transformers). Every key a mapping reads is recorded in ``read``: the keys left
+    unread are the ones nothing mapped, and ``hf_config.check_every_key`` refuses them."""
+
+    def __init__(self, data: dict[str, Any], path: str, defaults: dict[str, Any] | None = None):
+        super().__init__(data)
+        self.path, self.defaults, self.read = path, dict(defaults or {}), set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        if dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        if key in self.defaults:
+            return self.defaults[key]
+        raise ImportMismatch(f"{self.path}: no {key!r} (and transformers has no default for it)")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        if dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        return self.defaults.get(key, default)
+
+    def refuse(self, key: str, why: str, value: Any = None) -> ImportMismatch:
+        """The one-line refusal of ``key`` (or of ``value`` inside it): the file, the key and its value, why."""
+        if value is not None or dict.__contains__(self, key):
+            shown = repr(value if value is not None else dict.__getitem__(self, key))
+        else:
+            shown = f"{self.defaults.get(key)!r} (absent: transformers' default)"
+        return ImportMismatch(f"{self.path}: {key}={shown}: {why}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +120,13 @@ class Family:
     hf_config: Callable[[ModelConfig, int], dict[str, Any]]  # (cfg, eos id) -> config.json fields
     model_config: Callable[[dict[str, Any]], dict[str, Any]]  # config.json -> ModelConfig fields
     imports: Callable[[dict[str, Any]], bool] = lambda hf: True  # among families of one model_type
+    # transformers' config-class defaults of the keys model_config reads (a key absent from config.json)
+    defaults: dict[str, Any] = dataclass_field(default_factory=dict)
+    # keys of this architecture's config.json that change nothing megatrain computes: key -> why
+    neutral: dict[str, str] = dataclass_field(default_factory=dict)
+    # tensors a checkpoint may hold that transformers drops on loading (derived buffers): pattern -> why
+    ignored_tensors: dict[str, str] = dataclass_field(default_factory=dict)
+    base_prefix: str = ""  # the base model's prefix: a folder saved from the base model alone lacks it
 
     def entries(self, cfg: ModelConfig) -> list[Rename | Split | Copies]:
         """The table for one model: ``{i}`` filled in per block, absent tensors left out."""

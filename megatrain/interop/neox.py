@@ -6,7 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain.config import ModelConfig
-from megatrain.interop.mapping import Copies, Family, ImportMismatch, Rename, field, full_attention, kv_heads
+from megatrain.interop.hf_rope import rope_fields
+from megatrain.interop.mapping import (
+    Copies,
+    Family,
+    HFConfig,
+    Rename,
+    field,
+    full_attention,
+    kv_heads,
+)
 
 
 def _neox_refusal(cfg: ModelConfig) -> str | None:
@@ -37,22 +46,32 @@ def _neox_config(cfg: ModelConfig, eos_id: int) -> dict[str, Any]:
     }
 
 
-def _neox_model_config(hf: dict[str, Any]) -> dict[str, Any]:
-    if hf.get("hidden_act") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ImportMismatch(f"config.json hidden_act={hf.get('hidden_act')!r}: megatrain's GeLU is the tanh approximation")
-    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rotary_emb_base", 10000.0),
-                                         "partial_rotary_factor": hf.get("rotary_pct", 1.0)}
-    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ImportMismatch("config.json rope_parameters: megatrain rotates every dimension with plain RoPE")
-    if not hf.get("attention_bias", True):
-        raise ImportMismatch("config.json attention_bias=false: megatrain has one model.bias for every linear")
+# transformers' GPTNeoXConfig defaults of the keys read below (tests compare them)
+_NEOX_DEFAULTS = {
+    "vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
+    "intermediate_size": 24576, "hidden_act": "gelu", "attention_dropout": 0.0, "hidden_dropout": 0.0,
+    "max_position_embeddings": 2048, "layer_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "use_parallel_residual": True, "attention_bias": True, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": None,
+}
+
+
+def _neox_model_config(hf: HFConfig) -> dict[str, Any]:
+    if hf["hidden_act"] not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise hf.refuse("hidden_act", "megatrain's GeLU is the tanh approximation")
+    if not hf["attention_bias"]:
+        raise hf.refuse("attention_bias", "megatrain has one model.bias for every linear, and NeoX's MLP has biases")
+    for key in ("attention_dropout", "hidden_dropout"):
+        if hf[key]:
+            raise hf.refuse(key, "megatrain has no dropout inside the blocks")
+    # GPT-NeoX spells the base rotary_emb_base and the rotated share rotary_pct, 0.25 when absent
+    rope = rope_fields(hf, types=("default",), theta_key="rotary_emb_base", partial_key="rotary_pct",
+                       partial_default=0.25)
     return {
         "vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"], "n_head": hf["num_attention_heads"],
-        "d_model": hf["hidden_size"], "d_ff": hf["intermediate_size"], "seq_len": hf["max_position_embeddings"],
-        "block": "parallel" if hf.get("use_parallel_residual", True) else "serial", "position": "rope",
-        "norm": "layernorm", "mlp": "gelu", "bias": True, "attention": "full",
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "norm_eps": hf.get("layer_norm_eps", 1e-5),
-        "rope_theta": rope["rope_theta"],
+        "n_kv_head": None, "d_model": hf["hidden_size"], "d_ff": hf["intermediate_size"],
+        "seq_len": hf["max_position_embeddings"], "block": "parallel" if hf["use_parallel_residual"] else "serial",
+        "position": "rope", "norm": "layernorm", "mlp": "gelu", "bias": True, "attention": "full", "window": None,
+        "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_eps": hf["layer_norm_eps"], "dropout": 0.0, **rope,
     }
 
 
@@ -72,6 +91,10 @@ _NEOX_ATTN_MLP = (
     Rename("blocks.{i}.mlp.proj.weight", "gpt_neox.layers.{i}.mlp.dense_4h_to_h.weight"),
     Rename("blocks.{i}.mlp.proj.bias", "gpt_neox.layers.{i}.mlp.dense_4h_to_h.bias"),
 )
+_NEOX_NEUTRAL = {"classifier_dropout": "the dropout of GPTNeoXForSequenceClassification's head, which a causal LM "
+                                        "does not have"}
+_NEOX_BUFFERS = {r"\.attention\.(bias|masked_bias)$": "the causal-mask buffers older transformers saved and rebuilds",
+                 r"rotary_emb\.inv_freq$": "RoPE's frequencies, a buffer older transformers saved and recomputes"}
 _LN1, _LN2 = "gpt_neox.layers.{i}.input_layernorm", "gpt_neox.layers.{i}.post_attention_layernorm"
 
 # x + attn(ln(x)) + mlp(ln(x)): GPT-NeoX's parallel residual with both of its norms set to the one norm
@@ -82,6 +105,7 @@ NEOX_PARALLEL = Family(
     refusal=lambda cfg: _neox_refusal(cfg) or (None if cfg.block == "parallel" else "model.block=serial"),
     hf_config=_neox_config, model_config=_neox_model_config,
     imports=lambda hf: hf.get("use_parallel_residual", True),
+    defaults=_NEOX_DEFAULTS, base_prefix="gpt_neox.", neutral=_NEOX_NEUTRAL, ignored_tensors=_NEOX_BUFFERS,
 )
 NEOX_SERIAL = Family(
     name="gpt_neox-serial", architecture="GPTNeoXForCausalLM", model_type="gpt_neox", globals=_NEOX_GLOBALS,
@@ -91,4 +115,5 @@ NEOX_SERIAL = Family(
     refusal=lambda cfg: _neox_refusal(cfg) or (None if cfg.block == "serial" else "model.block=parallel"),
     hf_config=_neox_config, model_config=_neox_model_config,
     imports=lambda hf: not hf.get("use_parallel_residual", True),
+    defaults=_NEOX_DEFAULTS, base_prefix="gpt_neox.", neutral=_NEOX_NEUTRAL, ignored_tensors=_NEOX_BUFFERS,
 )

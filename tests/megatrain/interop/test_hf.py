@@ -8,12 +8,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from megatrain.config import ModelConfig
 from megatrain.interop.hf import (
-    FAMILIES, ExportRefused, ImportMismatch, export_model, family_for, load_hf_weights, model_config_from_hf,
+    FAMILIES,
+    ExportRefused,
+    ImportMismatch,
+    export_model,
+    family_for,
+    load_hf_weights,
+    model_config_from_hf,
 )
 from megatrain.model import GPT
 
 V, T = 320, 32
-SERIAL_GPT = dict(vocab_size=V, n_layer=2, n_head=4, d_model=32, seq_len=T, block="serial", attention="full")
+SERIAL_GPT = {"vocab_size": V, "n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": T, "block": "serial",
+              "attention": "full"}
 LLAMA = dict(SERIAL_GPT, position="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, bias=False,
              tie_embeddings=False, d_ff=96)
 
@@ -50,7 +57,7 @@ EXPORTABLE = {
     "llama GQA untied": dict(LLAMA),
     "llama MHA tied, biases, llama3 rope scaling": dict(
         LLAMA, n_kv_head=None, bias=True, tie_embeddings=True, rope_theta=5e5,
-        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=16)),
+        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position": 16}),
     "mistral sliding window, multi-query": dict(LLAMA, n_kv_head=1, attention="sliding", window=8),
     "neox serial": dict(SERIAL_GPT, position="rope", bias=True),
     "neox parallel block": dict(SERIAL_GPT, position="rope", block="parallel", tie_embeddings=False),
