@@ -124,7 +124,10 @@ def temporary_server() -> Iterator[None]:
 
             def popen(*args, env=None, **kwargs):  # Prefect's own command line, plus PR_SET_PDEATHSIG
                 env = {**(env or os.environ), **extra_env}  # and this run's own state (the server's only)
-                return real_popen(*args, preexec_fn=die_with_parent, env=env, **kwargs)
+                # In a session of its own: a terminal's Ctrl-C reaches the whole foreground process
+                # group, and a server killed by it leaves the stopping flow nowhere to record its
+                # state (it retried a dead server for minutes). It stops when the flow is done.
+                return real_popen(*args, preexec_fn=die_with_parent, start_new_session=True, env=env, **kwargs)
 
             subprocess.Popen = popen
             try:
@@ -191,7 +194,11 @@ def run_from_command_line(campaign_flow: Callable, argv: list[str], default_camp
     if state.is_completed():
         show(state.result())
         return 0
-    print(f"megatrain: campaign {campaign.id} {state.name.lower()}: {state.message}", file=sys.stderr)
+    # the campaign's id in the command: a campaign named on the command line resumes only by it
+    resume = " ".join(["python -m flows.pretrain", path, *overrides, *([] if any(
+        o.startswith("id=") for o in overrides) else [f"id={campaign.id}"])])
+    print(f"megatrain: campaign {campaign.id} {state.name.lower()}: {state.message}. Resume: {resume}",
+          file=sys.stderr)
     codes = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
     return codes.get(STOP.reason, 1) if state.is_cancelled() else 1
 

@@ -35,11 +35,14 @@ def attempt_state(result, attempt: int, attempt_log, abandoned: threading.Event,
     reads the outcome from any of them. ``extra``: fields added to the outcome (e.g. the nodes)."""
     stopped_by = STOP.reason if STOP.is_set() else "the stage failed" if abandoned.is_set() else None
     if stopped_by and not result.ok:
-        result.status, result.message = "stopped", f"stopped ({stopped_by}) after {result.wall_s:.1f} s"
+        result.status, result.message = "stopped", f"stopped ({stopped_by})"
     attempt_log.close(asdict(result))
     logger = run_logger()
     level = logger.info if result.ok else logger.warning if result.status == "stopped" else logger.error
-    level("attempt %d ended: %s after %.1f s. %s", attempt, result.status, result.wall_s, result.message)
+    if result.message.startswith(result.status):  # "stopped (SIGINT)": said once, not twice
+        level("attempt %d ended: %s after %.1f s", attempt, result.message, result.wall_s)
+    else:
+        level("attempt %d ended: %s after %.1f s. %s", attempt, result.status, result.wall_s, result.message)
     outcome = asdict(result)  # one line for the states and the report; stacks stay in the log above
     outcome["message"] = result.message.strip().splitlines()[0] if result.message.strip() else ""
     outcome.update(extra or {})

@@ -27,6 +27,7 @@ from prefect.transactions import CommitMode, transaction
 from megatrain.config.campaign import CampaignConfig, stage_config
 from megatrain.config import compat
 from megatrain.config import load_config
+from megatrain.observe.attempt_log import next_attempt
 from tasks.checkpoint import staged_steps, upload_checkpoint
 from tasks.rollback import RollbackLimitExceeded, rollback
 from tasks._log import run_logger
@@ -156,8 +157,9 @@ def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):
     history: list[dict] = []
     uploaded: set[int] = set()
     restarts = rollbacks = 0
+    first_attempt = next_attempt(cfg.train.run_dir)  # a rerun numbers on from the stopped run's attempts
     while True:
-        attempt = len(history) + 1
+        attempt = first_attempt + len(history)
         _upload_new(cfg, uploaded)  # staged before an earlier crash: commit it before the ranks restore
         if STOP.check_cancelled():
             return _stopped(stage.name, cfg, uploaded)

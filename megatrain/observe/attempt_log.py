@@ -113,6 +113,18 @@ class AttemptLog:
             handle.write(json.dumps(row) + "\n")
 
 
+def next_attempt(run_dir: str | Path) -> int:
+    """The number the stage's next attempt takes: one past every attempt seen in ``run_dir``, by
+    its row or its log file (a flow killed mid-attempt leaves no row). A rerun of a stopped
+    campaign numbers on, so its attempts get log files of their own instead of appending to
+    ``attempt-1.log``."""
+    logs = Path(run_dir) / "logs"
+    numbers = [int(row["attempt"]) for row in read_attempts(run_dir) if isinstance(row.get("attempt"), int)]
+    numbers += [int(m.group(1)) for p in (logs.glob("attempt-*.log") if logs.is_dir() else [])
+                if (m := re.fullmatch(r"attempt-(\d+)(?:\.rank\d+)?\.log", p.name))]
+    return max(numbers, default=0) + 1
+
+
 def read_attempts(run_dir: str | Path) -> list[dict]:
     """The attempts of a stage, in order (empty before the first one ends)."""
     return read_rows(Path(run_dir) / "attempts.jsonl")

@@ -48,3 +48,18 @@ def test_a_failed_attempt_is_whole_in_files_and_one_line_per_fault_on_the_consol
 
     (attempt,) = read_attempts(tmp_path / "run")
     assert attempt["attempt"] == 3 and attempt["status"] == result.status and attempt["log"] == str(log.path)
+
+
+def test_the_next_attempt_numbers_on_from_every_attempt_the_run_dir_saw(tmp_path):
+    from megatrain.observe.attempt_log import next_attempt
+
+    assert next_attempt(tmp_path / "new") == 1
+    first = AttemptLog(tmp_path, attempt=1, forward=lambda line: None)
+    first("step 1/4")
+    first.close({"status": "stopped", "message": "stopped (SIGINT)"})
+    assert next_attempt(tmp_path) == 2  # a rerun of the stopped campaign: its own log file
+    AttemptLog(tmp_path, attempt=2, forward=lambda line: None)("step 2/4")  # killed: a log, no row
+    (tmp_path / "logs" / "attempt-2.rank1.log").write_text("x\n")
+    (tmp_path / "logs" / "attempt-x.log").write_text("not an attempt\n")
+    assert next_attempt(tmp_path) == 3
+    assert (tmp_path / "logs" / "attempt-1.log").read_text() == "step 1/4\n"

@@ -1,0 +1,64 @@
+"""Ctrl-C of a command-line campaign (``python -m flows.pretrain``, its temporary Prefect server):
+the terminal's SIGINT reaches the whole foreground process group. The run stops its ranks,
+commits what is staged and ends in seconds with a few lines and the command that resumes it;
+the resumed run's attempt gets a log file of its own."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fault_matrix_common import STEPS, write_campaign
+from test_fault_matrix_lifecycle import SLOWED, FlowProcess, committed_steps, wait_for
+
+from megatrain.config.campaign import load_campaign
+
+ROOT = Path(__file__).resolve().parents[2]
+STOP_LIMIT_S = 15.0  # the issue's bound: Ctrl-C to the exit
+MAX_LINES = 15
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resume(tmp_path, shard_root, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # a temporary server, as a user without Prefect gets
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    path = write_campaign(tmp_path, "ctrl-c", shard_url=shard_root, faults=SLOWED)
+    campaign = load_campaign(path)
+    durable, run_dir = campaign.stage_durable_url(0), campaign.stage_dir(0)
+    flow = FlowProcess(path, None, tmp_path / "first.log")
+    try:
+        wait_for(lambda: 2 in committed_steps(durable), 300, "step 2 committed")
+        printed = len(flow.output.splitlines())
+        pressed = time.monotonic()
+        os.killpg(flow.proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: flow, server and all
+        code = flow.wait(60)
+        stopped_s = time.monotonic() - pressed
+    finally:
+        flow.kill()
+    after = flow.output.splitlines()[printed:]
+    assert code == 130, flow.output[-3000:]
+    assert stopped_s < STOP_LIMIT_S, f"{stopped_s:.1f} s from Ctrl-C to the exit:\n" + "\n".join(after)
+    assert len(after) <= MAX_LINES and "Traceback" not in flow.output, "\n".join(after)
+    assert not any("ConnectError" in line or "Error logging to API" in line for line in after), "\n".join(after)
+    last = after[-1]
+    steps = committed_steps(durable)
+    assert "stopped (SIGINT)" in last and f"resumes from {max(steps)}" in last and STEPS not in steps, last
+    resume = shlex.split(last.split("Resume: ", 1)[1])
+    assert resume[:3] == ["python", "-m", "flows.pretrain"], last
+    first_log = (run_dir / "logs" / "attempt-1.log").read_text()
+
+    # the printed command resumes the campaign; its attempt writes a log of its own
+    out = subprocess.run([sys.executable, *resume[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert STEPS in committed_steps(durable)
+    assert (run_dir / "logs" / "attempt-1.log").read_text() == first_log  # nothing appended to it
+    resumed = (run_dir / "logs" / "attempt-2.log").read_text()
+    assert f"step {max(steps) + 1}/{STEPS}" in resumed and "step 1/" not in resumed
+    print(f"Ctrl-C to exit: {stopped_s:.1f} s, {len(after)} lines; committed {steps}; resumed to {STEPS}")
