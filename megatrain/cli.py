@@ -167,7 +167,7 @@ def report_failure(command: str, exc: BaseException, argv: list[str]) -> int:
 def classify(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) of a failure a person can act on; None for a bug."""
     if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED, "interrupted"
+        return EXIT_INTERRUPTED, one_line(str(exc)) or "interrupted"
     if out_of_memory(exc):
         detail = one_line(str(exc)).partition("DefaultCPUAllocator: ")[2] or one_line(str(exc))
         return EXIT_NO_MEMORY, f"out of host memory while {doing(exc)}" + (f": {detail}" if detail else "")

@@ -49,6 +49,11 @@ class UnsafePathError(DeterministicError, ValueError):
     """A name read from metadata that would leave its folder (``..``, absolute, symlink out)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C of a run, with what a person needs to go on: the last committed step and the
+    command that resumes (``megatrain/cli.py`` prints it as the one line)."""
+
+
 def one_line(text: str) -> str:
     """A message folded onto one line: its non-blank lines, stripped, joined by `` | ``."""
     return " | ".join(line.strip() for line in str(text).splitlines() if line.strip())

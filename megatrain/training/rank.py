@@ -11,13 +11,14 @@ import argparse
 import logging
 import math
 import os
+import shlex
 import sys
 import time
 
 from megatrain.config import ConfigError, load_config
 from megatrain.launch.lease import FileLeaseStore, Lease, LeaseHeld
 from megatrain.errors import (
-    DETERMINISTIC_PREFIX, EXIT_ANOMALY, EXIT_CONFIG, EXIT_DETERMINISTIC, DeterministicError,
+    DETERMINISTIC_PREFIX, EXIT_ANOMALY, EXIT_CONFIG, EXIT_DETERMINISTIC, DeterministicError, Interrupted,
 )
 
 PEER_GRACE_S = 3.0  # how long a rank other than 0 waits before exiting on a failure rank 0 also reports
@@ -68,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                 run_preflight(cfg)
             except DeterministicError as exc:  # a location that cannot take the run's writes
                 return say_deterministic(exc)
-        return _train(cfg)
+        try:
+            return _train(cfg)
+        except KeyboardInterrupt:  # Ctrl-C: one line that says where the run stands and how to go on
+            raise Interrupted(resume_hint(cfg, args)) from None
     finally:
         if lease is not None:
             lease.release()
@@ -78,6 +82,23 @@ def say_deterministic(exc: BaseException) -> int:
     """The same on every retry: say it once, in one line the launcher finds (``megatrain.errors``)."""
     print(f"{DETERMINISTIC_PREFIX}{type(exc).__name__}: {exc}".replace("\n", " | "), file=sys.stderr, flush=True)
     return EXIT_DETERMINISTIC
+
+
+def resume_hint(cfg, args: argparse.Namespace) -> str:
+    """"interrupted; step 10 is committed in <url>; resume: megatrain train --config ..." (the
+    same command: a run resumes from its newest committed step by itself)."""
+    from megatrain.checkpoint import catalog
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    command = ["megatrain", "train"] if world == 1 else ["torchrun", f"--nproc-per-node={world}", "-m", "megatrain.train"]
+    command = shlex.join([*command, "--config", args.config, *args.overrides])
+    try:
+        committed = catalog.committed(cfg.checkpoint.durable_url)
+    except Exception as exc:  # noqa: BLE001 (the store is unreachable: say so, the hint still holds)
+        return f"interrupted; committed steps unknown ({type(exc).__name__}: {exc}); resume: {command}"
+    if not committed:
+        return f"interrupted before the first committed checkpoint; start again: {command}"
+    return f"interrupted; step {committed[-1].step} is committed in {cfg.checkpoint.durable_url}; resume: {command}"
 
 
 def check_layout(cfg, world_size: int) -> None:
