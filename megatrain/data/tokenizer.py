@@ -46,8 +46,14 @@ class TokenizerSpec:
     def encode_documents(self, documents: list[str]) -> list[list[int]]:
         """Token ids of each document, BOS first when the tokenizer wants one, EOS last."""
         tokenizer = parse(self.json_text, self.source)
-        head = [] if self.bos_id is None else [self.bos_id]
-        return [head + encoding.ids + [self.eos_id] for encoding in tokenizer.encode_batch(documents)]
+        return [self._frame(encoding.ids) for encoding in tokenizer.encode_batch(documents)]
+
+    def _frame(self, ids: list[int]) -> list[int]:
+        """BOS first and EOS last, each once: a tokenizer whose own post-processor already adds
+        them (Llama 2's adds BOS, and its tokenizer_config.json asks for BOS too) is not doubled."""
+        head = [] if self.bos_id is None or (ids and ids[0] == self.bos_id) else [self.bos_id]
+        tail = [] if ids and ids[-1] == self.eos_id else [self.eos_id]
+        return head + ids + tail
 
 
 _PARSED: dict[str, Tokenizer] = {}

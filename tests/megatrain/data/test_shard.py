@@ -152,13 +152,19 @@ def test_loaded_tokenizer_json_is_used_as_is(small_index, corpus, tmp_path):
         shard_corpus(cfg, SEQ_LEN, 300)
 
 
-def test_a_model_folders_tokenizer_brings_its_bos_and_eos(small_index, corpus, tmp_path):
+@pytest.mark.parametrize("post_processor_adds_bos", [False, True], ids=["config adds BOS", "both add BOS (Llama 2)"])
+def test_a_model_folders_tokenizer_brings_its_bos_and_eos(small_index, corpus, tmp_path, post_processor_adds_bos):
     """data.tokenizer = a Hugging Face model folder: its tokenizer.json, BOS/EOS from its
-    tokenizer_config.json; every document starts with BOS and ends with EOS."""
+    tokenizer_config.json; every document starts with one BOS and ends with one EOS, also where
+    the tokenizer's own post-processor adds BOS as well."""
+    from tokenizers.processors import TemplateProcessing
+
     folder = tmp_path / "base-model"
     folder.mkdir()
     tokenizer = Tokenizer.from_str(storage.read_bytes(small_index.tokenizer_url).decode())
     tokenizer.add_special_tokens(["<s>", "</s>"])
+    if post_processor_adds_bos:
+        tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
     (folder / "tokenizer.json").write_text(tokenizer.to_str())
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "add_bos_token": True}))
@@ -168,7 +174,7 @@ def test_a_model_folders_tokenizer_brings_its_bos_and_eos(small_index, corpus, t
     assert (index.bos_id, index.eos_id) == (bos, eos)
     assert index.tokenizer_sha256 == hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
     tokens = np.concatenate(all_windows(index)).reshape(-1)
-    expected = [bos] + tokenizer.encode((corpus / "notes.md").read_text()).ids + [eos]
+    expected = [bos] + tokenizer.encode((corpus / "notes.md").read_text(), add_special_tokens=False).ids + [eos]
     np.testing.assert_array_equal(tokens, expected[: len(tokens)])
 
     (folder / "tokenizer.json").write_text(tokenizer.to_str()[:500])  # truncated: named, no parser trace
