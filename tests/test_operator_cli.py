@@ -23,7 +23,7 @@ def test_flow_help_prints_usage_and_starts_no_server():
 
 def test_status_and_report_name_what_they_could_not_find(tmp_path):
     status = run("-m", "megatrain.cli", "status", "no-such-campaign", "--root", str(tmp_path))
-    assert status.returncode == 2 and "no campaign of that id under" in status.stdout and not status.stderr
+    assert status.returncode == 1 and "no campaign of that id under" in status.stderr and not status.stdout
     report = run("-m", "megatrain.cli", "report", str(tmp_path))
     assert report.returncode == 2 and "neither a campaign dir" in report.stdout and not report.stderr
     listing = run("-m", "megatrain.cli", "--help").stdout

@@ -25,7 +25,7 @@ from megatrain import storage
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import parse_step
 from megatrain.checkpoint.restore import verify_checkpoint
-from megatrain.config import read_yaml
+from megatrain.config.run_dirs import read_run_dir
 from megatrain.config.campaign import find_campaign_dir, stage_dirs
 
 
@@ -184,6 +184,7 @@ def stage_durable_urls(target: str | Path) -> list[str]:
     except FileNotFoundError:
         campaign_dir = None
     if campaign_dir in (path.resolve(), path.resolve().parent):
-        return [str(read_yaml(d / "config.yaml")["checkpoint"]["durable_url"]) for d in stage_dirs(campaign_dir)]
+        # each stage's store where it lies now (a moved campaign's recorded paths point elsewhere)
+        return [str(read_run_dir(d).located()["checkpoint"]["durable_url"]) for d in stage_dirs(campaign_dir)]
     return sorted(str(child) for child in path.iterdir()
                   if child.is_dir() and any(parse_step(c.name) is not None for c in child.iterdir()))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from megatrain.config import ModelConfig
 from megatrain.interop.mapping import Family, HFConfig, Rename, field, full_attention
+
+log = logging.getLogger("megatrain.interop")
 
 
 def _gpt2_refusal(cfg: ModelConfig) -> str | None:
@@ -55,11 +58,14 @@ def _gpt2_model_config(hf: HFConfig) -> dict[str, Any]:
     if not hf["scale_attn_weights"]:
         raise hf.refuse("scale_attn_weights", "megatrain scales attention by 1/sqrt(head_dim)")
     # megatrain's one dropout sits after the embedding, where GPT-2's embd_pdrop does; it has none
-    # on attention probabilities or on the residual branches
-    for key in ("attn_pdrop", "resid_pdrop"):
-        if hf[key]:
-            raise hf.refuse(key, "megatrain has dropout only after the embeddings (model.dropout = embd_pdrop); "
-                            "a config.json with 0.0 here imports")
+    # on attention probabilities or on the residual branches. Dropout is training noise, not the
+    # model's function (in evaluation the two compute the same), and GPT-2's own config.json
+    # carries 0.1 there: imported, saying what continued training leaves out.
+    inside = {key: hf[key] for key in ("attn_pdrop", "resid_pdrop") if hf[key]}
+    if inside:
+        log.warning("config.json %s: megatrain trains without dropout inside the blocks (only model.dropout "
+                    "after the embeddings); the imported model computes the same in evaluation",
+                    ", ".join(f"{key}={value}" for key, value in inside.items()))
     return {
         "vocab_size": hf["vocab_size"], "n_layer": hf["n_layer"], "n_head": hf["n_head"], "d_model": hf["n_embd"],
         "d_ff": hf["n_inner"] or 4 * hf["n_embd"], "seq_len": hf["n_positions"], "block": "serial",

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from megatrain.config import ModelConfig
+from megatrain.config.run_dirs import CHECKPOINT_HELP
 from megatrain.errors import InputError
 from megatrain.interop.hf_config import (  # noqa: F401 (re-exported: the import side's names)
     FAMILIES,
@@ -184,7 +185,7 @@ def cli(argv: list[str]) -> int:
     import sys
 
     parser = argparse.ArgumentParser(prog="megatrain export", description="Export a committed checkpoint.")
-    parser.add_argument("--checkpoint", required=True, help="a run dir, a durable checkpoint URL or one step-* dir")
+    parser.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     parser.add_argument("--format", choices=["hf"], default="hf", help="hf: a transformers folder")
     parser.add_argument("--out", required=True, help="the folder to write")
     parser.add_argument("--step", type=int, help="a committed step; default the newest")
