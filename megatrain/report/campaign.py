@@ -49,18 +49,19 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
     report_dir.mkdir(parents=True, exist_ok=True)
     results = {r["stage"]: r for r in stage_results or []}
 
-    rows, attempts_seen, checkpoints, pictures, samples, problems = [], [], [], {}, {}, []
+    rows, attempts_seen, checkpoints, pictures, samples, problems, resumes = [], [], [], {}, {}, [], []
     for stage in status.stages:
         result = results.get(stage.name, {})
         summary = summarize_run(stage.run_dir) if stage.loss is not None else None  # rows to summarize
-        history = result.get("history")
-        attempts = read_attempts(stage.run_dir)  # written by AttemptLog: status, message, log file
-        if history is None:
-            history = attempts
-        logs = {a["attempt"]: a["log"] for a in attempts}
+        # attempts.jsonl (AttemptLog) holds every attempt with its number, reruns of a stopped
+        # campaign included; the flow's own history only this run's
+        attempts = read_attempts(stage.run_dir)
+        numbered = ([(a.get("attempt", n), a) for n, a in enumerate(attempts, start=1)] if attempts
+                    else list(enumerate(result.get("history") or [], start=1)))
         attempts_seen += [{"stage": stage.name, "attempt": number, "status": attempt.get("status"),
-                           "message": attempt.get("message") or "", "log": logs.get(number)}
-                          for number, attempt in enumerate(history, start=1)]
+                           "message": attempt.get("message") or "", "log": attempt.get("log")}
+                          for number, attempt in numbered]
+        resumes += [{"stage": stage.name, **change} for change in resume_changes(stage.durable_url, stage.committed)]
         rows.append({
             "stage": stage.name, "state": stage.state,
             "steps": summary.steps if summary else stage.last_step,  # no metrics: the committed steps
@@ -97,6 +98,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         "tensorboard": str(tensorboard) if tensorboard else None,
         "pictures": {title: str(png) for title, png in pictures.items()},
         "samples": samples,
+        "resume_changes": resumes,  # schedule or layout changed on a resume (the checkpoint history)
         "problems": problems,  # files missing or damaged, per stage
         "export": _read_export(Path(status.stages[-1].run_dir) / EXPORT_FILE) if status.stages else None,
     }
@@ -114,10 +116,10 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
 def _tensorboard_problems(stage) -> list[str]:
     """A stage that trained with TensorBoard on (its config.yaml) and has no whole event file: named.
     A running stage's writer may be mid-flush, so it is looked at once it has ended."""
-    from megatrain.config import read_yaml
+    from megatrain.config.run_dirs import read_run_dir
 
-    config = Path(stage.run_dir) / "config.yaml"
-    train = read_yaml(config).get("train", {}) if config.exists() else {}
+    run = read_run_dir(stage.run_dir)  # its TensorBoard dir where it lies now, also in a moved campaign
+    train = run.located().get("train", {}) if run is not None else {}
     if stage.state in ("running", "pending") or not stage.last_step or not train.get("tensorboard", True):
         return []
     return tensorboard_problems(train.get("tensorboard_dir") or Path(stage.run_dir) / "tb")
@@ -161,6 +163,46 @@ def _export_markdown(export: dict | None) -> list[str]:
     return lines
 
 
+def resume_changes(durable_url: str, committed: list[int]) -> list[dict]:
+    """The checkpoint history of a stage's newest committed step: each resume that changed the
+    schedule (with the LR at that step before and after) or the layout. Empty when nothing
+    changed, or when the checkpoint cannot be read (the report is no place to fail)."""
+    import json
+
+    from megatrain import storage
+    from megatrain.checkpoint.files import rank_meta_file
+
+    if not committed:
+        return []
+    step_url = f"{durable_url.rstrip('/')}/{step_dir_name(max(committed))}"
+    try:
+        meta = json.loads(storage.read_bytes(storage.confined(step_url, rank_meta_file(0), step_url)))
+    except (OSError, ValueError):
+        return []
+    return [entry for entry in meta.get("history") or [] if isinstance(entry, dict) and "step" in entry]
+
+
+def _resume_changes_markdown(changes: list[dict]) -> list[str]:
+    if not changes:
+        return []
+    lines = ["", "## Changes on resume", ""]
+    for change in changes:
+        said = []
+        if change.get("schedule"):
+            said.append("schedule " + ", ".join(f"`{name}` {old} -> {new}" for name, (old, new) in change["schedule"].items()))
+        if change.get("lr") and None not in change["lr"]:
+            said.append("LR {:.3e} -> {:.3e}".format(*change["lr"]))
+        if change.get("layout"):
+            before, after = change["layout"]
+            said.append(f"layout {_layout(before)} -> {_layout(after)}")
+        lines.append(f"* `{change['stage']}` resumed at step {change['step']}: " + "; ".join(said))
+    return lines
+
+
+def _layout(layout: dict) -> str:
+    return " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "zero_stage") if k in layout)
+
+
 def _samples_markdown(samples: dict[str, list[dict]]) -> list[str]:
     lines = ["", "## Samples", ""]
     for stage, found in samples.items():
@@ -202,6 +244,7 @@ def _markdown_body(summary: dict) -> tuple[str, str]:
     if summary.get("problems"):
         lines += ["", "## Missing or damaged files", ""]
         lines += [f"* `{p['stage']}`: {problem}" for p in summary["problems"] for problem in p["problems"]]
+    lines += _resume_changes_markdown(summary.get("resume_changes") or [])
     lines += _samples_markdown(summary["samples"])
     lines += _export_markdown(summary.get("export"))
     return head, "\n".join(lines) + "\n"

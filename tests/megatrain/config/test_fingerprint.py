@@ -154,4 +154,11 @@ def test_extending_a_wsd_run_needs_no_schedule_change_and_a_cosine_one_says_how_
     old_lr, new_lr = entry["lr"]
     assert entry["step"] == 4 and new_lr > 2 * old_lr, entry  # the stretched cosine is high again at step 4
     assert f"from {old_lr:.3e}" in extended.stdout + extended.stderr and f"to {new_lr:.3e}" in extended.stdout + extended.stderr
+    # and the campaign report's "Changes on resume" says it too
+    from megatrain.report.campaign import _resume_changes_markdown, resume_changes
+
+    changes = resume_changes(str(cosine / "durable"), [4, 8])
+    assert changes == meta["history"]
+    said = "\n".join(_resume_changes_markdown([{"stage": "cosine", **change} for change in changes]))
+    assert f"`cosine` resumed at step 4: schedule `" in said and f"LR {old_lr:.3e} -> {new_lr:.3e}" in said, said
     assert sorted(before) == [1, 2, 3, 4]
