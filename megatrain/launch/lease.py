@@ -160,9 +160,9 @@ class RedisLeaseStore:
     """
 
     def __init__(self, url: str, name: str, ttl_s: float) -> None:
-        import redis
+        from megatrain.launch.redis_client import connect
 
-        self.client = redis.Redis.from_url(url, socket_timeout=5)
+        self.client = connect(url, socket_timeout=5)
         self.key = f"megatrain:lease:{name}"
         self.where = f"{name} (lease {self.key} at {url})"
         self.ttl_ms = int(ttl_s * 1000)

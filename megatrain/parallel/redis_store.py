@@ -72,6 +72,8 @@ class RedisStore(dist.Store):
         super().__init__()
         import redis  # a dependency of this store only
 
+        from megatrain.launch.redis_client import connect
+
         self.url = url
         self.run_id = run_id
         self.prefix = f"megatrain:{run_id}:store:"
@@ -79,7 +81,7 @@ class RedisStore(dist.Store):
         self.ops: dict[str, int] = {}  # store operations issued, by kind (the start-up breakdown reads them)
         self._timeout = timeout
         self._errors = (redis.ConnectionError, redis.TimeoutError)
-        self._redis = redis.Redis.from_url(url, socket_timeout=BLOCK_SLICE_S + 30.0, socket_connect_timeout=10.0)
+        self._redis = connect(url, socket_timeout=BLOCK_SLICE_S + 30.0, socket_connect_timeout=10.0)
         self._compare_set = self._redis.register_script(_COMPARE_SET)
         self.server_id = self._call(self._server_id)
 

@@ -136,18 +136,18 @@ class RedisSink:
     records of a finished or abandoned run clean themselves up."""
 
     def __init__(self, url: str, run_id: str, ttl_s: float = 300.0) -> None:
-        import redis  # imported here: the directory sink must work without a Redis client
-
+        # imported here: the directory sink must work without a Redis client
         from redis.backoff import NoBackoff
         from redis.retry import Retry
+
+        from megatrain.launch.redis_client import connect
 
         self.run_id = run_id
         self.ttl_s = max(1, math.ceil(ttl_s))
         # One immediate retry (a connection the server dropped is reopened), no backoff: a beat
         # that fails is simply sent again one interval later, and a watcher must not block for
         # seconds in client retries while the store is down.
-        self._redis = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0,
-                                           retry=Retry(NoBackoff(), 1))
+        self._redis = connect(url, socket_timeout=5.0, socket_connect_timeout=2.0, retry=Retry(NoBackoff(), 1))
 
     def key(self, rank: int) -> str:
         return f"megatrain:{self.run_id}:heartbeat:{rank}"

@@ -195,9 +195,9 @@ def storage_roundtrip_mbs(cfg: Config, url: str, megabytes: int) -> float:
 
 
 def redis_rtt_ms(url: str, pings: int = 50) -> float:
-    import redis
+    from megatrain.launch.redis_client import connect
 
-    client = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    client = connect(url, socket_timeout=5.0, socket_connect_timeout=5.0)
     try:
         client.ping()
         samples = []

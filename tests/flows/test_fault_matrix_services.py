@@ -149,7 +149,7 @@ def restarting_redis(tmp_path):
 
 @pytest.mark.slow
 def test_kill_redis(reference, workdir, shard_root, logs, restarting_redis):
-    import redis
+    from megatrain.launch.redis_client import connect
 
     server = restarting_redis
     path = write_campaign(
@@ -171,7 +171,7 @@ def test_kill_redis(reference, workdir, shard_root, logs, restarting_redis):
     assert t_recover >= restarted - 0.1
     # the restarted server started empty: the rank's final record there was published after it came back
     cfg = stage_config(load_campaign(path), 0)
-    client = redis.Redis.from_url(server["url"])
+    client = connect(server["url"])  # with the server's password (MEGATRAIN_REDIS_PASSWORD)
     raw = client.hgetall(f"megatrain:{cfg.run_id}:heartbeat:0")
     client.close()
     final = HeartbeatRecord.from_dict({k.decode(): json.loads(v) for k, v in raw.items()})

@@ -130,7 +130,7 @@ def test_redis_restart_during_rendezvous_is_survived() -> None:
     notices the new server, joins again in its namespace, and both finish."""
     if subprocess.run(["which", "redis-server"], capture_output=True).returncode:
         pytest.skip("redis-server not installed")
-    import redis
+    from megatrain.launch.redis_client import connect
 
     redis_port, port = free_port(), free_port()
     url = f"redis://127.0.0.1:{redis_port}/0"
@@ -138,7 +138,7 @@ def test_redis_restart_during_rendezvous_is_survived() -> None:
     init = {"store": "redis", "redis_url": url, "join_timeout_s": 60}
     rank0 = launch(0, 2, port, init, "ordered", RUN_ID="restart")
     try:
-        client = redis.Redis(host="127.0.0.1", port=redis_port)
+        client = connect(url)  # with the server's password (MEGATRAIN_REDIS_PASSWORD)
         deadline = time.monotonic() + 120
         while not list(client.scan_iter(match="*join/rank0")):
             assert time.monotonic() < deadline and rank0.poll() is None, "rank 0 never joined"
