@@ -132,6 +132,7 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     from megatrain.launch.nodes import nodes_command
     from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
+    from megatrain.reliability.identity import ensure_run_token
     from megatrain.reliability.watcher import HeartbeatWatcher
 
     logger = run_logger()
@@ -148,6 +149,7 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
         found = read_verdict(cfg.train.run_dir)
         return asdict(found) if found is not None else None
 
+    ensure_run_token()  # before the ranks' env and the watcher: only this run's ranks sign heartbeats it believes
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     command = nodes_command(config_path, plan.nodes, campaign.nproc_per_node, campaign.stage_dir(index) / "nodes",
                             [f"parallel.world_size={plan.world_size}"])

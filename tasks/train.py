@@ -64,12 +64,14 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     from megatrain.launch.standby import StandbyLaunch
     from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
+    from megatrain.reliability.identity import ensure_run_token
     from megatrain.reliability.watcher import HeartbeatWatcher
 
     logger = run_logger()
     cfg = load_config(config_path)
     run_dir = cfg.train.run_dir
     clear_verdict(run_dir)
+    ensure_run_token()  # before the watcher and the ranks' env: only this run's ranks sign heartbeats it believes
     watcher = HeartbeatWatcher.from_config(cfg.reliability, run_dir, cfg.run_id, world_size=nproc_per_node)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     logger.info("attempt %d: %d ranks, run dir %s", attempt, nproc_per_node, run_dir)

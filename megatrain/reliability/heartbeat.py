@@ -19,6 +19,12 @@ the forward seconds of its last few steps, from which the watcher finds slow ran
 
 The heartbeat store can fail (Redis restarted): writers keep training and retry every beat.
 
+A record must come from this run, or a stray writer (another run sharing the store, a copied file,
+anyone who reaches Redis) could make a hung rank look alive. ``make_sink`` gives each sink the
+run's ``Identity``: writers stamp the run id and, when the environment holds the run's token
+(``MEGATRAIN_RUN_TOKEN``, made by the launcher and inherited by its ranks), an HMAC of the record;
+readers ignore, and log once, a record of another run or without a valid signature (``identity.py``).
+
 Timestamps are wall-clock (``time.time()``) from each rank's host; across hosts this assumes
 NTP-synchronised clocks, with skew far below the timeout (seconds vs tens of seconds).
 """
@@ -43,6 +49,7 @@ from typing import IO, Any, Protocol
 
 from megatrain.config import ReliabilityConfig
 from megatrain.reliability._files import atomic_write_text
+from megatrain.reliability.identity import RUN_TOKEN_ENV, Identity, admitted
 from megatrain.reliability.stacks import STACK_SIGNAL, install_stack_dump, stack_file
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,8 @@ class HeartbeatRecord:
     recent_forward_s: list[list[float]] | None = None  # [step, forward seconds] of the last steps
     recent_step_s: list[float] | None = None  # seconds from step to step of the last steps (the stall rule's scale)
     init_phase: str | None = None  # during phase "init": the start-up phase (megatrain/observe/startup.py)
+    run_id: str | None = None  # whose record this is (stamped by the sink's Identity)
+    signature: str | None = None  # HMAC-SHA256 of the rest under the run's token
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,16 +115,20 @@ class HeartbeatSink(Protocol):
 
 
 class DirectorySink:
-    """One JSON file per rank, replaced atomically: for one machine or a shared filesystem."""
+    """One JSON file per rank, replaced atomically: for one machine or a shared filesystem.
+    ``identity``: stamp and check records (None: take any, as tests of the watcher's rules do)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, identity: Identity | None = None) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.identity = identity
 
     def _file(self, rank: int) -> Path:
         return self.path / f"rank{rank:05d}.json"
 
     def publish(self, record: HeartbeatRecord) -> None:
+        if self.identity is not None:
+            record = self.identity.stamp(record)
         atomic_write_text(self._file(record.rank), json.dumps(record.to_dict()))
 
     def read_all(self, world_size: int) -> dict[int, HeartbeatRecord]:
@@ -125,7 +138,7 @@ class DirectorySink:
                 records[rank] = HeartbeatRecord.from_dict(json.loads(self._file(rank).read_text()))
             except FileNotFoundError:
                 continue
-        return records
+        return admitted(self.identity, records, str(self.path))
 
     def close(self) -> None:
         pass
@@ -135,7 +148,7 @@ class RedisSink:
     """A Redis hash per rank (``megatrain:<run_id>:heartbeat:<rank>``) with a TTL, so the
     records of a finished or abandoned run clean themselves up."""
 
-    def __init__(self, url: str, run_id: str, ttl_s: float = 300.0) -> None:
+    def __init__(self, url: str, run_id: str, ttl_s: float = 300.0, identity: Identity | None = None) -> None:
         # imported here: the directory sink must work without a Redis client
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -143,6 +156,7 @@ class RedisSink:
         from megatrain.launch.redis_client import connect
 
         self.run_id = run_id
+        self.identity = identity
         self.ttl_s = max(1, math.ceil(ttl_s))
         # One immediate retry (a connection the server dropped is reopened), no backoff: a beat
         # that fails is simply sent again one interval later, and a watcher must not block for
@@ -153,6 +167,8 @@ class RedisSink:
         return f"megatrain:{self.run_id}:heartbeat:{rank}"
 
     def publish(self, record: HeartbeatRecord) -> None:
+        if self.identity is not None:
+            record = self.identity.stamp(record)
         key = self.key(record.rank)
         fields = {name: json.dumps(value) for name, value in record.to_dict().items()}
         pipe = self._redis.pipeline(transaction=False)
@@ -169,18 +185,20 @@ class RedisSink:
             if raw:
                 data = {k.decode(): json.loads(v) for k, v in raw.items()}
                 records[rank] = HeartbeatRecord.from_dict(data)
-        return records
+        return admitted(self.identity, records, f"megatrain:{self.run_id}:heartbeat:*")
 
     def close(self) -> None:
         self._redis.close()
 
 
 def make_sink(cfg: ReliabilityConfig, run_dir: str | Path, run_id: str) -> HeartbeatSink:
-    """Redis when ``cfg.redis_url`` is set, else ``<run_dir>/heartbeats``."""
+    """Redis when ``cfg.redis_url`` is set, else ``<run_dir>/heartbeats``; either way taking only
+    this run's records (signed when the environment holds the run's token)."""
+    identity = Identity(run_id, os.environ.get(RUN_TOKEN_ENV))
     if cfg.redis_url:
         # Keep records well past the timeout so a watcher can still show a dead rank's last state.
-        return RedisSink(cfg.redis_url, run_id, ttl_s=max(10 * cfg.heartbeat_timeout_s, 300.0))
-    return DirectorySink(Path(run_dir) / "heartbeats")
+        return RedisSink(cfg.redis_url, run_id, ttl_s=max(10 * cfg.heartbeat_timeout_s, 300.0), identity=identity)
+    return DirectorySink(Path(run_dir) / "heartbeats", identity=identity)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""Which heartbeat records belong to this run: a run id and, with the run's token, a signature.
+
+The watcher believes a record that says a rank is alive and stepping. A record from outside the
+run - another run sharing the store, a file copied into the run dir, anyone else who reaches
+Redis - must not: it could hide a hang. The launcher makes a random token per run
+(``ensure_run_token``) that only its ranks inherit, by environment; each record carries the run
+id and an HMAC-SHA256 of its fields under that token. A reader ignores, and logs once per rank
+and reason, a record of another run or one whose signature does not verify.
+
+Without a token (a rank started by hand, a test of the watcher's rules) only the run id is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+RUN_TOKEN_ENV = "MEGATRAIN_RUN_TOKEN"  # the run's secret: only its own ranks can sign a heartbeat
+R = TypeVar("R")  # a heartbeat record (a dataclass with rank, host, pid, run_id, signature)
+
+
+def ensure_run_token() -> str:
+    """The run's token: ``MEGATRAIN_RUN_TOKEN``, made here when absent and put into this process's
+    environment, so that every rank the launcher starts inherits it (and nothing else has it)."""
+    if not os.environ.get(RUN_TOKEN_ENV):
+        os.environ[RUN_TOKEN_ENV] = secrets.token_hex(16)
+    return os.environ[RUN_TOKEN_ENV]
+
+
+class Identity:
+    """Stamps this run's records and admits only those: the run id must match and, with a
+    ``token``, the signature too. A record refused is logged once per rank and reason."""
+
+    def __init__(self, run_id: str, token: str | None) -> None:
+        self.run_id, self._key = run_id, token.encode() if token else None
+        self._told: set[tuple[int, str]] = set()
+
+    def _digest(self, record: Any) -> str:
+        body = {k: v for k, v in record.to_dict().items() if k != "signature"}
+        assert self._key is not None
+        return hmac.new(self._key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+    def stamp(self, record: R) -> R:
+        record = dataclasses.replace(record, run_id=self.run_id, signature=None)
+        if self._key is not None:
+            record.signature = self._digest(record)
+        return record
+
+    def admit(self, record: Any, where: str) -> bool:
+        if record.run_id != self.run_id:
+            reason = f"of another run ({record.run_id!r}, this run is {self.run_id!r})"
+        elif self._key is not None and not hmac.compare_digest(record.signature or "", self._digest(record)):
+            reason = f"without this run's signature ({RUN_TOKEN_ENV})"
+        else:
+            return True
+        if (record.rank, reason) not in self._told:
+            self._told.add((record.rank, reason))
+            log.warning("heartbeat ignored: the record for rank %d at %s is %s (host %s, pid %s)",
+                        record.rank, where, reason, record.host, record.pid)
+        return False
+
+
+def admitted(identity: Identity | None, records: dict[int, R], where: str) -> dict[int, R]:
+    """The records ``identity`` admits (all of them without one)."""
+    if identity is None:
+        return records
+    return {rank: record for rank, record in records.items() if identity.admit(record, where)}

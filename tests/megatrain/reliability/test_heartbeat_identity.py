@@ -1,0 +1,72 @@
+"""Heartbeats from outside the run are ignored: a record of another run id, an unsigned one or one
+signed with another token can never make a hung rank look alive (both sinks, real Redis)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from megatrain.config import ReliabilityConfig
+from megatrain.reliability.heartbeat import (
+    DirectorySink,
+    HeartbeatRecord,
+    RedisSink,
+    make_sink,
+)
+from megatrain.reliability.identity import RUN_TOKEN_ENV, Identity, ensure_run_token
+from megatrain.reliability.watcher import HeartbeatWatcher
+
+
+def _sink(kind: str, tmp_path: Path, redis_url: str, run_id: str, identity: Identity | None):
+    """A writer or reader at the place ``make_sink`` puts this run's heartbeats."""
+    if kind == "redis":
+        return RedisSink(redis_url, run_id, identity=identity)
+    return DirectorySink(tmp_path / "heartbeats", identity=identity)
+
+
+@pytest.mark.parametrize("kind", ["directory", "redis"])
+@pytest.mark.parametrize("foreign", ["another run", "no token", "another token"])
+def test_a_foreign_heartbeat_does_not_hide_a_planted_hang(kind, foreign, tmp_path, redis_url, run_id, monkeypatch,
+                                                          caplog) -> None:
+    monkeypatch.setenv(RUN_TOKEN_ENV, "this-runs-token")
+    cfg = ReliabilityConfig(redis_url=redis_url if kind == "redis" else None, heartbeat_timeout_s=5.0)
+    ours = make_sink(cfg, tmp_path, run_id)
+    now = time.time()
+    ours.publish(HeartbeatRecord(0, step=5, phase="forward", timestamp=now, step_since=now, first_step_done=True))
+    # the planted hang: rank 1 beats, but its step has not moved for 9 s (timeout 5 s)
+    ours.publish(HeartbeatRecord(1, step=4, phase="collective", timestamp=now, step_since=now - 9, first_step_done=True))
+    watcher = HeartbeatWatcher(make_sink(cfg, tmp_path, run_id), world_size=2, timeout_s=5.0, since=0)
+    assert watcher.check().hung == [1]
+
+    identity = {"another run": Identity("someone-else", "this-runs-token"), "no token": Identity(run_id, None),
+                "another token": Identity(run_id, "a-guessed-token")}[foreign]
+    stray = _sink(kind, tmp_path, redis_url, run_id, identity)
+    stray.publish(HeartbeatRecord(1, step=6, phase="forward", timestamp=time.time(), step_since=time.time(),
+                                  first_step_done=True))
+    # The stray record is really there, in this run's place: a reader that checks nothing is fooled.
+    fooled = HeartbeatWatcher(_sink(kind, tmp_path, redis_url, run_id, None), world_size=2, timeout_s=5.0, since=0)
+    assert fooled.check().hung == []
+    with caplog.at_level(logging.WARNING, logger="megatrain.reliability.identity"):
+        result = watcher.check()
+        watcher.check()
+    assert result.hung == [1] and result.records[1].step == 4, result.message()
+    ignored = [r.getMessage() for r in caplog.records if "heartbeat ignored" in r.getMessage()]
+    assert len(ignored) == 1 and "rank 1" in ignored[0], ignored  # logged once, not at every check
+
+
+def test_the_runs_own_ranks_are_believed(tmp_path, run_id, monkeypatch) -> None:
+    """Writer and watcher of one run, both from ``make_sink``: the token the launcher made
+    (``ensure_run_token``) reaches both, and the records verify."""
+    monkeypatch.delenv(RUN_TOKEN_ENV, raising=False)
+    token = ensure_run_token()
+    assert len(token) == 32 and ensure_run_token() == token  # made once, then kept
+    cfg = ReliabilityConfig()
+    now = time.time()
+    make_sink(cfg, tmp_path, run_id).publish(HeartbeatRecord(0, step=3, phase="forward", timestamp=now,
+                                                             step_since=now, first_step_done=True))
+    records = make_sink(cfg, tmp_path, run_id).read_all(1)
+    assert records[0].step == 3 and records[0].run_id == run_id and records[0].signature
+    assert make_sink(cfg, tmp_path, "another-run").read_all(1) == {}
