@@ -6,6 +6,12 @@ The trainer calls three things (see megatrain/training/trainer.py)::
     checkpointer.maybe_save(trainer)       # after every step: acts every `interval` steps and at the last
     checkpointer.close()                   # at the end: waits for staging and uploads
 
+With ``checkpoint.memory_interval`` the steps between durable saves are also snapshotted, every
+that many steps, into the node's checkpoint keeper (memory.py, keeper.py): a process in host RAM
+that outlives the ranks. Restore tries it first (when its step, the same on every rank, is newer
+than the newest durable checkpoint and verifies), then the durable store; which tier it came from
+and how long it took goes to the log and to ``<run_dir>/restores.jsonl``.
+
 A save blocks the loop only for the device -> host copy (snapshot.py). Staging to local disk runs
 in the snapshotter's thread; what happens next depends on ``checkpoint.upload_mode``:
 
@@ -23,6 +29,7 @@ any background job that has failed, so the rank fails with it and the step is no
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 import signal
@@ -39,11 +46,13 @@ from megatrain.checkpoint import catalog, reshard, state
 from megatrain.checkpoint.files import (
     MANIFEST, STAGED, model_file, parse_step, rank_marker, rank_meta_file, rank_tensor_file, step_dir_name,
 )
+from megatrain.checkpoint.memory import MemoryCheckpoints, restore_from_memory
 from megatrain.checkpoint.restore import RunIdentity, restore_checkpoint
 from megatrain.checkpoint.retention import apply_retention, clean_staging
 from megatrain.checkpoint.snapshot import RankSnapshot, Snapshotter, SnapshotTiming
 from megatrain.checkpoint.upload import UploadError, mark_staged, upload_checkpoint
 from megatrain.config import Config
+from megatrain.observe.jsonl import open_append
 from megatrain.parallel.dims import ProcessGroups
 from megatrain.parallel.init import DistEnv
 
@@ -74,6 +83,8 @@ class Checkpointer:
                        "zero_stage": cfg.parallel.zero_stage}
         self.history: list[dict] = []  # changes of schedule or layout this run's checkpoints went through
         self.snapshotter = Snapshotter(self.ckpt.staging_dir, env.device)
+        self.memory = MemoryCheckpoints(self.ckpt.staging_dir, env.rank, env.device,
+                                        Path(cfg.train.run_dir) / "logs" / "keeper.log") if self.ckpt.memory_interval else None
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._jobs: list[Future] = []
         self._versions = library_versions()
@@ -85,28 +96,61 @@ class Checkpointer:
     # ---- restore ------------------------------------------------------------------------------
 
     def restore(self, trainer: Any) -> int:
-        """Load the newest verified committed checkpoint (or, for a new campaign stage, the previous
-        stage's weights and optimizer); returns the step to resume from (0 if none)."""
+        """Load the keeper's copy when it is newer than the durable store and verifies, else the
+        newest verified committed checkpoint (or, for a new campaign stage, the previous stage's
+        weights and optimizer); returns the step to resume from (0 if none)."""
         self._discard_own_staging()
         if not self.ckpt.resume:
+            if self.memory is not None:
+                self.memory.drop_after(0)  # a fresh start: older copies are another timeline's
             return 0
+        start = time.perf_counter()
         tokenizer = self.identity.tokenizer_sha256
-        restored = restore_checkpoint(trainer, self.ckpt.durable_url, self.identity, self.layout, self.groups,
-                                      tokenizer_sha256=tokenizer)
+        durable_step = self._newest_durable_step()
+        restored, tier = None, "durable"
+        if self.memory is not None:
+            restored = restore_from_memory(trainer, self.memory, self.groups, self.identity, self.layout, durable_step)
+            tier = "keeper" if restored is not None else tier
+            self.memory.drop_after(restored.step if restored is not None else durable_step)
+        if restored is None:
+            restored = restore_checkpoint(trainer, self.ckpt.durable_url, self.identity, self.layout, self.groups,
+                                          tokenizer_sha256=tokenizer)
         if restored is None and self.ckpt.init_from and not self.ckpt.init_from.startswith("hf:"):  # hf: trainer.py
             found = restore_checkpoint(trainer, self.ckpt.init_from, None, self.layout, self.groups, full=False,
                                        tokenizer_sha256=tokenizer)
             if found is None:
                 log.warning("checkpoint.init_from=%s holds no committed checkpoint: starting from scratch",
                             self.ckpt.init_from)
-        self._drop_abandoned_steps(restored.step if restored is not None else 0)
+        # Uncommitted durable steps after the newest committed one are redone (or, past a keeper
+        # restore, superseded by the next durable save): their stale markers must go either way.
+        self._drop_abandoned_steps(min(restored.step, durable_step) if restored is not None else 0)
         if restored is None:
             return 0
+        self._record_restore(tier, restored.step, durable_step, time.perf_counter() - start)
         self.history = restored.history
         if restored.history and restored.history[-1]["step"] == restored.step:
             log.warning("resumed step %d with changes: %s", restored.step, restored.history[-1])
         self.last_saved_step = restored.step
         return restored.step
+
+    def _newest_durable_step(self) -> int:
+        """The newest committed step in the durable store (0: none), as rank 0 lists it."""
+        box = [0]
+        if self.groups.rank == 0:
+            committed = catalog.committed(self.ckpt.durable_url)
+            box[0] = committed[-1].step if committed else 0
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _record_restore(self, tier: str, step: int, durable_step: int, seconds: float) -> None:
+        """Say which tier a restore came from and what it cost: the log, and a row for the report."""
+        log.info("restored step %d from the %s tier in %.3f s (newest durable step %d)", step, tier, seconds,
+                 durable_step)
+        if self.groups.rank == 0:
+            with open_append(Path(self.cfg.train.run_dir) / "restores.jsonl") as out:
+                out.write(json.dumps({"time": time.time(), "tier": tier, "step": step, "durable_step": durable_step,
+                                      "seconds": round(seconds, 4), "world_size": self.env.world_size}) + "\n")
 
     def _drop_abandoned_steps(self, resumed: int) -> None:
         """Uncommitted steps after the one resumed from were left by an attempt that died before
@@ -149,14 +193,29 @@ class Checkpointer:
     # ---- save ---------------------------------------------------------------------------------
 
     def maybe_save(self, trainer: Any) -> bool:
-        """Save when ``trainer.step`` is a multiple of the interval, or the last step. First raise
-        the error of any staging or upload that has failed since the last call."""
+        """Save when ``trainer.step`` is a multiple of the interval, or the last step; else, on a
+        multiple of ``memory_interval``, snapshot into the keeper. First raise the error of any
+        staging or upload that has failed since the last call. True: a durable save."""
         self.raise_if_failed()
         step = trainer.step
-        if step == self.last_saved_step or (step % self.ckpt.interval and step < self.cfg.train.steps):
+        if step == self.last_saved_step:
             return False
-        self.save(trainer)
-        return True
+        if step % self.ckpt.interval == 0 or step >= self.cfg.train.steps:
+            self.save(trainer)
+            return True
+        if self.memory is not None and step % self.ckpt.memory_interval == 0:
+            self.save_to_memory(trainer)
+        return False
+
+    def save_to_memory(self, trainer: Any) -> SnapshotTiming | None:
+        """A RAM checkpoint: the same RankSnapshot as a durable save, copied into the keeper's
+        shared memory (the loop waits for that copy only); None when the keeper failed."""
+        timing = self.memory.save(self._rank_snapshot(trainer))
+        if timing is not None:
+            log.info("memory checkpoint step %d: loop blocked %.3f s (waiting for the previous seal %.3f s, "
+                     "copy %.3f s%s)", trainer.step, timing.blocked_s, timing.wait_s, timing.copy_s,
+                     ", slot mapped" if timing.allocated else "")
+        return timing
 
     def save(self, trainer: Any) -> SnapshotTiming:
         step = trainer.step
@@ -243,6 +302,10 @@ class Checkpointer:
         raise the first error any of them ended in."""
         jobs, self._jobs = self._jobs, []  # raised once: a second close() has nothing left to report
         try:
+            if self.memory is not None:  # a finished run's keeper has nothing left to keep: its node's
+                finished = self.last_saved_step == self.cfg.train.steps  # first rank ends it
+                self.memory.close(shutdown=finished and self.env.local_rank == 0)
+                self.memory = None
             self.snapshotter.close()
             for job in jobs:
                 job.result()

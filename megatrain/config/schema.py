@@ -222,6 +222,10 @@ class TrainConfig(_Section):
 
 class CheckpointConfig(_Section):
     interval: int = Field(50, gt=0, description="save every this many steps")
+    memory_interval: int = Field(
+        0, ge=0, description="also snapshot into the node's checkpoint keeper (host RAM, a process that outlives "
+        "the ranks) every this many steps; a restart restores from it when it is newer than the durable store "
+        "(megatrain/checkpoint/memory.py); 0: off")
     staging_dir: str | None = Field(
         None, description="fast local disk for stage 1; default <train.run_dir>/staging (a run owns its files)")
     durable_url: str | None = Field(

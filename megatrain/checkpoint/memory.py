@@ -1,0 +1,302 @@
+"""A rank's side of RAM checkpoints: save into the node's keeper, and restore from it.
+
+The keeper (keeper.py) is found by a folder derived from the node's staging dir, so every rank
+of a node, and every attempt of a run, reaches the same one. The first rank that finds none starts
+it, detached (see ``start_keeper``); the run's last save shuts it down.
+
+Save (``MemoryCheckpoints.save``, on the training thread): wait for the previous seal, ask the
+keeper for its spare slot, copy every tensor from the device straight into that shared memory
+(the only copy: the keeper holds these very bytes), then seal it in a background thread while
+training goes on. Memory checkpoints are best effort: a keeper that is gone costs a warning, and
+the next save starts a new keeper; the durable checkpoints guard the run as before.
+
+Restore (``restore_from_memory``, every rank together): each rank names the steps its keeper holds
+for it; the newest step that every rank holds, and newer than the newest durable checkpoint, is
+read back and checked (sha256 of every chunk and of the JSON, written by the same config and
+layout); if any rank finds a problem, all ranks try the next older common step, then give up
+(the caller restores from the durable store). ZeRO partitions, RNG, the LR schedule and the data
+position come back through ``restore.apply_rank_state``, as from a durable checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatrain.checkpoint.files import ChecksumError, model_file, rank_meta_file, rank_tensor_file
+from megatrain.checkpoint.keeper import SOCKET, chunk_hashes, recv_message, send_message, text_hash
+from megatrain.checkpoint.restore import RankState, Restored, RunIdentity, _gather, apply_rank_state, same_layout
+from megatrain.checkpoint.snapshot import RankSnapshot, SnapshotTiming
+from megatrain.parallel.dims import ProcessGroups
+
+log = logging.getLogger("megatrain.checkpoint")
+
+KEEPER_ROOT_ENV = "MEGATRAIN_KEEPER_ROOT"  # where keeper folders live (default: the temp dir)
+KEEPER_IDLE_ENV = "MEGATRAIN_KEEPER_IDLE_S"  # a keeper with no rank connected exits after this long
+DEFAULT_IDLE_S = 600.0  # long enough for a flow to relaunch its ranks; short enough not to hoard RAM
+ALIGN = 64
+
+
+class KeeperError(RuntimeError):
+    """The keeper refused a request or could not be reached."""
+
+
+def keeper_dir(staging_dir: str | Path) -> Path:
+    """The keeper folder of a node's staging dir (short: a Unix socket path has ~100 bytes)."""
+    key = hashlib.sha1(os.path.realpath(staging_dir).encode()).hexdigest()[:12]
+    return Path(os.environ.get(KEEPER_ROOT_ENV) or tempfile.gettempdir()) / f"megatrain-keeper-{key}"
+
+
+def start_keeper(folder: Path, log_path: Path) -> None:
+    """Start a keeper detached from this rank: its own session (a launcher's killpg of the ranks
+    does not reach it) and no parent-death signal (prctl's is cleared on fork). A second keeper
+    started by a racing rank finds the lock taken and exits at once."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    idle = os.environ.get(KEEPER_IDLE_ENV, str(DEFAULT_IDLE_S))
+    with open(log_path, "a") as out:
+        subprocess.Popen([sys.executable, "-m", "megatrain.checkpoint.keeper", "--dir", str(folder), "--idle-s", idle],
+                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                         close_fds=True)
+
+
+class KeeperClient:
+    """One connection to a keeper; requests are serialised (the training and seal threads share it)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self._lock = sock, threading.Lock()
+
+    @classmethod
+    def connect(cls, folder: Path, start_log: Path | None = None, timeout_s: float = 30.0) -> KeeperClient:
+        """Connect to the keeper of ``folder``; with ``start_log``, start one when none answers."""
+        deadline, started = time.monotonic() + timeout_s, False
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(str(folder / SOCKET))
+                return cls(sock)
+            except OSError as exc:
+                sock.close()
+                if start_log is None or time.monotonic() > deadline:
+                    raise KeeperError(f"no checkpoint keeper answers at {folder / SOCKET}: {exc}") from None
+            if not started:
+                start_keeper(folder, start_log)
+                started = True
+            time.sleep(0.05)
+
+    def request(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
+        with self._lock:
+            try:
+                send_message(self.sock, {"op": op, **fields})
+                reply, fds = recv_message(self.sock)
+            except OSError as exc:  # ConnectionError included: the keeper died
+                raise KeeperError(f"checkpoint keeper: {op}: {exc}") from exc
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise KeeperError(f"checkpoint keeper: {op}: {reply.get('error')}")
+        return reply, fds
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _map(fd: int, nbytes: int) -> torch.Tensor:
+    """The keeper's shared memory as a uint8 tensor (MAP_SHARED: our writes are the keeper's bytes)."""
+    try:
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+
+
+def _dtype(name: str) -> torch.dtype:
+    """A dtype by its str() (the keeper's records are JSON), never any other attribute of torch."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    raise KeyError(f"unknown dtype {name!r}")
+
+
+def _view(buffer: torch.Tensor, entry: list) -> torch.Tensor:
+    _, _, dtype, shape, offset = entry
+    dtype, count = _dtype(dtype), 1
+    for size in shape:
+        count *= size
+    return buffer[offset:offset + count * dtype.itemsize].view(dtype).view(shape)
+
+
+class MemoryCheckpoints:
+    """One rank's RAM checkpoints in its node's keeper."""
+
+    def __init__(self, staging_dir: str | Path, rank: int, device: torch.device, log_path: Path):
+        self.folder, self.rank, self.device, self.log_path = keeper_dir(staging_dir), rank, device, log_path
+        self._client: KeeperClient | None = None
+        self._maps: dict[str, torch.Tensor] = {}  # slot id -> mapping, reused while the keeper keeps the slot
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-seal")
+        self._pending: Future | None = None
+        self.last_timing: SnapshotTiming | None = None
+
+    def client(self) -> KeeperClient:
+        if self._client is None:
+            self._client = KeeperClient.connect(self.folder, start_log=self.log_path)
+        return self._client
+
+    def _reset(self) -> None:
+        """Forget the connection and mappings (the keeper died: a new one has new slots)."""
+        if self._client is not None:
+            self._client.close()
+        self._client, self._maps = None, {}
+
+    # ---- save ---------------------------------------------------------------------------------
+
+    def save(self, snap: RankSnapshot) -> SnapshotTiming | None:
+        """Copy ``snap`` into the keeper; None (and a warning) when the keeper failed."""
+        start = time.perf_counter()
+        try:
+            self.wait()
+            waited = time.perf_counter()
+            entries, used = [], 0
+            for file, tensors in snap.tensor_files.items():
+                for name, tensor in tensors.items():
+                    entries.append([file, name, str(tensor.dtype), list(tensor.shape), used])
+                    nbytes = tensor.numel() * tensor.element_size()
+                    used += nbytes + (-nbytes % ALIGN)
+            reply, fds = self.client().request("alloc", rank=self.rank, nbytes=used)
+            buffer = self._maps.get(reply["id"])
+            allocated = buffer is None  # the first save into this slot maps it; later ones reuse the mapping
+            if allocated:
+                buffer = self._maps[reply["id"]] = _map(fds[0], used)
+                while len(self._maps) > 2:  # the keeper has two slots per rank: an older mapping is stale
+                    self._maps.pop(next(iter(self._maps)))
+            else:
+                os.close(fds[0])
+            self._copy(buffer, snap.tensor_files, entries)
+            text = json.dumps(snap.json_files)
+        except (KeeperError, OSError) as exc:
+            log.warning("memory checkpoint of step %d failed (%s); the next one starts a new keeper", snap.step, exc)
+            self._reset()
+            return None
+        self.last_timing = SnapshotTiming(wait_s=waited - start, copy_s=time.perf_counter() - waited, allocated=allocated)
+        self._pending = self._sealer.submit(self.client().request, "seal", rank=self.rank, slot=reply["slot"],
+                                            step=snap.step, used=used, entries=entries, json=text,
+                                            json_sha256=text_hash(text))
+        return self.last_timing
+
+    def _copy(self, buffer: torch.Tensor, tensor_files: dict[str, dict[str, torch.Tensor]], entries: list) -> None:
+        views = iter(entries)
+        if self._stream is not None:  # as snapshot.py: the copy sees the finished optimizer step
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.no_grad(), torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            for tensors in tensor_files.values():
+                for tensor in tensors.values():
+                    _view(buffer, next(views)).copy_(tensor, non_blocking=tensor.is_cuda)
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def wait(self) -> None:
+        """Wait for the last seal (its slot is not the spare until it is sealed)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    # ---- restore ------------------------------------------------------------------------------
+
+    def held_steps(self) -> list[int]:
+        """The steps this rank's keeper holds sealed for it (none when no keeper answers)."""
+        try:
+            self._client = self._client or KeeperClient.connect(self.folder)
+            reply, _ = self._client.request("list")
+        except KeeperError:
+            self._reset()
+            return []
+        return sorted(entry["step"] for entry in reply["ranks"].get(str(self.rank), []))
+
+    def fetch(self, step: int) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """This rank's copy of ``step`` (tensor files, JSON files), every chunk's sha256 and the
+        JSON's checked first; ChecksumError when a check fails."""
+        reply, fds = self.client().request("get", rank=self.rank, step=step)
+        buffer = _map(fds[0], reply["nbytes"])
+        hashes = chunk_hashes(memoryview(buffer.numpy()), reply["used"])
+        bad = [i for i, (a, b) in enumerate(zip(hashes, reply["chunks"], strict=True)) if a != b]
+        if bad:
+            raise ChecksumError(f"keeper copy of step {step} (rank {self.rank}): sha256 of chunk(s) {bad} differs")
+        if text_hash(reply["json"]) != reply["json_sha256"]:
+            raise ChecksumError(f"keeper copy of step {step} (rank {self.rank}): its JSON's sha256 differs")
+        files: dict[str, dict[str, torch.Tensor]] = {}
+        for entry in reply["entries"]:  # cloned: the slot is rewritten by a later save
+            files.setdefault(entry[0], {})[entry[1]] = _view(buffer, entry).clone()
+        return files, json.loads(reply["json"])
+
+    def read(self, step: int, groups: ProcessGroups, identity: RunIdentity, layout: dict[str, Any]) -> RankState:
+        """This rank's verified copy of ``step`` as restore puts it back, if this run wrote it."""
+        files, json_files = self.fetch(step)
+        meta = json_files[rank_meta_file(self.rank)]
+        if meta.get("step") != step or meta.get("rank") != self.rank:
+            raise ChecksumError(f"keeper copy of step {step}: records step {meta.get('step')} rank {meta.get('rank')}")
+        if meta.get("fingerprint") != identity.fingerprint or not same_layout(meta.get("layout", {}), layout) \
+                or meta.get("tokenizer_sha256") != identity.tokenizer_sha256:
+            raise ValueError(f"keeper copy of step {step} was written by another config, layout or tokenizer")
+        model = files.get(model_file(groups.pp_rank, groups.tp_rank)) if groups.dp_rank == 0 else None
+        return RankState(model=model, tensors=files[rank_tensor_file(self.rank)], meta=meta)
+
+    def drop_after(self, step: int) -> None:
+        """Forget copies newer than ``step``: they belong to a timeline this attempt does not continue."""
+        try:
+            self._client = self._client or KeeperClient.connect(self.folder)
+            dropped = self._client.request("drop", rank=self.rank, after_step=step)[0]["dropped"]
+        except KeeperError:
+            self._reset()
+            return
+        if dropped:
+            log.info("keeper: dropped rank %d's copies of steps %s (newer than step %d)", self.rank, dropped, step)
+
+    # ---- end ----------------------------------------------------------------------------------
+
+    def close(self, shutdown: bool = False) -> None:
+        """Wait for the last seal; with ``shutdown`` (the run is finished), end the keeper too."""
+        try:
+            self.wait()
+            if shutdown and self._client is not None:
+                self._client.request("shutdown")
+        except KeeperError as exc:
+            log.warning("checkpoint keeper at close: %s", exc)
+        finally:
+            self._sealer.shutdown(wait=True)
+            self._reset()
+
+
+def restore_from_memory(trainer: Any, memory: MemoryCheckpoints, groups: ProcessGroups, identity: RunIdentity,
+                        layout: dict[str, Any], newer_than: int) -> Restored | None:
+    """Every rank together: put back the newest step that every rank's keeper holds, verified and
+    newer than ``newer_than`` (the newest durable step). None: the caller uses the durable store."""
+    held = _gather(memory.held_steps())
+    common = set(held[0]).intersection(*held[1:])
+    for step in sorted((s for s in common if s > newer_than), reverse=True):
+        try:
+            rank_state, problem = memory.read(step, groups, identity, layout), None
+        except (ChecksumError, KeeperError, OSError, ValueError, KeyError) as exc:
+            rank_state, problem = None, f"{type(exc).__name__}: {exc}"
+        problems = [(r, p) for r, p in enumerate(_gather(problem)) if p]
+        if problems:
+            log.warning("keeper copies of step %d rejected: %s", step, "; ".join(f"rank {r}: {p}" for r, p in problems))
+            continue
+        apply_rank_state(trainer, rank_state, groups, full=True, schedule_changed=False)
+        return Restored(step, rank_state.meta.get("history", []))
+    if held[0] or any(held):
+        log.info("keeper copies (steps per rank %s) not used: none common to every rank, verified and newer than "
+                 "durable step %d", held, newer_than)
+    return None
