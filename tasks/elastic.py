@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
 from prefect.events import emit_event
 
 from megatrain.config.campaign import CampaignConfig, stage_config
 from megatrain.config import load_config
+from tasks._artifacts import create_table_artifact  # secrets hidden
 from tasks._log import run_logger
 from tasks.attempts import abandoned_event, attempt_state, should_stop
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
 from megatrain.config.campaign import CampaignConfig
+from tasks._artifacts import create_markdown_artifact, create_table_artifact  # secrets hidden
 from tasks._log import run_logger
 
 

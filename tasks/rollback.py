@@ -7,11 +7,11 @@ import socket
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 
 from megatrain.config import load_config
 from megatrain.reliability.rollback import RollbackRecord, append_rollback, read_rollbacks
+from tasks._artifacts import create_markdown_artifact  # secrets hidden
 from tasks._log import run_logger
 
 

@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
 
 from megatrain.config.campaign import CampaignConfig, stage_config
+from tasks._artifacts import create_table_artifact  # secrets hidden
 from tasks._log import run_logger
 
 

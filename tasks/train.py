@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled, Failed
 from prefect.transactions import CommitMode, transaction
@@ -28,6 +28,7 @@ from megatrain.config.campaign import CampaignConfig, stage_config
 from megatrain.config import compat
 from megatrain.config import load_config
 from megatrain.observe.attempt_log import next_attempt
+from tasks._artifacts import create_markdown_artifact  # secrets hidden
 from tasks.checkpoint import staged_steps, upload_checkpoint
 from tasks.rollback import RollbackLimitExceeded, rollback
 from tasks._log import run_logger

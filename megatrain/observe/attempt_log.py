@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatrain.observe.jsonl import open_append, read_rows
+from megatrain.observe.redact import redact
 
 # Third-party lines that say nothing about this run (each seen on every launch).
 NOISE = [
@@ -54,7 +55,7 @@ class AttemptLog:
         return self.dir / f"attempt-{self.attempt}.rank{rank}.log"
 
     def __call__(self, line: str) -> None:
-        line = line.rstrip("\n")
+        line = redact(line.rstrip("\n"))  # a rank that prints a secret: *** in every file and the Prefect log
         self._all.write(line + "\n")
         prefixed = RANK_PREFIX.match(line)
         tagged = prefixed or RANK_TAG.search(line)
