@@ -5,12 +5,16 @@
 # megatrain and tasks/, and client, scheduler and workers need the same Python, dask and
 # distributed. One single-threaded worker process per pod (the tokenizer uses one core per
 # process): scale with var.dask_workers. A worker lost mid-unit costs that unit only.
+# Every connection is TLS with the certificates of the Secret megatrain-dask-tls (security.tf),
+# mounted at /etc/dask-tls; the flow runs find them through the ConfigMap megatrain-dask-client
+# (Dask's own configuration variables), so flows/shard_data.py needs no code for it.
 locals {
   dask_scheduler_name    = "megatrain-dask-scheduler"
   dask_scheduler_port    = 8786
   dask_dashboard_port    = 8787 # the Service is ClusterIP: kubectl port-forward to look at it
   dask_worker_http_port  = 8789 # the worker's /health, for its readiness probe
-  dask_scheduler_address = "tcp://${local.dask_scheduler_name}:${local.dask_scheduler_port}"
+  dask_scheduler_address = "tls://${local.dask_scheduler_name}:${local.dask_scheduler_port}"
+  dask_tls_dir           = "/etc/dask-tls"
   dask_scheduler_labels  = { "app.kubernetes.io/name" = "megatrain-dask-scheduler", "app.kubernetes.io/part-of" = "megatrain" }
   dask_worker_labels     = { "app.kubernetes.io/name" = "megatrain-dask-worker", "app.kubernetes.io/part-of" = "megatrain" }
 }
@@ -33,9 +37,19 @@ resource "kubernetes_deployment_v1" "dask_scheduler" {
       }
       spec {
         container {
-          name    = "scheduler"
-          image   = var.megatrain_image
-          command = ["dask", "scheduler", "--port", "${local.dask_scheduler_port}", "--dashboard-address", ":${local.dask_dashboard_port}"]
+          name  = "scheduler"
+          image = var.megatrain_image
+          command = [
+            "dask", "scheduler", "--protocol", "tls", "--port", "${local.dask_scheduler_port}",
+            "--dashboard-address", ":${local.dask_dashboard_port}",
+            "--tls-ca-file", "${local.dask_tls_dir}/ca.pem", "--tls-cert", "${local.dask_tls_dir}/tls.crt",
+            "--tls-key", "${local.dask_tls_dir}/tls.key",
+          ]
+          volume_mount {
+            name       = "dask-tls"
+            mount_path = local.dask_tls_dir
+            read_only  = true
+          }
           port {
             name           = "comm"
             container_port = local.dask_scheduler_port
@@ -53,6 +67,12 @@ resource "kubernetes_deployment_v1" "dask_scheduler" {
               port = local.dask_scheduler_port
             }
             period_seconds = 5
+          }
+        }
+        volume {
+          name = "dask-tls"
+          secret {
+            secret_name = kubernetes_secret_v1.dask_tls.metadata[0].name
           }
         }
       }
@@ -108,7 +128,14 @@ resource "kubernetes_deployment_v1" "dask_worker" {
             "dask", "worker", local.dask_scheduler_address,
             "--nworkers", "1", "--nthreads", "1", "--memory-limit", var.dask_worker_memory,
             "--dashboard-address", ":${local.dask_worker_http_port}",
+            "--tls-ca-file", "${local.dask_tls_dir}/ca.pem", "--tls-cert", "${local.dask_tls_dir}/tls.crt",
+            "--tls-key", "${local.dask_tls_dir}/tls.key",
           ]
+          volume_mount {
+            name       = "dask-tls"
+            mount_path = local.dask_tls_dir
+            read_only  = true
+          }
           env {
             name  = "TOKENIZERS_PARALLELISM"
             value = "false"
@@ -140,7 +167,27 @@ resource "kubernetes_deployment_v1" "dask_worker" {
             period_seconds = 5
           }
         }
+        volume {
+          name = "dask-tls"
+          secret {
+            secret_name = kubernetes_secret_v1.dask_tls.metadata[0].name
+          }
+        }
       }
     }
+  }
+}
+
+# Dask's configuration for the flow runs' client (infra/k8s/base-job-template.json loads it)
+resource "kubernetes_config_map_v1" "dask_client" {
+  metadata {
+    name      = "megatrain-dask-client"
+    namespace = kubernetes_namespace_v1.megatrain.metadata[0].name
+  }
+  data = {
+    DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION = "true"
+    DASK_DISTRIBUTED__COMM__TLS__CA_FILE       = "${local.dask_tls_dir}/ca.pem"
+    DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT  = "${local.dask_tls_dir}/tls.crt"
+    DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY   = "${local.dask_tls_dir}/tls.key"
   }
 }

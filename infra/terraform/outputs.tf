@@ -18,5 +18,11 @@ output "redis_url" {
 
 output "dask_address" {
   description = "data.dask_address of the campaign (data.engine=dask)"
-  value       = "tcp://${kubernetes_service_v1.dask_scheduler.metadata[0].name}:${local.dask_scheduler_port}"
+  value       = "tls://${kubernetes_service_v1.dask_scheduler.metadata[0].name}:${local.dask_scheduler_port}"
+}
+
+output "prefect_ui_password" {
+  description = "the Prefect UI's password (user admin): terraform output -raw prefect_ui_password"
+  value       = random_password.prefect_ui.result
+  sensitive   = true
 }

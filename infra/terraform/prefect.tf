@@ -14,6 +14,14 @@ resource "helm_release" "prefect_server" {
   chart      = "prefect-server"
   version    = var.prefect_server_chart_version
   namespace  = kubernetes_namespace_v1.megatrain.metadata[0].name
+
+  # API and UI behind basic auth from the generated secret (security.tf): no anonymous access
+  values = [yamlencode({
+    server = {
+      basicAuth = { enabled = true, existingSecret = kubernetes_secret_v1.prefect_auth.metadata[0].name }
+      uiConfig  = { prefectUiApiUrl = "${var.prefect_ui_url}/api" }
+    }
+  })]
 }
 
 resource "helm_release" "prefect_worker" {
@@ -28,6 +36,8 @@ resource "helm_release" "prefect_worker" {
       replicaCount    = var.worker_replicas
       apiConfig       = "server"
       serverApiConfig = { apiUrl = local.prefect_api_url }
+      # the server's auth string (security.tf), sent with every API call
+      basicAuth = { enabled = true, existingSecret = kubernetes_secret_v1.prefect_auth.metadata[0].name }
       config = {
         type     = "kubernetes"
         workPool = var.work_pool_name

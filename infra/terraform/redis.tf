@@ -1,6 +1,8 @@
 # One Redis for the campaign: heartbeats, the rendezvous store and the hang view
 # (reliability.redis_url=redis://megatrain-redis:6379/0 in configs/campaign-cluster.yaml).
 # Nothing in it outlives a restart that matters: ranks re-register, so no persistence.
+# It requires the generated password (security.tf); the configuration reaches redis-server on
+# stdin, so the password is on no command line, and only the campaign's pods may connect.
 locals {
   redis_name   = "megatrain-redis"
   redis_port   = 6379
@@ -27,7 +29,18 @@ resource "kubernetes_deployment_v1" "redis" {
         container {
           name  = "redis"
           image = var.redis_image
-          args  = ["--save", "", "--appendonly", "no", "--maxclients", "100000"]
+          # `redis-server -` reads the requirepass line from the here-document, then the options
+          command = ["sh", "-c", <<-EOT
+            exec redis-server - --save '' --appendonly no --maxclients 100000 <<EOF
+            requirepass $MEGATRAIN_REDIS_PASSWORD
+            EOF
+          EOT
+          ]
+          env_from {
+            secret_ref {
+              name = kubernetes_secret_v1.redis_auth.metadata[0].name
+            }
+          }
           port {
             container_port = local.redis_port
           }

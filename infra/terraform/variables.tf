@@ -122,3 +122,15 @@ variable "dask_scheduler_memory" {
   type        = string
   default     = "4Gi"
 }
+
+variable "ingress_namespace" {
+  description = "namespace of the ingress controller that serves the Prefect UI: the only way in from outside"
+  type        = string
+  default     = "ingress-nginx"
+}
+
+variable "prefect_ui_url" {
+  description = "where operators open the Prefect UI through the ingress (e.g. https://prefect.example.com); the UI calls <url>/api"
+  type        = string
+  default     = "http://localhost:4200"
+}

@@ -13,6 +13,14 @@ terraform {
       source  = "hashicorp/helm"
       version = "~> 2.17"
     }
+    random = {
+      source  = "hashicorp/random"
+      version = "~> 3.6"
+    }
+    tls = {
+      source  = "hashicorp/tls"
+      version = "~> 4.0"
+    }
   }
 }
 

@@ -91,9 +91,9 @@ def test_storage_secret_is_the_one_flow_runs_and_ranks_load(tf, stage_objects):
     name = unquote(secret["metadata"][0]["name"])
     template = json.loads((ROOT / "infra/k8s/base-job-template.json").read_text())
     container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
-    assert container["envFrom"] == [{"secretRef": {"name": name, "optional": True}}]
+    assert container["envFrom"][0] == {"secretRef": {"name": name, "optional": True}}  # then Redis's etc.
     job = next(m for m in stage_objects if m["kind"] == "Job")
-    assert job["spec"]["template"]["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": name, "optional": True}}]
+    assert job["spec"]["template"]["spec"]["containers"][0]["envFrom"][0] == {"secretRef": {"name": name, "optional": True}}
     assert name == STORAGE_SECRET
 
 
@@ -175,7 +175,7 @@ def option(command: list[str], flag: str) -> str:
 
 def test_dask_scheduler_service_is_the_campaigns_dask_address(tf):
     address = campaign_dask_address()
-    host, port = re.fullmatch(r"tcp://([^:/]+):(\d+)", address).groups()
+    host, port = re.fullmatch(r"tls://([^:/]+):(\d+)", address).groups()  # TLS only (security.tf)
     names, resources = names_of(tf), blocks(tf, "resource")
 
     service = resources["kubernetes_service_v1.dask_scheduler"]
@@ -223,7 +223,7 @@ def test_dask_workers_load_the_flow_pods_storage_secret(tf):
     assert ref["name"] == "${kubernetes_secret_v1.storage.metadata[0].name}"
     template = json.loads((ROOT / "infra/k8s/base-job-template.json").read_text())
     flow_pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
-    assert flow_pod["envFrom"] == [{"secretRef": {"name": resolve(ref["name"], names), "optional": ref["optional"]}}]
+    assert flow_pod["envFrom"][0] == {"secretRef": {"name": resolve(ref["name"], names), "optional": ref["optional"]}}
 
 
 def test_dask_pods_run_the_megatrain_image_in_the_namespace(tf):
