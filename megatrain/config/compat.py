@@ -24,8 +24,8 @@ from megatrain.config.schema import Config
 # each only when it is set away from its default, so older recipes keep their fingerprints (and
 # resume their checkpoints). A branch adding fields to a section lists them here too.
 _LATER_KNOBS: dict[str, tuple[str, ...]] = {
-    "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp"),
-    "model.kernels": ("rmsnorm", "swiglu", "rope"),
+    "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp", "moe"),
+    "model.kernels": ("rmsnorm", "swiglu", "rope", "experts"),
     "train.fp8": ("casts",),  # an implementation choice, like model.kernels: the same e4m3 values
     "data": ("mixture", "on_exhausted", "on_bad_source", "unit_bytes"),
     "optim": ("decay_fraction",),

@@ -29,6 +29,11 @@ class KernelConfig(_Section):
     rmsnorm: Literal["reference", "fused", "auto"] = "auto"
     swiglu: Literal["reference", "fused", "auto"] = "auto"
     rope: Literal["reference", "fused", "auto"] = "auto"
+    # The routed experts of model.mlp=moe (megatrain/model/moe_experts.py): reference = one GEMM
+    # pair per expert in a Python loop; padded = each expert's tokens padded to the busiest one's
+    # count, three batched matmuls; grouped = torch._grouped_mm over the token segments (Hopper,
+    # bf16); auto = grouped on a CUDA device that has it, padded elsewhere.
+    experts: Literal["reference", "padded", "grouped", "auto"] = "auto"
 
 
 class RopeScaling(_Section):
@@ -47,6 +52,40 @@ class RopeScaling(_Section):
     def _check(self) -> RopeScaling:
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor})")
+        return self
+
+
+class MoEConfig(_Section):
+    """The routed feed-forward of ``model.mlp: moe`` (``megatrain/model/moe.py``): each token goes
+    to its ``top_k`` of ``n_experts`` SwiGLU experts (dropless: no capacity, no token dropped),
+    plus ``n_shared_experts`` that every token passes through (DeepSeek-V3, Qwen2-MoE). Defaults:
+    8 experts, top-2, softmax scores, every layer routed, a 0.01 load-balancing loss (Mixtral-like).
+    OLMoE: 64 experts, top-8, no shared expert, norm_topk_prob false, aux loss 0.01, z-loss 0.001.
+    DeepSeek-V3: 256 experts, top-8, 1 shared, sigmoid, aux_free at rate 0.001, 3 dense layers."""
+
+    n_experts: int = Field(8, gt=0, description="routed experts per MoE layer")
+    top_k: int = Field(2, gt=0, description="routed experts each token uses")
+    n_shared_experts: int = Field(0, ge=0, description="always-on experts: one SwiGLU of width n * expert_d_ff")
+    expert_d_ff: int | None = Field(None, gt=0, description="each expert's hidden width; None = model.ffn_dim")
+    router_score: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="softmax over the experts (Mixtral, OLMoE, Qwen3) or a sigmoid per expert (DeepSeek-V3)"
+    )
+    norm_topk_prob: bool = Field(True, description="renormalise the top-k scores to sum to 1 (false: OLMoE)")
+    moe_every: int = Field(1, gt=0, description="layer i is routed when (i + 1) % moe_every == 0; dense SwiGLU between")
+    dense_layers: int = Field(0, ge=0, description="the first k layers stay dense SwiGLU (DeepSeek-V3: 3)")
+    load_balance: Literal["aux_loss", "aux_free", "none"] = Field(
+        "aux_loss", description="aux_loss: Switch/GShard's n_experts * sum_i f_i P_i times aux_loss_coef; "
+        "aux_free: DeepSeek-V3's per-expert bias, added to the scores for the choice of experts only, moved by "
+        "bias_update_rate towards balance after every optimizer step",
+    )
+    aux_loss_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss (load_balance aux_loss)")
+    bias_update_rate: float = Field(1e-3, ge=0, description="aux_free: bias step per optimizer step (DeepSeek-V3: 0.001)")
+    z_loss_coef: float = Field(0.0, ge=0, description="router z-loss weight, mean logsumexp(logits)^2 (ST-MoE: 0.001)")
+
+    @model_validator(mode="after")
+    def _check(self) -> MoEConfig:
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
         return self
 
 
@@ -79,9 +118,11 @@ class ModelConfig(_Section):
     norm: Literal["layernorm", "rmsnorm"] = Field(
         "layernorm", description="layernorm (with a bias when model.bias) or rmsnorm (a gain only)"
     )
-    mlp: Literal["gelu", "swiglu"] = Field(
-        "gelu", description="gelu: proj(gelu(fc(x))); swiglu: proj(silu(gate(x)) * up(x)), three matrices"
+    mlp: Literal["gelu", "swiglu", "moe"] = Field(
+        "gelu", description="gelu: proj(gelu(fc(x))); swiglu: proj(silu(gate(x)) * up(x)), three matrices; "
+        "moe: routed SwiGLU experts (model.moe), dense SwiGLU in the layers it leaves dense",
     )
+    moe: MoEConfig = Field(MoEConfig(), description="the experts and router of mlp moe")
     seq_len: int = Field(1024, gt=0, description="tokens per sample the model is trained on")
     block: Literal["parallel", "serial"] = Field(
         "parallel", description="parallel: x + attn(ln(x)) + mlp(ln(x)) (MegaScale/PaLM); serial: pre-LN"
@@ -106,6 +147,20 @@ class ModelConfig(_Section):
             return 4 * self.d_model
         hidden = int(self.ffn_multiplier * int(2 * 4 * self.d_model / 3))  # Llama's FeedForward
         return self.ffn_multiple_of * -(-hidden // self.ffn_multiple_of)
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Each routed expert's hidden width (model.moe.expert_d_ff, or ffn_dim)."""
+        return self.moe.expert_d_ff or self.ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) has routed experts (see MoEConfig.moe_every, dense_layers)."""
+        m = self.moe
+        return self.mlp == "moe" and layer >= m.dense_layers and (layer + 1) % m.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layer))
 
     @property
     def head_dim(self) -> int:
@@ -133,6 +188,11 @@ class ModelConfig(_Section):
             raise ValueError(f"position rope needs an even head_dim (d_model / n_head = {self.head_dim})")
         if self.rope_scaling is not None and self.position != "rope":
             raise ValueError("rope_scaling: only with position 'rope'")
+        if self.mlp != "moe" and self.moe != MoEConfig():
+            raise ValueError(f"moe: set, but model.mlp is {self.mlp!r} (routed experts need mlp: moe)")
+        if self.mlp == "moe" and self.n_moe_layers == 0:
+            raise ValueError(f"moe: no layer of {self.n_layer} is routed (dense_layers {self.moe.dense_layers}, "
+                             f"moe_every {self.moe.moe_every})")
         if self.attention == "sliding":
             if self.window is None:
                 raise ValueError("window: required when attention is 'sliding'")

@@ -2,6 +2,12 @@
 process groups inside."""
 
 from megatrain.model.cache import KVCache
-from megatrain.model.gpt import GPT, count_parameters, expected_parameter_count, init_weights
+from megatrain.model.gpt import (
+    GPT,
+    active_parameter_count,
+    count_parameters,
+    expected_parameter_count,
+    init_weights,
+)
 
-__all__ = ["GPT", "KVCache", "count_parameters", "expected_parameter_count", "init_weights"]
+__all__ = ["GPT", "KVCache", "active_parameter_count", "count_parameters", "expected_parameter_count", "init_weights"]

@@ -1,6 +1,7 @@
 """Transformer blocks: MegaScale's parallel block and the classic serial pre-norm block, each built
 from the configured parts (``norm.py``: LayerNorm or RMSNorm; ``attention.py``: MHA/GQA with
-learned positions or RoPE; ``mlp.py``: GeLU or SwiGLU). A plain Llama is the serial block with
+learned positions or RoPE; ``mlp.py``: GeLU or SwiGLU; ``moe.py``: routed experts in the layers
+``model.moe`` routes). A plain Llama is the serial block with
 RMSNorm, RoPE, GQA and SwiGLU; the parallel block composes with the same parts.
 
 State-dict names: parallel ``ln``, ``attn.*``, ``mlp.*``; serial ``ln1``, ``attn.*``, ``ln2``,
@@ -43,6 +44,7 @@ from megatrain.config import ModelConfig
 from megatrain.model.attention import Attention
 from megatrain.model.cache import LayerKV
 from megatrain.model.mlp import make_mlp
+from megatrain.model.moe import MoE
 from megatrain.model.norm import make_norm
 
 # When the parallel block fuses its projections: "never" (the default: measured slower, see the
@@ -54,11 +56,11 @@ FUSE_PROJECTIONS: Literal["compile", "always", "never"] = "never"
 class ParallelBlock(nn.Module):
     """y = x + attn(norm(x)) + mlp(norm(x)): one norm, attention and MLP side by side."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.ln = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_feed_forward(cfg, layer)
         self.enter = nn.Identity()
         self.exit = nn.Identity()
 
@@ -70,6 +72,8 @@ class ParallelBlock(nn.Module):
 
     def _fuse_projections(self) -> bool:
         if FUSE_PROJECTIONS == "never" or (FUSE_PROJECTIONS == "compile" and not torch.compiler.is_compiling()):
+            return False
+        if isinstance(self.mlp, MoE):  # routed experts have no fc to fuse with qkv
             return False
         plain = (type(self.enter) is nn.Identity and type(self.exit) is nn.Identity
                  and all(type(m) is nn.Linear for m in (self.attn.qkv, self.attn.proj, self.mlp.fc, self.mlp.proj)))
@@ -92,12 +96,12 @@ class ParallelBlock(nn.Module):
 class SerialBlock(nn.Module):
     """x = x + attn(ln1(x)); x = x + mlp(ln2(x)) (GPT-2 / nanoGPT / Llama pre-norm)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.ln1 = make_norm(cfg)
         self.attn = Attention(cfg)
         self.ln2 = make_norm(cfg)
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_feed_forward(cfg, layer)
         self.enter_attn, self.exit_attn = nn.Identity(), nn.Identity()
         self.enter_mlp, self.exit_mlp = nn.Identity(), nn.Identity()
 
@@ -106,5 +110,10 @@ class SerialBlock(nn.Module):
         return x + self.exit_mlp(self.mlp(self.enter_mlp(self.ln2(x))))
 
 
-def make_block(cfg: ModelConfig) -> nn.Module:
-    return ParallelBlock(cfg) if cfg.block == "parallel" else SerialBlock(cfg)
+def make_feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Block ``layer``'s feed-forward: routed experts where ``cfg.is_moe_layer(layer)``, else dense."""
+    return MoE(cfg, layer) if cfg.is_moe_layer(layer) else make_mlp(cfg)
+
+
+def make_block(cfg: ModelConfig, layer: int = 0) -> nn.Module:
+    return ParallelBlock(cfg, layer) if cfg.block == "parallel" else SerialBlock(cfg, layer)

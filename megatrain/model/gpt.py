@@ -27,6 +27,7 @@ from megatrain.config import ModelConfig
 from megatrain.kernels.cross_entropy import lm_head_cross_entropy
 from megatrain.model.block import make_block
 from megatrain.model.cache import KVCache
+from megatrain.model.moe_experts import Experts
 from megatrain.model.norm import NORMS, make_norm
 
 
@@ -73,7 +74,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(make_block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(make_block(cfg, i) for i in range(cfg.n_layer))
         self.head = Head(cfg, self.embed)
         init_weights(self, cfg)
 
@@ -106,10 +107,15 @@ def init_weights(model: GPT, cfg: ModelConfig) -> None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+        elif isinstance(module, Experts):
+            module.reset_parameters(cfg.init_std, residual_std)
         elif isinstance(module, NORMS):
             nn.init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+    for name, buffer in model.named_buffers():  # the aux-free router biases (moe.py) start at zero
+        if name.endswith("router.bias"):
+            buffer.zero_()
     if model.head.weight is not None:
         nn.init.normal_(model.head.weight, mean=0.0, std=cfg.init_std)
 
@@ -125,10 +131,24 @@ def expected_parameter_count(cfg: ModelConfig) -> int:
     kv = cfg.kv_heads * cfg.head_dim  # width of k and of v: d with multi-head attention
     norm = d * (1 + (b if cfg.norm == "layernorm" else 0))  # RMSNorm has a gain only
     attention = d * (d + 2 * kv) + d * d + b * (d + 2 * kv + d)  # qkv [d + 2kv, d] + proj [d, d] and biases
-    mats = 3 if cfg.mlp == "swiglu" else 2  # gate, up, down / fc, proj
+    mats = 2 if cfg.mlp == "gelu" else 3  # fc, proj / gate, up, down
     mlp = mats * d * ff + b * ((mats - 1) * ff + d)
     norms_per_block = 1 if cfg.block == "parallel" else 2
     per_block = attention + mlp + norms_per_block * norm
     embeddings = V * d + (cfg.seq_len * d if cfg.position == "learned" else 0)
     head = norm + (0 if cfg.tie_embeddings else V * d)
-    return embeddings + L * per_block + head
+    routed = cfg.n_moe_layers * (moe_layer_parameters(cfg) - mlp)  # a MoE layer's feed-forward instead of the dense one
+    return embeddings + L * per_block + head + routed
+
+
+def moe_layer_parameters(cfg: ModelConfig, active: bool = False) -> int:
+    """One MoE layer's feed-forward: router [E, d], E (or top_k, ``active``) experts of 3 d eff,
+    the shared experts' 3 d (n_s eff); no biases."""
+    m, d, eff = cfg.moe, cfg.d_model, cfg.expert_ffn_dim
+    return m.n_experts * d + (m.top_k if active else m.n_experts) * 3 * d * eff + 3 * d * m.n_shared_experts * eff
+
+
+def active_parameter_count(cfg: ModelConfig) -> int:
+    """Parameters one token passes through (MoE: top_k of the routed experts; dense: all)."""
+    inactive = cfg.n_moe_layers * (moe_layer_parameters(cfg) - moe_layer_parameters(cfg, active=True))
+    return expected_parameter_count(cfg) - inactive

@@ -58,4 +58,5 @@ class SwiGLU(nn.Module):
 
 
 def make_mlp(cfg: ModelConfig) -> nn.Module:
-    return SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
+    """The dense feed-forward (also of the layers ``model.mlp=moe`` leaves dense: SwiGLU)."""
+    return MLP(cfg) if cfg.mlp == "gelu" else SwiGLU(cfg)

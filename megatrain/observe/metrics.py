@@ -41,6 +41,9 @@ class StepMetrics:
     # per data component (a mixture's, or the one corpus "data"): samples, tokens and completed
     # epochs consumed so far (megatrain/data/mixture.py's component_stats)
     data: dict[str, dict[str, float]] | None = None
+    # model.mlp=moe: expert-load health of the step (megatrain/model/moe.py's end_step): per MoE
+    # layer each expert's token share, the router's mean entropy and max/mean load; aux and z-loss
+    moe: dict | None = None
 
 
 def scalars(metrics: StepMetrics) -> dict[str, float]:
@@ -63,6 +66,14 @@ def scalars(metrics: StepMetrics) -> dict[str, float]:
     for name, stats in (metrics.data or {}).items():
         out[f"data/{name}/tokens"] = float(stats["tokens"])
         out[f"data/{name}/epochs"] = float(stats["epochs"])
+    if metrics.moe is not None:
+        for key in ("aux_loss", "z_loss", "max_over_mean"):
+            out[f"moe/{key}"] = metrics.moe[key]
+        for layer, health in metrics.moe["layers"].items():
+            out[f"moe/layer{layer}/entropy"] = health["entropy"]
+            out[f"moe/layer{layer}/max_over_mean"] = health["max_over_mean"]
+            for expert, share in enumerate(health["share"]):
+                out[f"moe/layer{layer}/share/expert{expert}"] = share
     return out
 
 
@@ -165,7 +176,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = asdict(metrics)
-        for optional in ("startup", "data"):  # rows without them stay as they were
+        for optional in ("startup", "data", "moe"):  # rows without them stay as they were
             if row[optional] is None:
                 del row[optional]
         self._file.write(json.dumps(row) + "\n")

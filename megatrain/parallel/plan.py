@@ -24,6 +24,14 @@ Recompute adds a working set: while one layer is recomputed for its backward pas
 activations exist in full once (``recompute_working_bytes``). Not counted: the last stage's fp32
 logits (4sbV/t per micro-batch, one micro-batch in flight there), communication buffers, the
 allocator's fragmentation, and CUDA/NCCL context (~1-2 GiB).
+
+Mixture of Experts (``model.mlp: moe``): every expert's weights, gradients and optimizer state
+live on the GPU (no expert parallelism yet), so the model states count the total parameters,
+while a token's compute (and ``observe/mfu.py``) counts the active ones. A routed layer's
+activations add, per token, the k dispatched copies of its input and the k experts' outputs
+(2kh + 2kh), their gate/up and SwiGLU outputs (6k eff), the shared experts' (6 n_s eff) and the
+router's fp32 logits and scores (8E); the plan counts every layer as routed (an upper bound when
+some stay dense).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from dataclasses import dataclass, field
 
 from megatrain.config import Config
 from megatrain.config import ConfigError, load_config
+from megatrain.model.gpt import active_parameter_count, expected_parameter_count, moe_layer_parameters
 
 GIB = 1024**3
 
@@ -48,7 +57,10 @@ def activation_widths(cfg: Config) -> tuple[float, float]:
     kv = n_kv_head * head_dim (h for multi-head); a GPT (kv = h, ff = 4h) gives 10h + 24h = 34h."""
     m = cfg.model
     h, kv, ff = m.d_model, m.kv_heads * m.head_dim, m.ffn_dim
-    mlp_inner = 6 * ff if m.mlp == "swiglu" else 4 * ff
+    mlp_inner = 4 * ff if m.mlp == "gelu" else 6 * ff
+    if m.mlp == "moe":  # see the module docstring
+        k, eff = m.moe.top_k, m.expert_ffn_dim
+        mlp_inner = 4 * k * h + 6 * k * eff + 6 * m.moe.n_shared_experts * eff + 8 * m.moe.n_experts
     return 10 * h, 4 * h + 4 * kv + mlp_inner
 
 
@@ -78,13 +90,19 @@ def params_per_gpu(cfg: Config, tp: int | None = None, pp: int | None = None) ->
     d, ff, bias = m.d_model, m.ffn_dim, 1 if m.bias else 0
     kv = m.kv_heads * m.head_dim
     attention = (d + 2 * kv) * d // t + d * d // t + bias * ((d + 2 * kv) // t + d)
-    fc_rows = 2 * ff if m.mlp == "swiglu" else ff
+    fc_rows = ff if m.mlp == "gelu" else 2 * ff
     mlp = fc_rows * d // t + ff * d // t + bias * (fc_rows // t + d)
     norm = d * (1 + (bias if m.norm == "layernorm" else 0))
     norms = (1 if m.block == "parallel" else 2) * norm
     layers = math.ceil(m.n_layer / pp)
     embedding = m.vocab_size * d // t + (m.seq_len * d if m.position == "learned" else 0)
     head = 0 if pp > 1 else norm + (0 if m.tie_embeddings else m.vocab_size * d // t)
+    if m.mlp == "moe":  # the stage with the most routed layers; their experts are not split by t
+        if t > 1:
+            raise ValueError(f"parallel.tp={t}: model.mlp=moe has no tensor-parallel experts yet (use tp 1)")
+        stages = [range(start, min(start + layers, m.n_layer)) for start in range(0, m.n_layer, layers)]
+        routed = max(sum(m.is_moe_layer(i) for i in stage) for stage in stages)
+        return layers * (attention + mlp + norms) + routed * (moe_layer_parameters(m) - mlp) + embedding + head
     return layers * (attention + mlp + norms) + embedding + head
 
 
@@ -168,6 +186,8 @@ class MemoryPlan:
     activation_bytes: dict[str, float] = field(default_factory=dict)  # stored activations by mode
     recompute_working_bytes: float = 0.0
     checkpoint: CheckpointSize | None = None  # what one checkpoint of the whole run writes
+    total_params: int = 0  # the whole model
+    active_params: int = 0  # what one token passes through (MoE: top_k of the routed experts)
 
     @property
     def total_bytes(self) -> float:
@@ -199,6 +219,7 @@ def memory_plan(cfg: Config, world_size: int | None = None) -> MemoryPlan:
         optimizer_bytes=optim_b * n / (dp if p.zero_stage >= 1 else 1),
         recompute=recompute, activation_bytes=stored, recompute_working_bytes=working,
         checkpoint=checkpoint_size(cfg, world_size, cuda=bf16),
+        total_params=expected_parameter_count(cfg.model), active_params=active_parameter_count(cfg.model),
     )
 
 
@@ -213,6 +234,9 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{plan.dtype}, {plan.micro_batches_in_flight} micro-batches in flight (1F1B)",
         f"parameters on this GPU: {plan.params:,} ({plan.params / 1e9:.2f} B)",
     ]
+    if plan.active_params and plan.active_params < plan.total_params:  # MoE: all experts held, top-k computed
+        lines.append(f"model: {plan.total_params / 1e9:.2f} B parameters in total, {plan.active_params / 1e9:.2f} B "
+                     f"active per token; every expert's weights, gradients and optimizer state are held")
     if plan.checkpoint is not None:  # what the durable store (two of these) and a node's staging disk must hold
         ckpt = plan.checkpoint
         lines.append(f"checkpoint: {ckpt.total / GIB:.2f} GiB (two: {2 * ckpt.total / GIB:.2f} GiB); staged per node "

@@ -31,6 +31,9 @@ from megatrain.data.shard import component_configs, mixture_tokenizer, shard_cor
 from megatrain.evaluate.heldout import Evaluator
 from megatrain.interop.checkpoint import write_run_record
 from megatrain.interop.hf import hf_weights
+from megatrain.model import active_parameter_count, expected_parameter_count
+from megatrain.model.moe import end_step as moe_end_step
+from megatrain.model.moe import set_aux_loss_scale
 from megatrain.observe.metrics import MetricsLogger, StepMetrics, build_sinks
 from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
 from megatrain.observe.straggler import StragglerMonitor
@@ -122,6 +125,7 @@ class Trainer:
                                                         init_weights=hf_weights(cfg.checkpoint.init_from))
         with self.startup.phase("engine"):
             self.engine = self._build_engine(model)
+        set_aux_loss_scale(model, 1.0 / self.grad_accumulation)  # MoE penalties scaled as DeepSpeed scales the loss
         self.fp8_guard = FP8Guard(model, cfg.train.precision == "fp8", env.device,
                                   cfg.reliability.anomaly.fp8_check_interval, self.groups.dp_group)
         self.batches = self._device_batches()
@@ -134,7 +138,8 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.seq_len
         self.timers = StepTimers(env.device)
         peak = peak_flops(torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu")
-        self.flops_per_token = flops_per_token(cfg.model.model_copy(update={"seq_len": cfg.seq_len}), self.n_params)
+        inactive = expected_parameter_count(cfg.model) - active_parameter_count(cfg.model)  # MoE: experts a token skips
+        self.flops_per_token = flops_per_token(cfg.model.model_copy(update={"seq_len": cfg.seq_len}), self.n_params - inactive)
         self.peak_flops = peak * env.world_size if peak else None
         sinks = build_sinks(cfg.train, cfg.run_id, cfg.model_dump(mode="json"), first_step=self.step + 1) \
             if env.rank == 0 else []
@@ -178,6 +183,9 @@ class Trainer:
         p = self.cfg.parallel
         dims = ParallelDims(dp=p.data_parallel_size(self.env.world_size), tp=p.tp, pp=p.pp)
         dims.validate(self.env.world_size, p.gpus_per_node, self.cfg.model.n_head, self.cfg.model.n_layer)
+        if self.cfg.model.mlp == "moe" and (p.tp > 1 or self.cfg.train.precision == "fp8"):
+            raise ConfigError(f"model.mlp=moe: not yet with parallel.tp={p.tp} > 1 or train.precision=fp8 "
+                              "(the experts have no tensor-parallel or FP8 form); use tp 1 and bf16")
         return build_process_groups(dims, self.env.rank, p.init.groups)
 
     def _build_engine(self, model: torch.nn.Module):
@@ -227,6 +235,7 @@ class Trainer:
         with self.phase("forward"):  # an injected slowdown counts as this rank's own compute
             self.faults.on_step_start(self.step + 1)
         step_loss = self._pipeline_batch() if self.groups.dims.pp > 1 else self._accumulated_batch()
+        moe = moe_end_step(self.engine.module, self.groups.dp_group)  # aux-free biases; expert-load health
         self.step += 1
         step_time = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / step_time
@@ -238,6 +247,7 @@ class Trainer:
             phases_ms=self.timers.end_step() or {},
             fp8=self.fp8_guard.stats() if self.fp8_guard.due(self.step) else None,
             data=self.loader.component_stats(),  # samples, tokens, epochs per data component
+            moe=moe,
         )
 
     def _accumulated_batch(self) -> torch.Tensor:

@@ -96,7 +96,7 @@ def _error(tmp_path, text, overrides=None):
         ("model: {position: rope, rope_scaling: {low_freq_factor: 4, high_freq_factor: 1}}", "model.rope_scaling",
          "high_freq_factor (1.0) must exceed low_freq_factor"),
         ("model: {norm: batchnorm}", "model.norm", "'layernorm' or 'rmsnorm'"),
-        ("model: {mlp: relu}", "model.mlp", "'gelu' or 'swiglu'"),
+        ("model: {mlp: relu}", "model.mlp", "'gelu', 'swiglu' or 'moe'"),
         ("model: {n_head: 16, d_model: 1024, n_kv_head: 2}\nparallel: {tp: 4}", "(top level)",
          "parallel.tp (4) must divide model.n_kv_head (2): KV heads are sharded"),
     ],

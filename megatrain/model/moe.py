@@ -1,0 +1,195 @@
+"""Mixture-of-Experts feed-forward (``model.mlp=moe``, knobs in ``model.moe``): a router picks
+each token's top-k of E SwiGLU experts; tokens are permuted so each expert's rows are contiguous,
+the experts run as grouped GEMMs (``moe_experts.py``), and the outputs are permuted back and
+summed with the router's weights. Dropless: no capacity factor, no token is dropped.
+
+    y = sum_{e in topk(s + b)} w_e(x) expert_e(x)  [+ shared(x)]
+
+- scores s = softmax(x W_r^T) or sigmoid(x W_r^T) (fp32); the choice adds the aux-free bias b
+  (DeepSeek-V3: steers which experts are chosen, never the weights); w = the chosen scores,
+  renormalised to sum to 1 when ``norm_topk_prob``.
+- ``dispatch`` / ``combine`` are the permutation: the seam where expert parallelism puts its
+  all-to-all (tokens to the ranks holding their experts and back). Expert ids are global.
+- Load balance: ``aux_loss`` adds coef * E * sum_i f_i P_i (f_i: share of the routed slots that
+  went to expert i, no gradient; P_i: mean score of i) and the z-loss coef * mean(logsumexp^2).
+  These penalties never reach the trainer's loss value: ``AddAuxGrad`` passes the layer's output
+  through unchanged and, in the backward, gives the penalty the gradient it would have as a term
+  of the loss (scaled by ``aux_loss_scale``: 1 / gradient-accumulation steps, as DeepSpeed scales
+  the loss). This works inside activation checkpointing and pipeline stages alike, and the logged
+  loss stays the language-model loss.
+- ``aux_free``: after each optimizer step ``end_step`` moves b_i by rate * sign(mean load - load_i),
+  from the token counts of the whole step (summed over data-parallel ranks, so b stays equal on
+  every replica). b is a persistent buffer: it is checkpointed and resumed.
+
+State-dict names: ``mlp.router.gate.weight`` [E, d], ``mlp.router.bias`` [E] (buffer),
+``mlp.experts.fc`` [E, 2 ff, d], ``mlp.experts.proj`` [E, d, ff], and with shared experts
+``mlp.shared.fc.weight`` [2 n_s ff, d], ``mlp.shared.proj.weight`` [d, n_s ff].
+
+``end_step(model)`` also returns the step's expert-load health per MoE layer: each expert's token
+share and the router's mean entropy (nats; ln E is uniform), for metrics.jsonl and TensorBoard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megatrain.config import ModelConfig
+from megatrain.model.mlp import SwiGLU
+from megatrain.model.moe_experts import Experts
+
+
+@dataclass
+class Routing:
+    logits: torch.Tensor  # [N, E] fp32
+    probs: torch.Tensor  # [N, E] fp32: the scores as a distribution (softmax, or sigmoids over their sum)
+    experts: torch.Tensor  # [N, k] int64 global expert ids, best first
+    weights: torch.Tensor  # [N, k] fp32 combine weights
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        self.gate = nn.Linear(cfg.d_model, m.n_experts, bias=False)  # weight [E, d]
+        self.register_buffer("bias", torch.zeros(m.n_experts))  # [E] aux-free bias: selection only
+        self.score, self.top_k, self.norm_topk = m.router_score, m.top_k, m.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> Routing:  # x [N, d]
+        logits = self.gate(x).float()  # [N, E]
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        experts = (scores + self.bias).topk(self.top_k, dim=-1).indices  # [N, k]
+        weights = scores.gather(1, experts)  # [N, k]
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return Routing(logits, probs, experts, weights)
+
+
+def dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, d], experts [N, k] -> (rows [N k, d] grouped by expert, counts [E], order [N k]):
+    slot j = token j // k's (j % k)-th choice; rows[i] is slot order[i]. No host sync."""
+    flat = experts.flatten()  # [N k]
+    order = flat.argsort(stable=True)  # [N k]
+    counts = torch.zeros(n_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return x[order // experts.shape[1]], counts, order
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """y [N k, d] in expert order, weights [N, k] -> [N, d]: back to slot order, weighted sum."""
+    n, k = weights.shape
+    slots = torch.empty_like(y).index_copy(0, order, y)  # [N k, d] (no atomics: deterministic)
+    return (slots.view(n, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+class AddAuxGrad(torch.autograd.Function):
+    """Identity on ``out``; the backward gives ``penalty`` the gradient ``scale`` (d loss / d penalty)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, penalty: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, device=grad.device, dtype=torch.float32), None
+
+
+class MoE(nn.Module):
+    """Router -> dispatch -> experts -> combine (+ shared experts), on [B, T, d]."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        m = cfg.moe
+        self.layer, self.n_experts, self.cfg = layer, m.n_experts, m
+        self.router = Router(cfg)
+        self.experts = Experts(m.n_experts, cfg.d_model, cfg.expert_ffn_dim, cfg.kernels.experts, cfg.kernels.swiglu)
+        shared = cfg.model_copy(update={"d_ff": m.n_shared_experts * cfg.expert_ffn_dim, "bias": False})
+        self.shared = SwiGLU(shared) if m.n_shared_experts else None
+        self.aux_loss_scale = 1.0  # set_aux_loss_scale: 1 / gradient-accumulation steps
+        # the step's statistics (not checkpointed): routed slots per expert; tokens, entropy, aux, z, calls
+        self.register_buffer("load", torch.zeros(m.n_experts), persistent=False)
+        self.register_buffer("sums", torch.zeros(5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+        h = x.reshape(-1, x.shape[-1])  # [N, d]
+        routing = self.router(h)
+        rows, counts, order = dispatch(h, routing.experts, self.n_experts)  # [N k, d], [E], [N k]
+        out = combine(self.experts(rows, counts), routing.weights, order).to(x.dtype)  # [N, d]
+        if self.shared is not None:
+            out = out + self.shared(h)
+        out = out.view_as(x)
+        if self.training:
+            aux, z = self.balance_loss(routing, counts), self.z_loss(routing)
+            penalty = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
+            if penalty.requires_grad and torch.is_grad_enabled():
+                out = AddAuxGrad.apply(out, penalty, self.aux_loss_scale)
+            self._record(routing, counts, aux, z)
+        return out
+
+    def balance_loss(self, routing: Routing, counts: torch.Tensor) -> torch.Tensor:
+        """E * sum_i f_i P_i (1 when perfectly balanced); 0 unless load_balance is aux_loss."""
+        if self.cfg.load_balance != "aux_loss":
+            return routing.logits.new_zeros(())
+        f = counts.float() / counts.sum()  # [E] share of the routed slots, no gradient
+        return self.n_experts * (f * routing.probs.mean(0)).sum()
+
+    def z_loss(self, routing: Routing) -> torch.Tensor:
+        if self.cfg.z_loss_coef == 0:
+            return routing.logits.new_zeros(())
+        return torch.logsumexp(routing.logits, -1).square().mean()
+
+    @torch.no_grad()
+    def _record(self, routing: Routing, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
+        """Add this micro-batch to the step's statistics (a recompute under activation
+        checkpointing adds it twice: shares and means are unchanged by that)."""
+        entropy = -(routing.probs * routing.probs.clamp_min(1e-20).log()).sum(-1)  # [N]
+        self.load += counts.float()
+        one = entropy.new_ones(())
+        self.sums += torch.stack([one * entropy.numel(), entropy.sum(), aux.detach(), z.detach(), one])
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """The gradient the penalties get per micro-batch (DeepSpeed divides each micro-batch's loss
+    by the accumulation steps; the penalties must be divided likewise)."""
+    for layer in moe_layers(model):
+        layer.aux_loss_scale = scale
+
+
+@torch.no_grad()
+def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict | None:
+    """After the optimizer step: sum the step's statistics over ``group`` (data parallel), move
+    the aux-free biases, reset, and return the expert-load health (None without MoE layers):
+    {"layers": {layer: {"share": [E], "entropy": nats, "max_over_mean": x}}, "aux_loss": mean,
+    "z_loss": mean, "max_over_mean": worst layer's}."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    stats = torch.cat([torch.cat([m.load, m.sums]) for m in layers])
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, group=group)
+    out: dict = {"layers": {}}
+    aux = z = worst = 0.0
+    for m, row in zip(layers, stats.split([m.n_experts + 5 for m in layers])):
+        load, (tokens, entropy, aux_sum, z_sum, calls) = row[:m.n_experts], row[m.n_experts:].tolist()
+        total = float(load.sum())
+        if m.cfg.load_balance == "aux_free" and total > 0:
+            m.router.bias += m.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        share = (load / total if total else load).tolist()
+        balance = max(share) * m.n_experts if total else 0.0
+        out["layers"][str(m.layer)] = {"share": [round(s, 5) for s in share], "entropy": entropy / max(tokens, 1),
+                                       "max_over_mean": balance}
+        aux += aux_sum / max(calls, 1)
+        z += z_sum / max(calls, 1)
+        worst = max(worst, balance)
+        m.load.zero_()
+        m.sums.zero_()
+    out.update(aux_loss=aux / len(layers), z_loss=z / len(layers), max_over_mean=worst)
+    return out
