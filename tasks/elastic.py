@@ -128,11 +128,11 @@ def record_plan(campaign: CampaignConfig, index: int, attempt: int, plan: NodePl
 @task(name="launch-nodes", retries=0, timeout_seconds=None)
 def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt: int) -> dict:
     """One attempt of a multi-node stage on this machine (see the module docstring)."""
+    from megatrain.launch.run_token import ensure_run_token
     from megatrain.launch.ranks import run_ranks
     from megatrain.launch.nodes import nodes_command
     from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
-    from megatrain.reliability.identity import ensure_run_token
     from megatrain.reliability.watcher import HeartbeatWatcher
 
     logger = run_logger()

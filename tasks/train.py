@@ -61,11 +61,11 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     ``timeout_seconds`` cannot interrupt a running thread, so the supervision (heartbeat watcher,
     wall-clock limit, process-group kill) lives in the engine's ``run_ranks``.
     """
+    from megatrain.launch.run_token import ensure_run_token
     from megatrain.launch.ranks import describe_root_cause, run_ranks, torchrun_command
     from megatrain.launch.standby import StandbyLaunch
     from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
-    from megatrain.reliability.identity import ensure_run_token
     from megatrain.reliability.watcher import HeartbeatWatcher
 
     logger = run_logger()

@@ -78,7 +78,7 @@ def connect_store(init: InitConfig, rank: int, world: int, run_id: str, redis_ur
 
         probe = RedisStore(url, namespace, timeout=timeout)
         # the server's identity is part of the namespace: after a restart everyone meets afresh
-        probe.prefix = f"megatrain:{namespace}:{probe.server_id[:12]}:store:"
+        probe.prefix = f"megatrain:{namespace}:{probe.server_id[:12]}:{probe.scope}store:"  # scope: the run's token
         return CountingStore(probe)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it

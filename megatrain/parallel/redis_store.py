@@ -65,7 +65,8 @@ def _as_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
 
 
 class RedisStore(dist.Store):
-    """Keys live under ``megatrain:<run_id>:store:``; ``timeout`` bounds every wait."""
+    """Keys live under ``megatrain:<run_id>:[t<token digest>:]store:`` (``launch.run_token``);
+    ``timeout`` bounds every wait."""
 
     def __init__(self, url: str, run_id: str, timeout: timedelta = timedelta(seconds=300),
                  reconnect_s: float = 30.0) -> None:
@@ -73,10 +74,13 @@ class RedisStore(dist.Store):
         import redis  # a dependency of this store only
 
         from megatrain.launch.redis_client import connect
+        from megatrain.launch.run_token import token_scope
 
         self.url = url
         self.run_id = run_id
-        self.prefix = f"megatrain:{run_id}:store:"
+        # with the run's token, its digest names the namespace: an entry from outside the run lands elsewhere
+        self.scope = token_scope()
+        self.prefix = f"megatrain:{run_id}:{self.scope}store:"
         self.reconnect_s = reconnect_s
         self.ops: dict[str, int] = {}  # store operations issued, by kind (the start-up breakdown reads them)
         self._timeout = timeout

@@ -3,7 +3,7 @@
 The watcher believes a record that says a rank is alive and stepping. A record from outside the
 run - another run sharing the store, a file copied into the run dir, anyone else who reaches
 Redis - must not: it could hide a hang. The launcher makes a random token per run
-(``ensure_run_token``) that only its ranks inherit, by environment; each record carries the run
+(``megatrain.launch.run_token``) that only its ranks inherit, by environment; each record carries the run
 id and an HMAC-SHA256 of its fields under that token. A reader ignores, and logs once per rank
 and reason, a record of another run or one whose signature does not verify.
 
@@ -17,22 +17,13 @@ import hashlib
 import hmac
 import json
 import logging
-import os
-import secrets
 from typing import Any, TypeVar
+
+from megatrain.launch.run_token import RUN_TOKEN_ENV
 
 log = logging.getLogger(__name__)
 
-RUN_TOKEN_ENV = "MEGATRAIN_RUN_TOKEN"  # the run's secret: only its own ranks can sign a heartbeat
 R = TypeVar("R")  # a heartbeat record (a dataclass with rank, host, pid, run_id, signature)
-
-
-def ensure_run_token() -> str:
-    """The run's token: ``MEGATRAIN_RUN_TOKEN``, made here when absent and put into this process's
-    environment, so that every rank the launcher starts inherits it (and nothing else has it)."""
-    if not os.environ.get(RUN_TOKEN_ENV):
-        os.environ[RUN_TOKEN_ENV] = secrets.token_hex(16)
-    return os.environ[RUN_TOKEN_ENV]
 
 
 class Identity:

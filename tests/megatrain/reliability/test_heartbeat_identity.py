@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from megatrain.config import ReliabilityConfig
+from megatrain.launch.run_token import RUN_TOKEN_ENV, ensure_run_token
 from megatrain.reliability.heartbeat import (
     DirectorySink,
     HeartbeatRecord,
     RedisSink,
     make_sink,
 )
-from megatrain.reliability.identity import RUN_TOKEN_ENV, Identity, ensure_run_token
+from megatrain.reliability.identity import Identity
 from megatrain.reliability.watcher import HeartbeatWatcher
 
 
@@ -70,3 +72,29 @@ def test_the_runs_own_ranks_are_believed(tmp_path, run_id, monkeypatch) -> None:
     records = make_sink(cfg, tmp_path, run_id).read_all(1)
     assert records[0].step == 3 and records[0].run_id == run_id and records[0].signature
     assert make_sink(cfg, tmp_path, "another-run").read_all(1) == {}
+
+
+def test_a_rendezvous_entry_from_outside_the_run_is_never_read(redis_url, run_id, monkeypatch) -> None:
+    """The rendezvous store's keys live in a namespace named after the run token's digest: a writer
+    with another token (or none) that knows the run id and the key still writes elsewhere."""
+    from megatrain.parallel.redis_store import RedisStore
+
+    def store(token: str | None) -> RedisStore:
+        if token is None:
+            monkeypatch.delenv(RUN_TOKEN_ENV, raising=False)
+        else:
+            monkeypatch.setenv(RUN_TOKEN_ENV, token)
+        return RedisStore(redis_url, run_id, timeout=timedelta(seconds=1))
+
+    ours, twin = store("this-runs-token"), store("this-runs-token")
+    foreign = [store("a-guessed-token"), store(None)]
+    for other in foreign:
+        other.set("rank0/addr", "10.6.6.6:29500")  # an address the run must never dial
+        assert other.check(["rank0/addr"])
+    assert not ours.check(["rank0/addr"]) and ours.num_keys() == 0
+    assert "this-runs-token" not in ours.prefix  # the namespace names a digest, not the token
+    twin.set("rank0/addr", "10.0.0.1:29500")
+    assert ours.get("rank0/addr") == b"10.0.0.1:29500"
+    for s in [ours, twin, *foreign]:
+        s.clear()
+        s.close()
