@@ -9,7 +9,12 @@ import torch
 
 from megatrain.config import load_config
 from megatrain.interop.hf_config import ExportRefused, family_for
-from megatrain.model import GPT, active_parameter_count, count_parameters, expected_parameter_count
+from megatrain.model import (
+    GPT,
+    active_parameter_count,
+    count_parameters,
+    expected_parameter_count,
+)
 from megatrain.model.moe import MoE, end_step
 from megatrain.observe.metrics import StepMetrics, scalars
 from megatrain.parallel.plan import GIB, format_plan, memory_plan, params_per_gpu

@@ -29,3 +29,18 @@ def test_moe_tiny_loss_falls_clearly_in_100_steps_with_expert_load_in_every_row(
         assert 0 < health["1"]["entropy"] <= math.log(8) + 1e-6
     assert metrics[-1]["moe"]["max_over_mean"] < 2.0, metrics[-1]["moe"]  # the aux loss keeps no expert starved of work
     assert 0.9 < metrics[-1]["moe"]["aux_loss"] < 1.5
+
+
+@pytest.mark.slow
+def test_moe_resumes_like_one_run_router_biases_included(run_training):
+    """3 steps, a checkpoint, 3 more: the same losses and expert loads as 6 straight steps. The
+    aux-free biases move fast here (rate 0.05), so a resume that lost them would route differently."""
+    common = ["data.max_source_bytes=1000000", "model.moe.load_balance=aux_free", "model.moe.bias_update_rate=0.05",
+              "checkpoint.interval=3", "optim.decay_steps=6", "data.prefetch_batches=0"]
+    straight, _ = run_training([*common, "train.steps=6"], config=MOE_TINY, name="straight")
+    run_training([*common, "train.steps=3"], config=MOE_TINY, name="resumed")
+    resumed, _ = run_training([*common, "train.steps=6"], config=MOE_TINY, name="resumed")
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    for a, b in zip(straight, resumed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+        assert a["moe"]["layers"] == b["moe"]["layers"]
