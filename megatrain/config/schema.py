@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
@@ -367,6 +368,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
+        for name, url in (("parallel.init.redis_url", self.parallel.init.redis_url),
+                          ("reliability.redis_url", self.reliability.redis_url)):
+            if url and urlsplit(url).password is not None:  # a config is copied into run dirs, ConfigMaps, reports
+                raise ValueError(f"{name}: the URL carries a password; remove it and pass it in the environment "
+                                 "variable MEGATRAIN_REDIS_PASSWORD (megatrain/launch/redis_client.py)")
         tp = self.parallel.tp
         if self.model.n_head % tp:
             raise ValueError(f"parallel.tp ({tp}) must divide model.n_head ({self.model.n_head})")

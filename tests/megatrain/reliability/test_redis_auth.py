@@ -87,3 +87,13 @@ def test_the_temporary_server_is_locked_and_keeps_its_password_off_the_command_l
     assert client.config_get("bind")["bind"] == "127.0.0.1"
     assert client.config_get("requirepass")["requirepass"] == password
     client.close()
+
+
+def test_a_config_with_a_password_in_a_redis_url_is_refused_without_echoing_it() -> None:
+    from megatrain.config import ConfigError, load_config
+
+    for field in ("reliability.redis_url", "parallel.init.redis_url"):
+        with pytest.raises(ConfigError, match=f"{field}: the URL carries a password") as refused:
+            load_config(None, [f"{field}=redis://:hunter2hunter2@redis:6379/0"])
+        assert "hunter2hunter2" not in str(refused.value) and PASSWORD_ENV in str(refused.value)
+    assert load_config(None, ["reliability.redis_url=redis://megatrain@redis:6379/0"]).reliability.redis_url
