@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_ctrl_c_of_megatrain_train_is_one_line_with_the_resume_command(tmp_path):
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "megatrain.cli", "train", "--config", "configs/tiny-cpu.yaml",
-               f"train.run_dir={run_dir}", "checkpoint.interval=2", "train.steps=400", "model.n_layer=1",
+               f"train.run_dir={run_dir}", "checkpoint.interval=2", "train.steps=100000", "model.n_layer=1",
                "data.max_source_bytes=400000", "train.log_interval=1"]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -29,7 +29,7 @@ def test_ctrl_c_of_megatrain_train_is_one_line_with_the_resume_command(tmp_path)
     while not any("committed checkpoint" in line and "step-00000004" in line for line in out):
         assert proc.poll() is None and time.monotonic() < deadline, "".join(out)[-3000:]
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C
+    os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C (100,000 steps: it is still training)
     err = proc.stderr.read()
     assert proc.wait(30) == 130, err
     lines = err.strip().splitlines()
@@ -40,7 +40,7 @@ def test_ctrl_c_of_megatrain_train_is_one_line_with_the_resume_command(tmp_path)
     assert step >= 4
     resume = shlex.split(line.split("; resume: ", 1)[1])
     assert resume[:2] == ["megatrain", "train"] and resume[2:] == command[4:], line
-    resumed = subprocess.run([sys.executable, "-m", "megatrain.cli", *resume[1:], "optim.decay_steps=400",
+    resumed = subprocess.run([sys.executable, "-m", "megatrain.cli", *resume[1:], "optim.decay_steps=100000",
                               f"train.steps={step + 1}"],
                              cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
