@@ -21,101 +21,42 @@ an exclusive flock. It ends on ``shutdown`` (the run finished), on SIGTERM, or w
 been connected for ``idle_s``. Because the slots are anonymous memory, nothing is left behind
 in /dev/shm even after a SIGKILL: the memory goes when the last process mapping it is gone.
 
-Wire format: every message is an 8-byte length plus a JSON object, with file descriptors attached
-to the length bytes; no pickle (a snapshot is data). Requests: ``alloc``, ``seal``, ``list``,
-``get``, ``drop``, ``shutdown``; each gets one reply (``{"ok": false, "error": ...}`` on failure).
+Peer tier (keeper_peer.py): with ``--registry`` and the run token, sealed copies are also sent to
+the next node's keeper, and this keeper holds the previous node's.
+
+Wire format (keeper_wire.py): an 8-byte length plus a JSON object, descriptors attached.
+Requests: ``alloc``, ``seal``, ``list``, ``get`` (``replica``: another node's copy held here),
+``drop``, ``shutdown``; each gets one reply (``{"ok": false, "error": ...}`` on failure).
 """
 
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
 import fcntl
-import hashlib
-import json
 import logging
-import mmap
 import os
 import secrets
 import signal
 import socket
-import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from megatrain.checkpoint.keeper_peer import PeerTier, Registry
+from megatrain.checkpoint.keeper_wire import (
+    Slot,
+    chunk_hashes,
+    recv_message,
+    send_message,
+    spare_slot,
+)
+from megatrain.launch.run_token import run_token
 
 log = logging.getLogger("megatrain.keeper")
 
 SOCKET, LOCK = "keeper.sock", "keeper.lock"
-CHUNK = 64 << 20  # hash granularity: chunks hash in parallel threads (hashlib releases the GIL)
-_HEADER = struct.Struct("!Q")
-_HASH_THREADS = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="keeper-hash")
-
-
-# ---- the wire: length-prefixed JSON, descriptors attached to the length ----------------------------
-
-def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:
-    payload = json.dumps(message).encode()
-    header = _HEADER.pack(len(payload))
-    if fds:
-        sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sock.sendall(header)
-    sock.sendall(payload)
-
-
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """One message and the descriptors that came with it. ConnectionError when the peer is gone."""
-    header, fds = b"", []
-    while len(header) < _HEADER.size:
-        data, ancdata, _, _ = sock.recvmsg(_HEADER.size - len(header), socket.CMSG_SPACE(4 * 16))
-        if not data:
-            raise ConnectionError("keeper connection closed")
-        header += data
-        for level, kind, blob in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array.array("i", blob[:len(blob) - len(blob) % 4]))
-    (size,) = _HEADER.unpack(header)
-    payload = bytearray()
-    while len(payload) < size:
-        data = sock.recv(min(size - len(payload), 1 << 20))
-        if not data:
-            raise ConnectionError("keeper connection closed")
-        payload += data
-    return json.loads(payload), fds
-
-
-# ---- checksums (used by the keeper at seal and by a rank at restore) -------------------------------
-
-def chunk_hashes(buffer: memoryview, nbytes: int) -> list[str]:
-    """sha256 of each CHUNK of the first ``nbytes``, computed in parallel."""
-    spans = [(start, min(start + CHUNK, nbytes)) for start in range(0, nbytes, CHUNK)] or [(0, 0)]
-    return list(_HASH_THREADS.map(lambda span: hashlib.sha256(buffer[span[0]:span[1]]).hexdigest(), spans))
-
-
-def text_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-# ---- the keeper's state ----------------------------------------------------------------------------
-
-class Slot:
-    """One anonymous shared-memory file, and what was sealed into it (None: free or being written)."""
-
-    def __init__(self, name: str, nbytes: int):
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, max(nbytes, 1))
-        self.nbytes = nbytes
-        self.map = mmap.mmap(self.fd, max(nbytes, 1))
-        self.generation = secrets.token_hex(4)  # with the keeper's instance: the id a rank caches its mapping by
-        self.sealed: dict[str, Any] | None = None
-
-    def close(self) -> None:
-        self.map.close()
-        os.close(self.fd)
 
 
 class Keeper:
@@ -127,6 +68,7 @@ class Keeper:
         self.connections = 0
         self.last_seen = time.monotonic()
         self.stopping = threading.Event()
+        self.peer: PeerTier | None = None  # when this node replicates to a peer node
 
     def handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         op = request.get("op")
@@ -135,7 +77,13 @@ class Keeper:
         if op == "seal":
             return self._seal(request), []
         if op == "list":
-            return {"ok": True, "instance": self.instance, "pid": os.getpid(), "ranks": self._list()}, []
+            return {"ok": True, "instance": self.instance, "pid": os.getpid(), "ranks": self._list(),
+                    "peer": self.peer.status() if self.peer is not None else None}, []
+        if op == "get" and request.get("replica"):  # another node's copy held here (inspection, tests)
+            found = self.peer.replica(int(request["rank"]), int(request["step"])) if self.peer is not None else None
+            if found is None:
+                return {"ok": False, "error": f"rank {request['rank']}: no replica of step {request['step']}"}, []
+            return {"ok": True, "nbytes": found[0].nbytes, **found[1]}, [found[0].fd]
         if op == "get":
             return self._get(int(request["rank"]), int(request["step"]))
         if op == "drop":
@@ -148,7 +96,7 @@ class Keeper:
     def _alloc(self, rank: int, nbytes: int) -> tuple[dict[str, Any], list[int]]:
         with self.lock:
             pair = self.slots.setdefault(rank, [None, None])
-            index = self._spare(pair)
+            index = spare_slot(pair)
             slot = pair[index]
             if slot is None or slot.nbytes != nbytes:  # the first save, or the state changed size
                 if slot is not None:
@@ -156,12 +104,6 @@ class Keeper:
                 slot = pair[index] = Slot(f"megatrain-rank{rank}-slot{index}", nbytes)
             slot.sealed = None  # being rewritten: no longer a copy of anything
             return {"ok": True, "slot": index, "id": f"{self.instance}-{slot.generation}", "nbytes": nbytes}, [slot.fd]
-
-    @staticmethod
-    def _spare(pair: list[Slot | None]) -> int:
-        """The slot to write next: never the newest sealed copy."""
-        steps = [slot.sealed["step"] if slot is not None and slot.sealed else -1 for slot in pair]
-        return 0 if steps[0] < steps[1] else 1 if steps[0] > steps[1] else 0
 
     def _seal(self, request: dict[str, Any]) -> dict[str, Any]:
         rank, index, used = int(request["rank"]), int(request["slot"]), int(request["used"])
@@ -174,6 +116,8 @@ class Keeper:
             slot.sealed = {"step": int(request["step"]), "used": used, "chunks": hashes,
                            "entries": request["entries"], "json": request["json"], "json_sha256": request["json_sha256"],
                            "sealed_at": time.time()}
+        if self.peer is not None:  # off the rank's path: the peer tier's own thread sends it
+            self.peer.sealed(rank, int(request["step"]))
         return {"ok": True, "hash_s": time.perf_counter() - start}
 
     def _list(self) -> dict[str, list[dict[str, Any]]]:
@@ -255,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="megatrain's per-node checkpoint keeper (started by the ranks)")
     parser.add_argument("--dir", required=True, help="the keeper's folder: socket and lock")
     parser.add_argument("--idle-s", type=float, default=600.0, help="exit after this long with no rank connected")
+    parser.add_argument("--node", type=int, default=0, help="this node's index (the peer ring's order)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes in the run: above 1, replicate to node+1")
+    parser.add_argument("--registry", help="where keepers register host:port: a folder or a redis:// URL")
+    parser.add_argument("--run-id", default="run", help="names the run's registry entries in Redis")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s keeper %(levelname)s %(message)s")
     root = Path(args.dir)
@@ -267,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     keeper = Keeper(root, args.idle_s)
     signal.signal(signal.SIGTERM, lambda *_: keeper.stopping.set())
+    if args.registry:
+        if run_token():
+            keeper.peer = PeerTier(keeper, args.node, args.nnodes, Registry(args.registry, args.run_id), run_token())
+            keeper.peer.start()
+        else:
+            log.warning("no run token (MEGATRAIN_RUN_TOKEN): the peer tier is off, a peer could not tell this "
+                        "run's copies from a foreign process's")
     try:
         keeper.run()
     finally:  # still holding the lock: nobody else uses the folder now (a SIGKILL leaves this empty folder)

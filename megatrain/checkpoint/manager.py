@@ -46,7 +46,7 @@ from megatrain.checkpoint import catalog, reshard, state
 from megatrain.checkpoint.files import (
     MANIFEST, STAGED, model_file, parse_step, rank_marker, rank_meta_file, rank_tensor_file, step_dir_name,
 )
-from megatrain.checkpoint.memory import MemoryCheckpoints, restore_from_memory
+from megatrain.checkpoint.memory import MemoryCheckpoints, PeerSettings, restore_from_memory
 from megatrain.checkpoint.restore import RunIdentity, restore_checkpoint
 from megatrain.checkpoint.retention import apply_retention, clean_staging
 from megatrain.checkpoint.snapshot import RankSnapshot, Snapshotter, SnapshotTiming
@@ -84,7 +84,8 @@ class Checkpointer:
         self.history: list[dict] = []  # changes of schedule or layout this run's checkpoints went through
         self.snapshotter = Snapshotter(self.ckpt.staging_dir, env.device)
         self.memory = MemoryCheckpoints(self.ckpt.staging_dir, env.rank, env.device,
-                                        Path(cfg.train.run_dir) / "logs" / "keeper.log") if self.ckpt.memory_interval else None
+                                        Path(cfg.train.run_dir) / "logs" / "keeper.log",
+                                        self._peer_settings()) if self.ckpt.memory_interval else None
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._jobs: list[Future] = []
         self._versions = library_versions()
@@ -92,6 +93,18 @@ class Checkpointer:
         self.last_timing: SnapshotTiming | None = None
         kill = os.environ.get(KILL_AFTER_COMMIT_ENV)
         self._kill_after_commit = int(kill) if kill else None
+
+    def _peer_settings(self) -> PeerSettings | None:
+        """With several nodes, keepers replicate in a ring by node index and register in the run's
+        Redis, else in a folder of the run dir (nodes sharing a file system). The index: the
+        launcher's stable MEGATRAIN_NODE where it sets one (c10d rendezvous may hand an agent another
+        GROUP_RANK on a relaunch, and the keeper outlives the attempt), else torchrun's GROUP_RANK."""
+        nnodes = self.env.world_size // max(self.env.local_world_size, 1)
+        if nnodes < 2:
+            return None
+        registry = self.cfg.reliability.redis_url or str(Path(self.cfg.train.run_dir) / "keepers")
+        node = int(os.environ.get("MEGATRAIN_NODE") or os.environ.get("GROUP_RANK", "0"))
+        return PeerSettings(node, nnodes, registry, self.cfg.run_id)
 
     # ---- restore ------------------------------------------------------------------------------
 
@@ -109,8 +122,8 @@ class Checkpointer:
         durable_step = self._newest_durable_step()
         restored, tier = None, "durable"
         if self.memory is not None:
-            restored = restore_from_memory(trainer, self.memory, self.groups, self.identity, self.layout, durable_step)
-            tier = "keeper" if restored is not None else tier
+            found = restore_from_memory(trainer, self.memory, self.groups, self.identity, self.layout, durable_step)
+            restored, tier = found if found is not None else (None, tier)
             self.memory.drop_after(restored.step if restored is not None else durable_step)
         if restored is None:
             restored = restore_checkpoint(trainer, self.ckpt.durable_url, self.identity, self.layout, self.groups,

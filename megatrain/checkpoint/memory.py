@@ -14,8 +14,10 @@ Restore (``restore_from_memory``, every rank together): each rank names the step
 for it; the newest step that every rank holds, and newer than the newest durable checkpoint, is
 read back and checked (sha256 of every chunk and of the JSON, written by the same config and
 layout); if any rank finds a problem, all ranks try the next older common step, then give up
-(the caller restores from the durable store). ZeRO partitions, RNG, the LR schedule and the data
-position come back through ``restore.apply_rank_state``, as from a durable checkpoint.
+(the caller restores from the durable store). Tiers, in order: a rank reads its step from its own
+keeper, else from a peer node's keeper that holds a replica of it (keeper_peer.py; a lost node's
+ranks have only that), and the restore says ``peer`` when any rank used one. ZeRO partitions,
+RNG, the LR schedule and the data position come back through ``restore.apply_rank_state``, as from a durable checkpoint.
 """
 
 from __future__ import annotations
@@ -32,15 +34,19 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatrain.checkpoint.files import ChecksumError, model_file, rank_meta_file, rank_tensor_file
-from megatrain.checkpoint.keeper import SOCKET, chunk_hashes, recv_message, send_message, text_hash
+from megatrain.checkpoint.keeper import SOCKET
+from megatrain.checkpoint.keeper_peer import PeerClient, PeerError, Registry
+from megatrain.checkpoint.keeper_wire import chunk_hashes, recv_message, send_message, text_hash
 from megatrain.checkpoint.restore import RankState, Restored, RunIdentity, _gather, apply_rank_state, same_layout
 from megatrain.checkpoint.snapshot import RankSnapshot, SnapshotTiming
+from megatrain.launch.run_token import run_token
 from megatrain.parallel.dims import ProcessGroups
 
 log = logging.getLogger("megatrain.checkpoint")
@@ -55,20 +61,35 @@ class KeeperError(RuntimeError):
     """The keeper refused a request or could not be reached."""
 
 
+@dataclass(frozen=True)
+class PeerSettings:
+    """This node's place in the keepers' replication ring, and where keepers register."""
+    node: int
+    nnodes: int
+    registry: str  # a folder shared by the nodes, or a redis:// URL
+    run_id: str
+
+    def args(self) -> list[str]:
+        return ["--node", str(self.node), "--nnodes", str(self.nnodes), "--registry", self.registry,
+                "--run-id", self.run_id]
+
+
 def keeper_dir(staging_dir: str | Path) -> Path:
     """The keeper folder of a node's staging dir (short: a Unix socket path has ~100 bytes)."""
     key = hashlib.sha1(os.path.realpath(staging_dir).encode()).hexdigest()[:12]
     return Path(os.environ.get(KEEPER_ROOT_ENV) or tempfile.gettempdir()) / f"megatrain-keeper-{key}"
 
 
-def start_keeper(folder: Path, log_path: Path) -> None:
+def start_keeper(folder: Path, log_path: Path, peer: PeerSettings | None = None) -> None:
     """Start a keeper detached from this rank: its own session (a launcher's killpg of the ranks
     does not reach it) and no parent-death signal (prctl's is cleared on fork). A second keeper
-    started by a racing rank finds the lock taken and exits at once."""
+    started by a racing rank finds the lock taken and exits at once. The run token reaches it by
+    the inherited environment, never its command line (anyone on the host reads those)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     idle = os.environ.get(KEEPER_IDLE_ENV, str(DEFAULT_IDLE_S))
     with open(log_path, "a") as out:
-        subprocess.Popen([sys.executable, "-m", "megatrain.checkpoint.keeper", "--dir", str(folder), "--idle-s", idle],
+        subprocess.Popen([sys.executable, "-m", "megatrain.checkpoint.keeper", "--dir", str(folder), "--idle-s", idle,
+                          *(peer.args() if peer is not None else [])],
                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                          close_fds=True)
 
@@ -80,7 +101,8 @@ class KeeperClient:
         self.sock, self._lock = sock, threading.Lock()
 
     @classmethod
-    def connect(cls, folder: Path, start_log: Path | None = None, timeout_s: float = 30.0) -> KeeperClient:
+    def connect(cls, folder: Path, start_log: Path | None = None, timeout_s: float = 30.0,
+                peer: PeerSettings | None = None) -> KeeperClient:
         """Connect to the keeper of ``folder``; with ``start_log``, start one when none answers."""
         deadline, started = time.monotonic() + timeout_s, False
         while True:
@@ -93,7 +115,7 @@ class KeeperClient:
                 if start_log is None or time.monotonic() > deadline:
                     raise KeeperError(f"no checkpoint keeper answers at {folder / SOCKET}: {exc}") from None
             if not started:
-                start_keeper(folder, start_log)
+                start_keeper(folder, start_log, peer)
                 started = True
             time.sleep(0.05)
 
@@ -141,8 +163,11 @@ def _view(buffer: torch.Tensor, entry: list) -> torch.Tensor:
 class MemoryCheckpoints:
     """One rank's RAM checkpoints in its node's keeper."""
 
-    def __init__(self, staging_dir: str | Path, rank: int, device: torch.device, log_path: Path):
+    def __init__(self, staging_dir: str | Path, rank: int, device: torch.device, log_path: Path,
+                 peer: PeerSettings | None = None):
         self.folder, self.rank, self.device, self.log_path = keeper_dir(staging_dir), rank, device, log_path
+        self.peer, token = peer, run_token()
+        self.peers = PeerClient(Registry(peer.registry, peer.run_id), peer.node, token) if peer and token else None
         self._client: KeeperClient | None = None
         self._maps: dict[str, torch.Tensor] = {}  # slot id -> mapping, reused while the keeper keeps the slot
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -152,7 +177,7 @@ class MemoryCheckpoints:
 
     def client(self) -> KeeperClient:
         if self._client is None:
-            self._client = KeeperClient.connect(self.folder, start_log=self.log_path)
+            self._client = KeeperClient.connect(self.folder, start_log=self.log_path, peer=self.peer)
         return self._client
 
     def _reset(self) -> None:
@@ -225,25 +250,40 @@ class MemoryCheckpoints:
             return []
         return sorted(entry["step"] for entry in reply["ranks"].get(str(self.rank), []))
 
-    def fetch(self, step: int) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-        """This rank's copy of ``step`` (tensor files, JSON files), every chunk's sha256 and the
-        JSON's checked first; ChecksumError when a check fails."""
-        reply, fds = self.client().request("get", rank=self.rank, step=step)
-        buffer = _map(fds[0], reply["nbytes"])
+    def peer_steps(self) -> dict[int, str]:
+        """step -> address of a peer keeper holding a replica of this rank's copy (none: no peers)."""
+        try:
+            return self.peers.held(self.rank) if self.peers is not None else {}
+        except (PeerError, OSError, ValueError) as exc:  # the registry itself unreadable
+            log.warning("peer keepers not asked: %s", exc)
+            return {}
+
+    def fetch(self, step: int, peer: str | None = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """This rank's copy of ``step`` (tensor files, JSON files) from its keeper, or with ``peer``
+        from that peer keeper's replica; every chunk's sha256 and the JSON's checked first;
+        ChecksumError when a check fails."""
+        if peer is None:
+            reply, fds = self.client().request("get", rank=self.rank, step=step)
+            buffer, where = _map(fds[0], reply["nbytes"]), "keeper"
+        else:
+            reply, data = self.peers.fetch(peer, self.rank, step)
+            buffer, where = torch.frombuffer(data, dtype=torch.uint8), f"peer keeper {peer}"
         hashes = chunk_hashes(memoryview(buffer.numpy()), reply["used"])
         bad = [i for i, (a, b) in enumerate(zip(hashes, reply["chunks"], strict=True)) if a != b]
         if bad:
-            raise ChecksumError(f"keeper copy of step {step} (rank {self.rank}): sha256 of chunk(s) {bad} differs")
+            raise ChecksumError(f"{where} copy of step {step} (rank {self.rank}): sha256 of chunk(s) {bad} differs")
         if text_hash(reply["json"]) != reply["json_sha256"]:
-            raise ChecksumError(f"keeper copy of step {step} (rank {self.rank}): its JSON's sha256 differs")
+            raise ChecksumError(f"{where} copy of step {step} (rank {self.rank}): its JSON's sha256 differs")
         files: dict[str, dict[str, torch.Tensor]] = {}
-        for entry in reply["entries"]:  # cloned: the slot is rewritten by a later save
-            files.setdefault(entry[0], {})[entry[1]] = _view(buffer, entry).clone()
+        for entry in reply["entries"]:  # a keeper's slot is cloned (a later save rewrites it); a peer's bytes are ours
+            view = _view(buffer, entry)
+            files.setdefault(entry[0], {})[entry[1]] = view.clone() if peer is None else view
         return files, json.loads(reply["json"])
 
-    def read(self, step: int, groups: ProcessGroups, identity: RunIdentity, layout: dict[str, Any]) -> RankState:
+    def read(self, step: int, groups: ProcessGroups, identity: RunIdentity, layout: dict[str, Any],
+             peer: str | None = None) -> RankState:
         """This rank's verified copy of ``step`` as restore puts it back, if this run wrote it."""
-        files, json_files = self.fetch(step)
+        files, json_files = self.fetch(step, peer)
         meta = json_files[rank_meta_file(self.rank)]
         if meta.get("step") != step or meta.get("rank") != self.rank:
             raise ChecksumError(f"keeper copy of step {step}: records step {meta.get('step')} rank {meta.get('rank')}")
@@ -260,7 +300,9 @@ class MemoryCheckpoints:
             dropped = self._client.request("drop", rank=self.rank, after_step=step)[0]["dropped"]
         except KeeperError:
             self._reset()
-            return
+            dropped = []
+        if self.peers is not None:  # replicas of an abandoned timeline must not outlive it either
+            dropped += self.peers.drop(self.rank, step)
         if dropped:
             log.info("keeper: dropped rank %d's copies of steps %s (newer than step %d)", self.rank, dropped, step)
 
@@ -279,24 +321,40 @@ class MemoryCheckpoints:
             self._reset()
 
 
+def read_newest(memory: MemoryCheckpoints, step: int, local: list[int], peer: dict[int, str],
+                groups: ProcessGroups, identity: RunIdentity, layout: dict[str, Any]) -> tuple[RankState | None, str]:
+    """This rank's copy of ``step``: its keeper's first, else a peer's replica; (state, tier) or
+    (None, what was wrong with each)."""
+    sources = ([None] if step in local else []) + ([peer[step]] if step in peer else [])
+    problems = []
+    for source in sources:
+        try:
+            return memory.read(step, groups, identity, layout, source), "keeper" if source is None else "peer"
+        except (ChecksumError, KeeperError, PeerError, OSError, ValueError, KeyError) as exc:
+            problems.append(f"{'keeper' if source is None else 'peer ' + source}: {type(exc).__name__}: {exc}")
+    return None, "; ".join(problems) or "no copy"
+
+
 def restore_from_memory(trainer: Any, memory: MemoryCheckpoints, groups: ProcessGroups, identity: RunIdentity,
-                        layout: dict[str, Any], newer_than: int) -> Restored | None:
-    """Every rank together: put back the newest step that every rank's keeper holds, verified and
-    newer than ``newer_than`` (the newest durable step). None: the caller uses the durable store."""
-    held = _gather(memory.held_steps())
+                        layout: dict[str, Any], newer_than: int) -> tuple[Restored, str] | None:
+    """Every rank together: put back the newest step that every rank's keeper, or a peer's replica
+    of it, holds, verified and newer than ``newer_than`` (the newest durable step). Returns it and
+    the tier (``keeper``; ``peer`` when any rank read a peer's replica); None: the caller uses the
+    durable store."""
+    local, peer = memory.held_steps(), memory.peer_steps()
+    held = _gather(sorted(set(local) | set(peer)))
     common = set(held[0]).intersection(*held[1:])
     for step in sorted((s for s in common if s > newer_than), reverse=True):
-        try:
-            rank_state, problem = memory.read(step, groups, identity, layout), None
-        except (ChecksumError, KeeperError, OSError, ValueError, KeyError) as exc:
-            rank_state, problem = None, f"{type(exc).__name__}: {exc}"
-        problems = [(r, p) for r, p in enumerate(_gather(problem)) if p]
+        rank_state, tier = read_newest(memory, step, local, peer, groups, identity, layout)
+        outcomes = _gather((tier, rank_state is not None))
+        problems = [(r, t) for r, (t, ok) in enumerate(outcomes) if not ok]
         if problems:
             log.warning("keeper copies of step %d rejected: %s", step, "; ".join(f"rank {r}: {p}" for r, p in problems))
             continue
         apply_rank_state(trainer, rank_state, groups, full=True, schedule_changed=False)
-        return Restored(step, rank_state.meta.get("history", []))
-    if held[0] or any(held):
-        log.info("keeper copies (steps per rank %s) not used: none common to every rank, verified and newer than "
-                 "durable step %d", held, newer_than)
+        return Restored(step, rank_state.meta.get("history", [])), "peer" if any(t == "peer" for t, _ in outcomes) \
+            else "keeper"
+    if any(held):
+        log.info("keeper copies (steps per rank, own keeper or peer %s) not used: none common to every rank, verified "
+                 "and newer than durable step %d", held, newer_than)
     return None
