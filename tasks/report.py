@@ -1,7 +1,7 @@
 """The campaign report: tables, pictures and a summary, saved with the run and shown as Prefect
-artifacts. The pictures (loss curve, straggler heat maps, who-hung grids) are inline in markdown
-artifacts, so the UI shows them with no file path to follow (tests/scripts/test_ui_pictures.py
-checks that in headless Chromium)."""
+artifacts. The pictures (loss curve, straggler heat maps, who-hung grids, expert load per MoE
+stage) are inline in markdown artifacts, so the UI shows them with no file path to follow
+(tests/scripts/test_ui_pictures.py checks that in headless Chromium)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def sample_stage(run_dir: str, count: int) -> list[dict]:
 @task(name="write-report", retries=1, timeout_seconds=300)
 def write_report(campaign: CampaignConfig, stage_results: list[dict]) -> dict:
     from megatrain.report.campaign import build_report
+    from megatrain.report.expert_load import TITLE as EXPERT_LOAD
     from megatrain.report.runs import markdown_image
 
     report = build_report(campaign.campaign_dir, stage_results)
@@ -52,6 +53,12 @@ def write_report(campaign: CampaignConfig, stage_results: list[dict]) -> dict:
         f"### Loss, campaign `{campaign.id}`\n\n{markdown_image(report.pictures['loss curve'], 'loss curve')}\n\n"
         "Solid: training loss, dashed: validation loss, per stage; red x: restart, orange v: rollback.\n",
         key=artifact_key(campaign.id, "loss-curve"), description="loss curve (training and validation, per stage)")
+    expert_load = [markdown_image(png, title) for title, png in report.pictures.items() if title.endswith(EXPERT_LOAD)]
+    if expert_load:  # an MoE campaign: layers x experts, each expert's share of the routed slots per stage
+        create_markdown_artifact(
+            f"### Expert load, campaign `{campaign.id}`\n\n" + "\n\n".join(expert_load) + "\n\nEach cell: the expert's "
+            "share of its layer's routed slots over the stage; colour: load relative to balanced (1 / experts).\n",
+            key=artifact_key(campaign.id, "expert-load"), description="expert load per stage (MoE layers x experts)")
     create_markdown_artifact(report.ui_markdown, key=artifact_key(campaign.id, "report"), description="campaign report")
 
     report_dir = campaign.campaign_dir / "report"

@@ -273,6 +273,15 @@ class AnomalyConfig(_Section):
                                     "kernels per converted linear, so not every step)")
     fp8_max_underflow: float = Field(0.05, gt=0, le=1, description="fp8: an anomaly when more than this "
                                      "fraction of the non-zero FP8 weights flush to zero in their e4m3 cast")
+    # model.mlp=moe only (a dense model has no router): a collapsing router stops the run like a loss spike
+    router_collapse_share: float | None = Field(
+        0.9, gt=0, le=1, description="moe: an anomaly when one expert serves more than this fraction of a "
+        "layer's tokens (its share of the routed slots x top_k) for router_collapse_steps steps in a row "
+        "(None = off); balanced is top_k / n_experts, so the default only catches a real collapse")
+    router_collapse_steps: int = Field(20, gt=0, description="moe: consecutive steps a collapse (or a dead "
+                                       "expert) must last to be an anomaly: one bad batch is not a collapse")
+    dead_experts: bool = Field(True, description="moe: an anomaly when an expert gets no token for "
+                               "router_collapse_steps steps in a row")
 
 
 class FaultConfig(_Section):
@@ -280,7 +289,7 @@ class FaultConfig(_Section):
 
     kind: Literal[
         "kill_rank", "hang_rank", "freeze_rank", "slow_rank", "nan_loss", "spike_loss",
-        "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node",
+        "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node", "collapse_router",
     ]
     step: int = Field(0, ge=0)
     rank: int = Field(0, ge=0)

@@ -1,4 +1,5 @@
-"""Training-anomaly detectors: NaN/inf loss, loss spikes, gradient-norm explosions.
+"""Training-anomaly detectors: NaN/inf loss, loss spikes, gradient-norm explosions, and (MoE) a
+collapsing router or dead experts.
 
 The trainer feeds every step's loss and gradient norm to an ``AnomalyDetector``. A ``Verdict``
 means "stop": the trainer writes it with ``write_verdict`` and exits non-zero, and the
@@ -8,6 +9,11 @@ the data window that caused it.
 A spike is judged against a robust baseline - the median and the MAD (median absolute
 deviation) of the recent losses - because a mean and standard deviation are dragged along by
 the very outliers they should expose. Anomalous values never enter the window.
+
+A router is judged by streaks, not single steps (``RouterHealth``): one expert serving more than
+``router_collapse_share`` of a layer's tokens, or an expert with no token at all, for
+``router_collapse_steps`` steps in a row. The shares are summed over the data-parallel ranks
+(``megatrain/model/moe.py`` ``end_step``), so every rank reaches the same verdict.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ MAD_TO_SIGMA = 1.4826
 
 @dataclass
 class Verdict:
-    """kind: nan_loss | inf_loss | loss_spike | nan_grad_norm | grad_explosion | fp8_amax | fp8_underflow."""
+    """kind: nan_loss | inf_loss | loss_spike | nan_grad_norm | grad_explosion | fp8_amax | fp8_underflow |
+    router_collapse | dead_expert (these two name the MoE ``layer`` and ``expert``; value = its share)."""
 
     kind: str
     step: int
@@ -38,6 +45,8 @@ class Verdict:
     baseline: float | None
     message: str
     zscore: float | None = None
+    layer: int | None = None
+    expert: int | None = None
 
     def to_json(self) -> str:
         # Strict JSON has no NaN/Infinity: write non-finite numbers as strings.
@@ -89,20 +98,25 @@ class AnomalyDetector:
     window: the loss falls fast early on and a short window has no stable spread.
     """
 
-    def __init__(self, cfg: AnomalyConfig) -> None:
+    def __init__(self, cfg: AnomalyConfig, moe_top_k: int | None = None) -> None:
+        """``moe_top_k``: the MoE model's top_k, which turns the router checks on (None: off)."""
         self.cfg = cfg
         self.losses = RobustWindow(cfg.loss_window)
         self.grad_norms = RobustWindow(cfg.loss_window)
+        self.routers = RouterHealth(cfg, moe_top_k) if moe_top_k else None
 
     def observe(self, step: int, loss: float, grad_norm: float | None = None,
-                fp8: dict[str, float] | None = None) -> Verdict | None:
-        """``fp8``: ``megatrain.precision.FP8Guard.stats()`` of this step, when measured."""
+                fp8: dict[str, float] | None = None, moe: dict | None = None) -> Verdict | None:
+        """``fp8``: ``megatrain.precision.FP8Guard.stats()`` of this step, when measured; ``moe``: the
+        step's expert-load health (``megatrain.model.moe.end_step``), with MoE layers."""
         loss = float(loss)
         verdict = self._check_loss(step, loss)
         if verdict is None and grad_norm is not None:
             verdict = self._check_grad_norm(step, float(grad_norm))
         if verdict is None and fp8:
             verdict = self._check_fp8(step, fp8)
+        if verdict is None and moe and self.routers is not None:
+            verdict = self.routers.observe(step, moe)
         if verdict is None:
             self.losses.add(loss)
             if grad_norm is not None:
@@ -160,6 +174,53 @@ class AnomalyDetector:
                     zscore=z,
                 )
         return None
+
+
+class RouterHealth:
+    """Streaks per (layer, expert): steps in a row over the collapse share, and with no token.
+
+    The share of tokens is the expert's share of the routed slots times top_k (each token fills
+    k slots with k different experts), so 1.0 means every token went to this expert whatever k
+    is. A streak restarts in a relaunched attempt: after a rollback the router must collapse for
+    the full count again before the next verdict."""
+
+    def __init__(self, cfg: AnomalyConfig, top_k: int) -> None:
+        self.cfg, self.top_k = cfg, top_k
+        self.hot: dict[tuple[str, int], int] = {}
+        self.dead: dict[tuple[str, int], int] = {}
+
+    def observe(self, step: int, moe: dict) -> Verdict | None:
+        cfg, need = self.cfg, self.cfg.router_collapse_steps
+        found: Verdict | None = None
+        for layer, health in sorted(moe.get("layers", {}).items(), key=lambda item: int(item[0])):
+            shares = health["share"]
+            balanced = self.top_k / len(shares)
+            if cfg.router_collapse_share is not None and balanced < cfg.router_collapse_share:  # k = E: no choice
+                for expert, share in enumerate(shares):
+                    tokens = share * self.top_k
+                    streak = self._count(self.hot, (layer, expert), tokens > cfg.router_collapse_share)
+                    if streak >= need and found is None:
+                        found = Verdict(
+                            "router_collapse", step, tokens, balanced,
+                            f"step {step}: MoE layer {layer}: expert {expert} took {100 * tokens:.1f}% of the tokens "
+                            f"({100 * share:.1f}% of the routed slots) for {streak} steps in a row "
+                            f"(router_collapse_share {cfg.router_collapse_share}; balanced {100 * balanced:.1f}%)",
+                            layer=int(layer), expert=expert)
+            if cfg.dead_experts:
+                dead = [e for e, share in enumerate(shares) if self._count(self.dead, (layer, e), share <= 0) >= need]
+                if dead and found is None:
+                    found = Verdict(
+                        "dead_expert", step, 0.0, balanced,
+                        f"step {step}: MoE layer {layer}: expert{'s' if len(dead) > 1 else ''} "
+                        f"{', '.join(map(str, dead))} routed no token for {need} steps in a row "
+                        f"(balanced share of the tokens {100 * balanced:.1f}%)",
+                        layer=int(layer), expert=dead[0])
+        return found  # every streak is counted before the first verdict is returned
+
+    @staticmethod
+    def _count(streaks: dict[tuple[str, int], int], key: tuple[str, int], bad: bool) -> int:
+        streaks[key] = streaks.get(key, 0) + 1 if bad else 0
+        return streaks[key]
 
 
 def verdict_path(run_dir: str | Path) -> Path:

@@ -9,6 +9,9 @@ builds one ``FaultInjector`` per rank and calls two hooks:
   the whole process stops, heartbeat thread included), slow_rank, storage_outage,
   corrupt_checkpoint, corrupt_shard, kill_redis.
 - ``transform_loss(step, loss)`` - on the loss before backward: nan_loss, spike_loss.
+- ``collapse_router`` (needs the model: ``from_config(..., model=...)``), at the top of its step:
+  from then on every MoE router of the model sends each token to experts 0..top_k-1 (a forward
+  hook on the routing, not the weights or the checkpointed bias, so a rollback's restore is clean).
 
 A fault with ``once=True`` claims a marker file in ``<run_dir>/faults/`` *before* it fires
 (a SIGKILLed process cannot write afterwards), so the restarted attempt runs clean. A
@@ -43,7 +46,7 @@ log = logging.getLogger(__name__)
 
 FAULTS_ENV = "MEGATRAIN_FAULTS"
 STEP_KINDS = {"kill_rank", "hang_rank", "freeze_rank", "slow_rank", "storage_outage", "corrupt_checkpoint",
-              "corrupt_shard", "kill_redis"}
+              "corrupt_shard", "kill_redis", "collapse_router"}
 LOSS_KINDS = {"nan_loss", "spike_loss"}
 NEEDS_TARGET = {"corrupt_checkpoint", "corrupt_shard", "kill_redis"}
 LossT = TypeVar("LossT")
@@ -66,12 +69,13 @@ def fault_key(fault: FaultConfig) -> str:
 
 
 class FaultInjector:
-    def __init__(self, faults: list[FaultConfig], rank: int, run_dir: str | Path) -> None:
+    def __init__(self, faults: list[FaultConfig], rank: int, run_dir: str | Path, model: Any = None) -> None:
         for fault in faults:
             if fault.kind in NEEDS_TARGET and not fault.target:
                 raise ValueError(f"fault {fault.kind} at step {fault.step}: 'target' is required")
         self.rank = rank
         self.run_dir = Path(run_dir)
+        self.model = model  # collapse_router's target (a torch module)
         self.faults = [fault for fault in faults if fault.rank == rank]
         self.fired: list[tuple[int, str]] = []  # (step, kind) this process fired, for logs and tests
         self._active: set[str] = set()  # markers this process claimed
@@ -81,9 +85,10 @@ class FaultInjector:
 
     @classmethod
     def from_config(
-        cls, cfg: ReliabilityConfig, rank: int, run_dir: str | Path, environ: Mapping[str, str] = os.environ
+        cls, cfg: ReliabilityConfig, rank: int, run_dir: str | Path, environ: Mapping[str, str] = os.environ,
+        model: Any = None,
     ) -> FaultInjector:
-        return cls([*cfg.faults, *faults_from_env(environ)], rank, run_dir)
+        return cls([*cfg.faults, *faults_from_env(environ)], rank, run_dir, model)
 
     @property
     def enabled(self) -> bool:
@@ -148,6 +153,8 @@ class FaultInjector:
             corrupt_shard(fault.target or "")
         elif fault.kind == "kill_redis":
             kill_redis(fault.target or "")
+        elif fault.kind == "collapse_router":
+            collapse_routers(self.model)
 
     def transform_loss(self, step: int, loss: LossT) -> LossT:
         """Works on a float or a tensor; a tensor keeps its autograd graph."""
@@ -157,6 +164,25 @@ class FaultInjector:
                 log.warning("injecting fault %s on rank %d at step %d", fault.kind, self.rank, step)
                 loss = loss * (float("nan") if fault.kind == "nan_loss" else fault.magnitude)  # type: ignore[operator]
         return loss
+
+
+def collapse_routers(model: Any) -> int:
+    """Force every MoE router of ``model`` to pick experts 0..k-1 for every token, for the rest
+    of this process (a collapsed router as training can produce it); returns the routers hooked."""
+    import torch  # here: tasks/ import this module for StorageOutage and must not load torch
+
+    from megatrain.model.moe import Router, Routing
+
+    def force(router: Router, _inputs: tuple, routing: Routing) -> Routing:
+        chosen = torch.arange(routing.experts.shape[1], device=routing.experts.device).expand_as(routing.experts)
+        return Routing(routing.logits, routing.probs, chosen, routing.weights)
+
+    routers = [m for m in (model.modules() if model is not None else []) if isinstance(m, Router)]
+    if not routers:
+        raise ValueError("fault collapse_router: the model has no MoE router (model.mlp=moe)")
+    for router in routers:
+        router.register_forward_hook(force)
+    return len(routers)
 
 
 def hang_forever() -> None:

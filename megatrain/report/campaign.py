@@ -1,7 +1,7 @@
 """A campaign's report, built from its directory: a row per stage, every fault with the file that
 holds its full log, the committed checkpoints, and the pictures (loss curve, straggler heat maps,
-who-hung grids), and a few texts sampled from each stage's final checkpoint (``samples.json`` in
-the stage's run dir, written by the flow's ``sample-stage`` task).
+who-hung grids, an MoE stage's expert-load heat map), and a few texts sampled from each stage's
+final checkpoint (``samples.json`` in the stage's run dir, written by the flow's ``sample-stage`` task).
 
 Two renderings of the same markdown: ``markdown`` for ``report/report.md`` (pictures as files
 beside it, logs as paths) and ``ui_markdown`` for the Prefect artifact (pictures inline as data:
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from megatrain.checkpoint.files import step_dir_name
 from megatrain.observe.attempt_log import read_attempts
+from megatrain.report.expert_load import TITLE as EXPERT_LOAD, plot_expert_load
 from megatrain.report.status import CampaignStatus, campaign_status, describe_data, stage_status
 from megatrain.report.runs import markdown_image, plot_loss, summarize_run, tensorboard_problems
 
@@ -84,6 +85,11 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         for png in sorted(Path(stage.run_dir).glob("stragglers.png")) + sorted(Path(stage.run_dir).glob("hang-attempt*.png")):
             kind = "straggler heat map" if png.name == "stragglers.png" else f"who hung ({png.stem})"
             pictures[f"{stage.name}: {kind}"] = png
+        # drawn here, from metrics.jsonl: the report's own picture, also of a stage still running
+        expert_png = plot_expert_load(stage.run_dir, report_dir / f"expert-load-{stage.name}.png",
+                                      title=f"stage {stage.name}")
+        if expert_png is not None:
+            pictures[f"{stage.name}: {EXPERT_LOAD}"] = expert_png
 
     loss_png = plot_loss({s.name: s.run_dir for s in status.stages}, report_dir / "loss.png",
                          title=f"campaign {status.id}: loss per stage")

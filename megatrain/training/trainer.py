@@ -149,8 +149,10 @@ class Trainer:
         if env.rank == 0:  # what export, generate and eval need to rebuild the model from a checkpoint
             write_run_record(cfg, self.index)
         self.heartbeat.beat(step=self.step, phase="data")
-        self.anomaly = AnomalyDetector(cfg.reliability.anomaly)
-        self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir)
+        # the router checks need every MoE layer's shares on every rank: a pipeline stage sees only its own
+        moe_checked = cfg.model.mlp == "moe" and self.groups.dims.pp == 1
+        self.anomaly = AnomalyDetector(cfg.reliability.anomaly, cfg.model.moe.top_k if moe_checked else None)
+        self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir, model=self.engine.module)
         self.stragglers = StragglerMonitor(env.world_size)
         log.info("model: %.1fM parameters, %s block, %s attention; layout dp=%d tp=%d pp=%d; accumulation %d",
                  self.n_params / 1e6, cfg.model.block, cfg.model.attention, self.groups.dims.dp,
@@ -299,7 +301,7 @@ class Trainer:
                 flagged = self.stragglers.observe(self.step, metrics.phases_ms.get("forward", 0.0) / 1000)
                 self.heartbeat.beat(step=self.step, loss=metrics.loss, tokens_per_s=metrics.tokens_per_s,
                                     straggler=self.env.rank in flagged)
-                verdict = self.anomaly.observe(self.step, metrics.loss, metrics.grad_norm, metrics.fp8)
+                verdict = self.anomaly.observe(self.step, metrics.loss, metrics.grad_norm, metrics.fp8, metrics.moe)
                 if verdict is not None:  # stop before this step's state can be checkpointed
                     self._stop_on_anomaly(verdict)
                     break
