@@ -61,6 +61,9 @@ class ParallelConfig(_Section):
     dp: int | None = Field(None, gt=0)
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
+    ep: int = Field(1, gt=0, description="expert parallelism (model.mlp=moe): the DP ranks are cut into groups of "
+                    "ep that hold n_experts/ep experts each and exchange tokens by all-to-all; needs zero_stage 0, "
+                    "tp 1, pp 1 (megatrain/parallel/expert_parallel.py says why)")
     zero_stage: Literal[0, 1, 2, 3] = 1
     sequence_parallel: bool = True
     gpus_per_node: int = Field(8, gt=0, description="node size; tensor parallelism never crosses a node")
@@ -88,7 +91,26 @@ class ParallelConfig(_Section):
             raise ValueError(f"tp ({self.tp}) must not exceed gpus_per_node ({self.gpus_per_node})")
         if self.world_size is not None:
             self.data_parallel_size(self.world_size)
+        if self.ep > 1:
+            self._check_expert_parallel()
         return self
+
+    def _check_expert_parallel(self) -> None:
+        """What composes with ep > 1 (megatrain/parallel/expert_parallel.py gives the reasons)."""
+        if self.tp > 1 or self.pp > 1:
+            raise ValueError(f"parallel.ep={self.ep} with parallel.tp={self.tp}, parallel.pp={self.pp}: expert "
+                             "parallelism composes with data parallelism only (the experts have no tensor-parallel "
+                             "form, and the pipeline engine reduces gradients itself); use tp 1 and pp 1")
+        if self.zero_stage != 0:
+            raise ValueError(f"parallel.ep={self.ep} with parallel.zero_stage={self.zero_stage}: DeepSpeed's ZeRO "
+                             "partitions and reduces every gradient over the one data-parallel group and averages "
+                             "expert gradient norms over it (inexact clipping); expert parallelism needs "
+                             "parallel.zero_stage=0, where megatrain reduces the experts' gradients over the ranks "
+                             "holding the same experts")
+        dp = self.dp if self.world_size is None else self.data_parallel_size(self.world_size)
+        if dp is not None and dp % self.ep:
+            raise ValueError(f"parallel.ep ({self.ep}) must divide the data-parallel size ({dp}): EP groups are "
+                             "carved out of the DP ranks")
 
 
 class OptimConfig(_Section):
@@ -396,6 +418,9 @@ class Config(_Section):
             raise ValueError(f"parallel.tp ({tp}) must divide the MLP width ({self.model.ffn_dim})")
         if self.model.vocab_size % tp:
             raise ValueError(f"parallel.tp ({tp}) must divide model.vocab_size ({self.model.vocab_size})")
+        if self.parallel.ep > 1 and (self.model.mlp != "moe" or self.model.moe.n_experts % self.parallel.ep):
+            raise ValueError(f"parallel.ep ({self.parallel.ep}) needs model.mlp=moe and must divide "
+                             f"model.moe.n_experts ({self.model.moe.n_experts if self.model.mlp == 'moe' else 'no experts'})")
         if self.parallel.pp > self.model.n_layer:
             raise ValueError(f"parallel.pp ({self.parallel.pp}) exceeds model.n_layer ({self.model.n_layer})")
         if self.parallel.world_size is not None:

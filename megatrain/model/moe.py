@@ -110,6 +110,9 @@ class MoE(nn.Module):
         shared = cfg.model_copy(update={"d_ff": m.n_shared_experts * cfg.expert_ffn_dim, "bias": False})
         self.shared = SwiGLU(shared) if m.n_shared_experts else None
         self.aux_loss_scale = 1.0  # set_aux_loss_scale: 1 / gradient-accumulation steps
+        # expert parallelism sets a callable (rows, counts, experts) -> outputs that takes the rows to
+        # the ranks holding their experts and back (megatrain/parallel/expert_parallel.py); None: local
+        self.exchange = None
         # the step's statistics (not checkpointed): routed slots per expert; tokens, entropy, aux, z, calls
         self.register_buffer("load", torch.zeros(m.n_experts), persistent=False)
         self.register_buffer("sums", torch.zeros(5), persistent=False)
@@ -118,7 +121,8 @@ class MoE(nn.Module):
         h = x.reshape(-1, x.shape[-1])  # [N, d]
         routing = self.router(h)
         rows, counts, order = dispatch(h, routing.experts, self.n_experts)  # [N k, d], [E], [N k]
-        out = combine(self.experts(rows, counts), routing.weights, order).to(x.dtype)  # [N, d]
+        y = self.experts(rows, counts) if self.exchange is None else self.exchange(rows, counts, self.experts)
+        out = combine(y, routing.weights, order).to(x.dtype)  # [N, d]
         if self.shared is not None:
             out = out + self.shared(h)
         out = out.view_as(x)

@@ -32,14 +32,15 @@ def deepspeed_config(cfg: Config, dp: int, bf16: bool, n_params: int) -> dict:
     ZeRO-2/3 cannot be combined with DeepSpeed's pipeline (it asserts), and DeepSpeed's
     activation partitioning between stages must stay off under sequence parallelism, where the
     TP ranks of a stage hold different sequence shards rather than copies of one activation."""
+    p = cfg.parallel
     bucket = int(min(5e8, max(5e6, n_params // 8)))
     bucket -= bucket % 2  # DeepSpeed wants 4-byte aligned buckets
-    p = cfg.parallel
     config = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.train.grad_accumulation_steps(dp),
         "train_batch_size": cfg.train.global_batch_size,
-        "gradient_clipping": cfg.optim.grad_clip,
+        # under expert parallelism megatrain clips by the exact global norm (expert_parallel.py)
+        "gradient_clipping": cfg.optim.grad_clip if p.ep == 1 else 0.0,
         "bf16": {"enabled": bf16},
         "zero_optimization": {
             "stage": p.zero_stage,
@@ -58,6 +59,11 @@ def deepspeed_config(cfg: Config, dp: int, bf16: bool, n_params: int) -> dict:
         # LAMB's trust ratio needs whole-tensor norms; attach_lamb_segments provides them (summed over
         # the stage's TP x DP ranks) only for ZeRO-1/2's flat partitions.
         raise ValueError(f"parallel.tp={p.tp} with LAMB needs parallel.zero_stage 1 or 2, got {p.zero_stage}")
+    if p.ep > 1 and bf16:
+        # ZeRO-0 in bf16 is DeepSpeed's FP16_Optimizer: it clips and steps fp32 copies of its own,
+        # past the hooks that reduce the experts' gradients over their EDP group (expert_parallel.py)
+        raise ValueError(f"parallel.ep={p.ep} needs train.dtype=fp32: with bf16 weights DeepSpeed's ZeRO-0 optimizer "
+                         "wrapper reduces and clips fp32 copies that megatrain's expert-gradient reduction cannot reach")
     if p.pp > 1 and bf16 and cfg.optim.name == "lamb" and p.zero_stage == 0:
         # DeepSpeed's pipeline engine wraps a bf16 ZeRO-0 optimizer in its BF16_Optimizer, which hands
         # LAMB one flat tensor per group: one trust ratio for the whole model, silently.

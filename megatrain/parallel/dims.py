@@ -1,5 +1,11 @@
 """The 3D layout (dp, tp, pp) and its process groups, passed around as one object.
 
+Expert parallelism (``ep``) is carved out of the data-parallel ranks, as Megatron-Core and
+torchtitan do: each run of ``ep`` consecutive DP ranks is an EP group (its ranks hold different
+experts and exchange tokens by all-to-all); the ranks at the same position of every EP group form
+an expert-data-parallel (EDP) group, over which those experts' gradients are reduced. Non-expert
+parameters stay replicated over the whole DP group. ``ep=1``: no EP groups are created.
+
 Rank order: tensor parallel innermost (consecutive ranks share a node), then data parallel, then
 pipeline:  rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank.  DP groups are therefore built
 from nearby ranks, as MegaScale does (it builds DP groups before PP groups for locality).
@@ -20,6 +26,7 @@ class ParallelDims:
     dp: int
     tp: int
     pp: int
+    ep: int = 1  # expert-parallel degree, a divisor of dp (see the module docstring)
 
     @property
     def world_size(self) -> int:
@@ -44,6 +51,8 @@ class ParallelDims:
             raise ValueError(f"tp ({self.tp}) must divide n_head ({n_head})")
         if self.pp > n_layer:
             raise ValueError(f"pp ({self.pp}) must not exceed n_layer ({n_layer})")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): EP groups are carved out of the DP ranks")
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """rank -> (pp_rank, dp_rank, tp_rank)."""
@@ -64,6 +73,16 @@ class ParallelDims:
     def pp_groups(self) -> list[list[int]]:
         return [[self.rank_of(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
+    def ep_groups(self) -> list[list[int]]:
+        """Runs of ``ep`` consecutive DP ranks (nearby ranks: the all-to-all stays within a node)."""
+        return [[self.rank_of(p, d0 + e, t) for e in range(self.ep)]
+                for p in range(self.pp) for t in range(self.tp) for d0 in range(0, self.dp, self.ep)]
+
+    def edp_groups(self) -> list[list[int]]:
+        """The DP ranks holding the same experts: position e of every EP group."""
+        return [[self.rank_of(p, d, t) for d in range(e, self.dp, self.ep)]
+                for p in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
+
     def stage_groups(self) -> list[list[int]]:
         """All ranks of one pipeline stage (its TP x DP ranks): the group over which a per-tensor
         norm of a TP-sharded, ZeRO-partitioned tensor is summed (LAMB's trust ratio)."""
@@ -80,6 +99,8 @@ class ProcessGroups:
     dp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     stage_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None  # ep > 1 only
+    edp_group: dist.ProcessGroup | None = None  # ep > 1 only
     coords: tuple[int, int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,13 +118,21 @@ class ProcessGroups:
     def tp_rank(self) -> int:
         return self.coords[2]
 
+    @property
+    def ep_rank(self) -> int:
+        """Which slice of the experts this rank holds (0 .. ep - 1)."""
+        return self.dp_rank % self.dims.ep
+
 
 def _layouts(dims: ParallelDims) -> tuple[tuple[str, list[list[int]]], ...]:
     """Every group of the layout, in the one global order all ranks follow."""
-    return (
+    layouts = (
         ("tp_group", dims.tp_groups()), ("dp_group", dims.dp_groups()), ("pp_group", dims.pp_groups()),
         ("stage_group", dims.stage_groups()),
     )
+    if dims.ep > 1:
+        layouts += (("ep_group", dims.ep_groups()), ("edp_group", dims.edp_groups()))
+    return layouts
 
 
 def build_process_groups(dims: ParallelDims, rank: int, mode: str = "ordered") -> ProcessGroups:

@@ -1,5 +1,5 @@
 """The one ordered recipe that spreads a plain GPT over ranks:
-tensor/sequence parallel -> materialize (meta-built models) -> precision (FP8 linears) -> pipeline split -> activation checkpointing
+tensor/sequence parallel -> materialize (meta-built models) -> expert parallel (this rank's experts) -> precision (FP8 linears) -> pipeline split -> activation checkpointing
 -> compile.
 (DeepSpeed, the last step, wraps the result in the trainer.)
 
@@ -63,6 +63,10 @@ def parallelize(model: GPT, cfg: Config, groups: ProcessGroups, materialize: Cal
         apply_tensor_parallel(model, groups, sequence_parallel=cfg.parallel.sequence_parallel, overlap=cfg.parallel.overlap)
     if materialize is not None:
         materialize(model)
+    if groups.dims.ep > 1:  # this rank's slice of the experts, tokens exchanged by all-to-all
+        from megatrain.parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, groups)
     apply_precision(model, cfg)
     if groups.dims.pp > 1:
         from megatrain.parallel.pipeline import build_pipeline_module

@@ -26,7 +26,7 @@ logits (4sbV/t per micro-batch, one micro-batch in flight there), communication 
 allocator's fragmentation, and CUDA/NCCL context (~1-2 GiB).
 
 Mixture of Experts (``model.mlp: moe``): every expert's weights, gradients and optimizer state
-live on the GPU (no expert parallelism yet), so the model states count the total parameters,
+live on the GPU (with ``parallel.ep``, 1/ep of the routed experts), so the model states count those,
 while a token's compute (and ``observe/mfu.py``) counts the active ones. A routed layer's
 activations add, per token, the k dispatched copies of its input and the k experts' outputs
 (2kh + 2kh), their gate/up and SwiGLU outputs (6k eff), the shared experts' (6 n_s eff) and the
@@ -77,14 +77,17 @@ def activation_bytes_per_layer(cfg: Config, mode: str) -> float:
     return s * b * h * (base + (attention_scores if mode == "none" else 0.0))
 
 
-def params_per_gpu(cfg: Config, tp: int | None = None, pp: int | None = None) -> int:
+def params_per_gpu(cfg: Config, tp: int | None = None, pp: int | None = None, ep: int | None = None) -> int:
     """Parameters of one first-stage GPU: its share of L/pp layers, its 1/t of the token
     embedding, the whole position table (learned positions), and with pp = 1 the head too (final
     norm, an untied projection's 1/t). Column/row-parallel matrices and the qkv and fc biases are
     split by t; norms and the row-parallel biases are replicated. GQA: qkv is [d + 2kv, d];
     SwiGLU: fc is [2ff, d] (gate and up) beside proj [d, ff]. ``tp``/``pp`` replace the recipe's
-    (``tp=1, pp=1``: the whole model, ``model.gpt.expected_parameter_count``)."""
+    (``tp=1, pp=1``: the whole model, ``model.gpt.expected_parameter_count``). MoE: each routed
+    layer holds 1/ep of its experts (``ep``: the recipe's ``parallel.ep`` when tp and pp are the
+    recipe's too, else 1)."""
     m = cfg.model
+    e = (cfg.parallel.ep if tp is None and pp is None else 1) if ep is None else ep
     t = cfg.parallel.tp if tp is None else tp
     pp = cfg.parallel.pp if pp is None else pp
     d, ff, bias = m.d_model, m.ffn_dim, 1 if m.bias else 0
@@ -102,7 +105,9 @@ def params_per_gpu(cfg: Config, tp: int | None = None, pp: int | None = None) ->
             raise ValueError(f"parallel.tp={t}: model.mlp=moe has no tensor-parallel experts yet (use tp 1)")
         stages = [range(start, min(start + layers, m.n_layer)) for start in range(0, m.n_layer, layers)]
         routed = max(sum(m.is_moe_layer(i) for i in stage) for stage in stages)
-        return layers * (attention + mlp + norms) + routed * (moe_layer_parameters(m) - mlp) + embedding + head
+        experts = m.moe.n_experts * 3 * d * m.expert_ffn_dim  # the routed experts of one layer
+        moe = moe_layer_parameters(m) - experts + experts // e
+        return layers * (attention + mlp + norms) + routed * (moe - mlp) + embedding + head
     return layers * (attention + mlp + norms) + embedding + head
 
 
@@ -188,6 +193,7 @@ class MemoryPlan:
     checkpoint: CheckpointSize | None = None  # what one checkpoint of the whole run writes
     total_params: int = 0  # the whole model
     active_params: int = 0  # what one token passes through (MoE: top_k of the routed experts)
+    ep: int = 1  # expert parallelism: each GPU holds 1/ep of the routed experts
 
     @property
     def total_bytes(self) -> float:
@@ -219,7 +225,7 @@ def memory_plan(cfg: Config, world_size: int | None = None) -> MemoryPlan:
         optimizer_bytes=optim_b * n / (dp if p.zero_stage >= 1 else 1),
         recompute=recompute, activation_bytes=stored, recompute_working_bytes=working,
         checkpoint=checkpoint_size(cfg, world_size, cuda=bf16),
-        total_params=expected_parameter_count(cfg.model), active_params=active_parameter_count(cfg.model),
+        total_params=expected_parameter_count(cfg.model), active_params=active_parameter_count(cfg.model), ep=p.ep,
     )
 
 
@@ -230,13 +236,15 @@ def format_plan(plan: MemoryPlan) -> str:
     optimizer_what = "fp32 master + m + v" if plan.dtype == "bf16" else "m + v"
     lines = [
         f"memory plan: {plan.name} (per GPU, first pipeline stage: embedding + {plan.layers_per_stage} layers)",
-        f"layout: tp={plan.tp} pp={plan.pp} dp={plan.dp} (world {plan.world_size}), ZeRO-{plan.zero_stage}, "
+        f"layout: tp={plan.tp} pp={plan.pp} dp={plan.dp}{f' ep={plan.ep}' if plan.ep > 1 else ''} "
+        f"(world {plan.world_size}), ZeRO-{plan.zero_stage}, "
         f"{plan.dtype}, {plan.micro_batches_in_flight} micro-batches in flight (1F1B)",
         f"parameters on this GPU: {plan.params:,} ({plan.params / 1e9:.2f} B)",
     ]
     if plan.active_params and plan.active_params < plan.total_params:  # MoE: all experts held, top-k computed
+        held = "every expert's" if plan.ep == 1 else f"1/{plan.ep} of the experts' (ep={plan.ep})"
         lines.append(f"model: {plan.total_params / 1e9:.2f} B parameters in total, {plan.active_params / 1e9:.2f} B "
-                     f"active per token; every expert's weights, gradients and optimizer state are held")
+                     f"active per token; {held} weights, gradients and optimizer state are held per GPU")
     if plan.checkpoint is not None:  # what the durable store (two of these) and a node's staging disk must hold
         ckpt = plan.checkpoint
         lines.append(f"checkpoint: {ckpt.total / GIB:.2f} GiB (two: {2 * ckpt.total / GIB:.2f} GiB); staged per node "

@@ -41,6 +41,7 @@ from megatrain.observe.timers import StepTimers
 from megatrain.optim import Lamb, build_optimizer, build_scheduler
 from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
 from megatrain.parallel.dims import ParallelDims, ProcessGroups, build_process_groups
+from megatrain.parallel.expert_parallel import attach_expert_grad_sync
 from megatrain.parallel.init import DistEnv
 from megatrain.parallel.meta import build_parallel_model
 from megatrain.precision import FP8Guard, check_precision_supported
@@ -183,8 +184,12 @@ class Trainer:
 
     def _build_layout(self) -> ProcessGroups:
         p = self.cfg.parallel
-        dims = ParallelDims(dp=p.data_parallel_size(self.env.world_size), tp=p.tp, pp=p.pp)
+        dims = ParallelDims(dp=p.data_parallel_size(self.env.world_size), tp=p.tp, pp=p.pp, ep=p.ep)
         dims.validate(self.env.world_size, p.gpus_per_node, self.cfg.model.n_head, self.cfg.model.n_layer)
+        if p.ep > 1:  # everything else of EP is wired (parallelize, deepspeed config, _build_engine)
+            raise ConfigError(f"parallel.ep={p.ep}: expert-parallel runs cannot be checkpointed yet (the checkpoint "
+                              "writes one model file per (pp, tp) shard from dp_rank 0, which holds only EP rank 0's "
+                              "experts); use parallel.ep=1")
         if self.cfg.model.mlp == "moe" and (p.tp > 1 or self.cfg.train.precision == "fp8"):
             raise ConfigError(f"model.mlp=moe: not yet with parallel.tp={p.tp} > 1 or train.precision=fp8 "
                               "(the experts have no tensor-parallel or FP8 form); use tp 1 and bf16")
@@ -202,6 +207,8 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu,
             dist_init_required=False,
         )
+        if self.groups.dims.ep > 1:  # experts' gradients over their EDP group, exact clipping (ZeRO-0)
+            attach_expert_grad_sync(engine.optimizer, engine.module, self.groups, cfg.optim.grad_clip)
         if isinstance(optimizer, Lamb) and cfg.parallel.zero_stage in (1, 2):
             # norms summed over the stage's TP x DP ranks: a TP-sharded tensor's norm is the whole tensor's
             attach_lamb_segments(engine.optimizer, optimizer, self.groups.dp_group, norm_group=self.groups.stage_group)
