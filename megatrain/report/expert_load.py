@@ -59,7 +59,9 @@ def plot_expert_load(run_dir: str | Path, path: str | Path, title: str = "") -> 
     if experts <= 16:  # the numbers themselves where they fit
         for row, col in np.ndindex(share.shape):
             if not np.isnan(share[row, col]):
-                axes.text(col, row, f"{100 * share[row, col]:.0f}%", ha="center", va="center", fontsize=7)
+                shade = norm(relative[row, col])  # white on the dark ends of the scale, black between
+                axes.text(col, row, f"{100 * share[row, col]:.0f}%", ha="center", va="center", fontsize=7,
+                          color="white" if shade < 0.15 or shade > 0.85 else "black")
     axes.set_xticks(range(0, experts, max(1, experts // 16)))  # at most ~16 labels: 64 experts stay legible
     axes.set_xlabel("expert")
     axes.set_yticks(range(len(layers)), [f"layer {layer}" for layer in layers])
