@@ -20,8 +20,20 @@ def test_ctrl_c_of_megatrain_train_is_one_line_with_the_resume_command(tmp_path)
     command = [sys.executable, "-m", "megatrain.cli", "train", "--config", "configs/tiny-cpu.yaml",
                f"train.run_dir={run_dir}", "checkpoint.interval=2", "train.steps=100000", "model.n_layer=1",
                "data.max_source_bytes=400000", "train.log_interval=1"]
+    # Ctrl-C's default action, as in a terminal: a pytest-xdist worker ignores SIGINT, and an
+    # ignored signal stays ignored across exec (Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        _interrupt_and_resume(proc, command, run_dir)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _interrupt_and_resume(proc: subprocess.Popen, command: list[str], run_dir: Path) -> None:
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
     reader.start()
@@ -30,8 +42,9 @@ def test_ctrl_c_of_megatrain_train_is_one_line_with_the_resume_command(tmp_path)
         assert proc.poll() is None and time.monotonic() < deadline, "".join(out)[-3000:]
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C (100,000 steps: it is still training)
+    code = proc.wait(30)
     err = proc.stderr.read()
-    assert proc.wait(30) == 130, err
+    assert code == 130, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     line = lines[0]
