@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from megatrain.checkpoint.keeper_wire import (
@@ -279,16 +280,19 @@ class PeerClient:
                 log.info("peer keeper of node %d (%s) not asked: %s", node, address, exc)
         return found
 
-    def fetch(self, address: str, rank: int, step: int) -> tuple[dict[str, Any], bytearray]:
-        """The header and bytes of ``rank``'s replica of ``step`` (the caller checks the chunks)."""
+    def fetch(self, address: str, rank: int, step: int, allocate: Callable[[int], tuple[Any, memoryview]]
+              ) -> tuple[dict[str, Any], Any]:
+        """The header and bytes of ``rank``'s replica of ``step``, received straight into the buffer
+        ``allocate(nbytes)`` makes (the rank: a tensor, so the keeper needs no torch); the caller
+        checks the chunks."""
         channel = Channel.client(address, self.token)
         try:
             channel.send({"op": "get", "rank": rank, "step": step})
             header = channel.recv()
             if not header.get("ok"):
                 raise PeerError(header.get("error"))
-            data = bytearray(max(int(header["used"]), 1))
-            channel.recv_into(memoryview(data)[:int(header["used"])])
+            data, view = allocate(int(header["used"]))
+            channel.recv_into(view[:int(header["used"])])
             return header, data
         finally:
             channel.close()

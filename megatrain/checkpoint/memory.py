@@ -144,6 +144,12 @@ def _map(fd: int, nbytes: int) -> torch.Tensor:
         os.close(fd)
 
 
+def _received(nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    """A buffer a peer's copy is received into: a tensor of our own (no second copy at restore)."""
+    buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    return buffer, memoryview(buffer.numpy())
+
+
 def _dtype(name: str) -> torch.dtype:
     """A dtype by its str() (the keeper's records are JSON), never any other attribute of torch."""
     dtype = getattr(torch, name.removeprefix("torch."), None)
@@ -266,8 +272,8 @@ class MemoryCheckpoints:
             reply, fds = self.client().request("get", rank=self.rank, step=step)
             buffer, where = _map(fds[0], reply["nbytes"]), "keeper"
         else:
-            reply, data = self.peers.fetch(peer, self.rank, step)
-            buffer, where = torch.frombuffer(data, dtype=torch.uint8), f"peer keeper {peer}"
+            reply, buffer = self.peers.fetch(peer, self.rank, step, _received)
+            where = f"peer keeper {peer}"
         hashes = chunk_hashes(memoryview(buffer.numpy()), reply["used"])
         bad = [i for i, (a, b) in enumerate(zip(hashes, reply["chunks"], strict=True)) if a != b]
         if bad:
@@ -275,9 +281,9 @@ class MemoryCheckpoints:
         if text_hash(reply["json"]) != reply["json_sha256"]:
             raise ChecksumError(f"{where} copy of step {step} (rank {self.rank}): its JSON's sha256 differs")
         files: dict[str, dict[str, torch.Tensor]] = {}
-        for entry in reply["entries"]:  # a keeper's slot is cloned (a later save rewrites it); a peer's bytes are ours
-            view = _view(buffer, entry)
-            files.setdefault(entry[0], {})[entry[1]] = view.clone() if peer is None else view
+        for entry in reply["entries"]:  # cloned: a later save rewrites a keeper's slot; and with views
+            # into one received buffer a peer restore died of SIGSEGV twice (cause not found), never with clones
+            files.setdefault(entry[0], {})[entry[1]] = _view(buffer, entry).clone()
         return files, json.loads(reply["json"])
 
     def read(self, step: int, groups: ProcessGroups, identity: RunIdentity, layout: dict[str, Any],

@@ -146,7 +146,7 @@ def test_node_loss_restores_from_the_peer_replica_and_refuses_corruption_and_str
     stranger = PeerClient(Registry(peer1.registry, peer1.run_id), node=1, token="not-the-token")
     assert stranger.held(2) == {}
     with pytest.raises(PeerError):
-        stranger.fetch(held[4], 2, 4)
+        stranger.fetch(held[4], 2, 4, lambda n: (buffer := bytearray(n), memoryview(buffer)))
     host, port = held[4].rsplit(":", 1)
     with socket_to(host, int(port)) as raw:  # skips the handshake and pushes a put straight away
         from megatrain.checkpoint.keeper_wire import recv_message, send_message

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_resume import _final_state
+from test_keeper_node_loss import final_state as _final_state  # step 8's; test_resume's is step 6's
 
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.memory import KEEPER_IDLE_ENV, KeeperClient, KeeperError, keeper_dir
