@@ -55,7 +55,7 @@ def plot_expert_load(run_dir: str | Path, path: str | Path, title: str = "") -> 
     worst = float(np.nanmax(relative))
     norm = TwoSlopeNorm(vcenter=1.0, vmin=0.0, vmax=max(2.0, worst))  # two slopes: 0..1 and 1..worst
     image = axes.imshow(relative, aspect="auto", cmap="coolwarm", norm=norm, interpolation="nearest")
-    figure.colorbar(image, ax=axes, label="load / balanced (share x experts)")
+    figure.colorbar(image, ax=axes, label="load / balanced")  # share x experts; short: fits one layer
     if experts <= 16:  # the numbers themselves where they fit
         for row, col in np.ndindex(share.shape):
             if not np.isnan(share[row, col]):
