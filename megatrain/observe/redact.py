@@ -23,7 +23,10 @@ from collections.abc import Mapping
 from typing import Any
 
 MASK = "***"
-MIN_LENGTH = 4  # a shorter value ("1", "yes") is no secret worth hiding, and hiding it would garble text
+# A shorter value ("1", "yes", a test's "test") is no secret worth hiding, and hiding it garbles
+# text: with AWS keys "test" every path under /tmp/pytest-... lost its "test". Real keys, tokens
+# and generated passwords are 16+ characters.
+MIN_LENGTH = 8
 # Named exactly: secrets whose names the patterns below would miss.
 SECRET_NAMES = {"AWS_ACCESS_KEY_ID", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING",
                 "MEGATRAIN_REDIS_PASSWORD", "MEGATRAIN_RUN_TOKEN"}
