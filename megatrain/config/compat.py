@@ -29,6 +29,7 @@ _LATER_KNOBS: dict[str, tuple[str, ...]] = {
     "train.fp8": ("casts",),  # an implementation choice, like model.kernels: the same e4m3 values
     "data": ("mixture", "on_exhausted", "on_bad_source", "unit_bytes"),
     "optim": ("decay_fraction",),
+    "parallel": ("ep",),  # expert parallelism: 1 for every run before it
 }
 
 # Held-out evaluation and experiment tracking: they change what is measured, never the training math.
