@@ -222,7 +222,9 @@ class HeartbeatWatcher:
                     result.dead.append(rank)
                 continue
             if now - record.timestamp > self.timeout_s:
-                result.dead.append(rank)
+                # silent past the timeout: dead, unless its process is here and merely stopped
+                # (SIGSTOP, a debugger): then it is frozen, and its peers wait for it
+                (result.hung if _stopped_here(record) else result.dead).append(rank)
                 continue
             warming_up = record.phase == "init" or not record.first_step_done
             limit = self.init_timeout_s if warming_up else self.timeout_s
@@ -337,6 +339,11 @@ class HeartbeatWatcher:
 
     def close(self) -> None:
         self.sink.close()
+
+
+def _stopped_here(record: HeartbeatRecord) -> bool:
+    """The rank's process runs on this host and is stopped (state T or t): alive, not beating."""
+    return record.host == socket.gethostname() and _process_state(record.pid).startswith(("state T", "state t"))
 
 
 def _process_state(pid: int) -> str:
