@@ -7,7 +7,8 @@ a bad config fails before any model is built. This module imports neither torch 
 Prefect worker validates campaigns without loading the engine. Which knobs a checkpoint survives
 (and the fingerprint of a run's math) is a policy of its own: ``megatrain/config/compat.py``.
 The model's section (``ModelConfig``: a family is a choice of parts) is ``megatrain/config/model.py``,
-the data's (sources, mixtures, sharding, reading) ``megatrain/config/data.py``.
+the data's (sources, mixtures, sharding, reading) ``megatrain/config/data.py``, the reliability
+policy's ``megatrain/config/reliability.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import Field, model_validator
 
 from megatrain.config.data import DataConfig
 from megatrain.config.model import ModelConfig
+from megatrain.config.reliability import AnomalyConfig, FaultConfig, ReliabilityConfig, SelfCheckConfig  # noqa: F401
 from megatrain.config.section import _Section
 from megatrain.errors import DeterministicError
 
@@ -276,113 +278,6 @@ class CheckpointConfig(_Section):
         "optimizer hyper-parameters (the change is recorded in the checkpoint's history); model, optimizer kind, "
         "data order and seed must still match",
     )
-
-
-class AnomalyConfig(_Section):
-    """What counts as an anomaly (the trainer stops with a verdict; the flow rolls back)."""
-
-    nan_check: bool = True
-    loss_spike_zscore: float = Field(6.0, gt=0, description="robust z-score over the running window")
-    loss_window: int = Field(50, gt=1)
-    warmup_steps: int = Field(20, ge=0, description="no spike verdicts before this step")
-    grad_norm_max: float | None = Field(None, gt=0, description="gradient-norm explosion threshold")
-    grad_norm_zscore: float | None = Field(
-        None, gt=0, description="also flag a grad norm this many robust z-scores above its running window"
-    )
-    min_history: int = Field(8, gt=1, description="losses in the window before spike verdicts are possible")
-    fp8_check_interval: int = Field(10, gt=0, description="train.precision=fp8: measure the FP8 weights' amax "
-                                    "and underflow every this many steps (megatrain/precision/guard.py; ~15 small "
-                                    "kernels per converted linear, so not every step)")
-    fp8_max_underflow: float = Field(0.05, gt=0, le=1, description="fp8: an anomaly when more than this "
-                                     "fraction of the non-zero FP8 weights flush to zero in their e4m3 cast")
-    # model.mlp=moe only (a dense model has no router): a collapsing router stops the run like a loss spike
-    router_collapse_share: float | None = Field(
-        0.9, gt=0, le=1, description="moe: an anomaly when one expert serves more than this fraction of a "
-        "layer's tokens (its share of the routed slots x top_k) for router_collapse_steps steps in a row "
-        "(None = off); balanced is top_k / n_experts, so the default only catches a real collapse")
-    router_collapse_steps: int = Field(20, gt=0, description="moe: consecutive steps a collapse (or a dead "
-                                       "expert) must last to be an anomaly: one bad batch is not a collapse")
-    dead_experts: bool = Field(True, description="moe: an anomaly when an expert gets no token for "
-                               "router_collapse_steps steps in a row")
-
-
-class FaultConfig(_Section):
-    """One injected fault (off unless listed; used by tests, the demo and the chaos benchmark)."""
-
-    kind: Literal[
-        "kill_rank", "hang_rank", "freeze_rank", "slow_rank", "nan_loss", "spike_loss",
-        "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node", "collapse_router",
-    ]
-    step: int = Field(0, ge=0)
-    rank: int = Field(0, ge=0)
-    slowdown: float = Field(0.2, ge=0, description="slow_rank: extra fraction of step time")
-    duration_s: float = Field(10.0, ge=0, description="storage_outage length")
-    magnitude: float = Field(10.0, gt=0, description="spike_loss: loss multiplier")
-    target: str | None = Field(
-        None, description="corrupt_checkpoint/corrupt_shard: path or URL; kill_redis: pid or pid file"
-    )
-    once: bool = Field(True, description="fire only in the first attempt (marker file in run_dir)")
-    node: int = Field(0, ge=0, description="evict_node: the node killed at `step` (a multi-node stage, "
-                      "megatrain.launch.nodes); it then fails its self-check until the stage ends")
-
-
-class SelfCheckConfig(_Section):
-    """Per-node diagnostics run before training (and after a fault); a node below a minimum is
-    reported, and evicted on a cluster. Defaults pass on a 2-core CPU box: recipes for real
-    hardware set real floors (an H200 does ~800 bf16 TFLOP/s and ~4000 GB/s copy)."""
-
-    min_gemm_tflops: float = Field(0.005, ge=0)
-    min_memory_gbs: float = Field(0.2, ge=0, description="copy bandwidth, read + write")
-    min_allreduce_busbw_gbs: float = Field(0.01, ge=0, description="intra-node all-reduce bus bandwidth")
-    min_storage_mbs: float = Field(0.5, ge=0, description="write + read round trip of a test file")
-    max_redis_rtt_ms: float = Field(50.0, gt=0, description="median PING round trip")
-    storage_url: str | None = Field(None, description="where to write the test file; default checkpoint.durable_url")
-    nproc_per_node: int | None = Field(None, gt=0, description="all-reduce processes; default GPUs, or 2 on CPU")
-    gemm_size: int | None = Field(None, gt=0, description="square GEMM size; default 8192 on GPU, 1024 on CPU")
-    copy_mb: int | None = Field(None, gt=0, description="copy test size; default 1024 on GPU, 64 on CPU")
-    allreduce_mb: int | None = Field(None, gt=0, description="all-reduce message; default 256 on GPU, 8 on CPU")
-    storage_mb: int = Field(8, gt=0)
-
-
-class ReliabilityConfig(_Section):
-    heartbeat_interval_s: float = Field(2.0, gt=0)
-    heartbeat_timeout_s: float = Field(30.0, gt=0, description="silent this long = dead; step not advancing = hung")
-    init_timeout_s: float = Field(
-        900.0, gt=0, description="grace for the init phase (compile, checkpoint load) and for ranks never seen"
-    )
-    stall_factor: float | None = Field(
-        20.0, gt=1, description="a step frozen longer than this x the ranks' median step-to-step time (and "
-        "stall_min_s) while every rank is in compute or a collective is hung, before heartbeat_timeout_s "
-        "(None = heartbeat_timeout_s only); data reads, saves, evaluation and logging keep the full timeout",
-    )
-    stall_min_s: float = Field(5.0, gt=0, description="the stall rule never calls a step hung sooner than this")
-    redis_url: str | None = Field(None, description="redis://host:port/db; None = a local directory")
-    collective_timeout_s: float = Field(600.0, gt=0, description="NCCL/gloo timeout")
-    straggler_slowdown: float | None = Field(
-        0.5, gt=0, description="heartbeat watcher: a rank whose forward time exceeds (1 + this) x its peers' "
-        "median in straggler_steps of the last straggler_steps + 1 steps is reported slow (None = off)",
-    )
-    straggler_steps: int = Field(3, ge=1)
-    max_restarts: int = Field(3, ge=0, description="per stage")
-    warm_standby: bool = Field(
-        False, description="start the next attempt's rank processes (imported, waiting) once an attempt has "
-        "trained a step, so a restart skips Python/torch/DeepSpeed imports (megatrain/launch/standby.py); costs one idle "
-        "set of rank processes' memory and their import CPU, at low priority, during training",
-    )
-    on_node_loss: Literal["wait", "shrink"] = Field(
-        "wait", description="a multi-node stage whose node fails its self-check: wait up to node_wait_s for it "
-        "to pass, then fail the stage (wait), or go on without it after node_wait_s (shrink: dp shrinks, "
-        "accumulation grows, same global batch; the node rejoins at a later attempt once it passes)",
-    )
-    node_wait_s: float = Field(0.0, ge=0, description="how long a node that failed its self-check may take to "
-                               "pass it again before the policy applies (re-checked every few seconds)")
-    max_rollbacks: int = Field(3, ge=0, description="per stage, within rollback_window_steps")
-    rollback_window_steps: int = Field(1000, gt=0)
-    rollback_skip_samples: int | None = Field(None, ge=0, description="data skipped on rollback; default one global batch per step rolled back")
-    rollback_lr_scale: float = Field(1.0, gt=0, le=1.0)
-    anomaly: AnomalyConfig = AnomalyConfig()
-    selfcheck: SelfCheckConfig = SelfCheckConfig()
-    faults: list[FaultConfig] = Field(default_factory=list)
 
 
 class Config(_Section):
