@@ -1,6 +1,8 @@
 """Suite-wide settings: quiet, deterministic, CPU-only, and isolated from the user's Prefect."""
 
+import contextlib
 import os
+import subprocess
 import tempfile
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="megatrain-prefect-"))
@@ -66,3 +68,25 @@ def pytest_collection_modifyitems(config, items):
     many short ones fill the gaps at the end. The order inside a module stays as written."""
     slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
+
+
+@contextlib.contextmanager
+def _tmpfs(path, size: int, read_only: bool = False):
+    """A real filesystem of ``size`` bytes at ``path`` (``read_only``: mounted ro, writes get
+    EROFS), unmounted after; skipped where this machine cannot mount one."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"{'ro,' if read_only else ''}size={size}"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=False,
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def mount_tmpfs():
+    """``with mount_tmpfs(path, size, read_only=False) as disk:`` (read-only and small stores)."""
+    return _tmpfs

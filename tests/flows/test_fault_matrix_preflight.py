@@ -12,10 +12,7 @@ see the rows' table.
 from __future__ import annotations
 
 import re
-import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,21 +23,6 @@ from fault_matrix_common import (  # noqa: F401  (fixtures are found by name; fa
 
 from megatrain.config.campaign import load_campaign, stage_config
 from megatrain.parallel.plan import checkpoint_size
-
-
-@contextmanager
-def disk(path: Path, size: int, read_only: bool = False) -> Iterator[Path]:
-    """A real filesystem of ``size`` bytes (tmpfs) at ``path``; ``read_only``: writes get EROFS."""
-    path.mkdir(parents=True, exist_ok=True)
-    options = f"{'ro,' if read_only else ''}size={size}"
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=False,
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def campaign_on(workdir: Path, campaign_id: str, shard_root: Path, durable: Path) -> Path:
@@ -72,8 +54,8 @@ def preflight_row(fault: str, seconds: float, note: str) -> None:
 
 
 @pytest.mark.slow
-def test_read_only_durable_store(prefect_api, workdir, shard_root, logs):
-    with disk(workdir / "ro-durable", 64 * 2**20, read_only=True) as store:
+def test_read_only_durable_store(prefect_api, workdir, shard_root, logs, mount_tmpfs):
+    with mount_tmpfs(workdir / "ro-durable", 64 * 2**20, read_only=True) as store:
         path = campaign_on(workdir, "ro-durable", shard_root, store)
         cfg = stage_config(load_campaign(path), 0)
         one = checkpoint_size(cfg, 1, 1, cuda=True).total  # train.dtype auto: bf16, the smaller checkpoint
@@ -87,10 +69,10 @@ def test_read_only_durable_store(prefect_api, workdir, shard_root, logs):
 
 
 @pytest.mark.slow
-def test_durable_store_too_small_for_two_checkpoints(prefect_api, workdir, shard_root, logs):
+def test_durable_store_too_small_for_two_checkpoints(prefect_api, workdir, shard_root, logs, mount_tmpfs):
     cfg = stage_config(load_campaign(write_campaign(workdir, "probe-size", shard_url=shard_root)), 0)
     one = checkpoint_size(cfg, 1, 1, cuda=True).total
-    with disk(workdir / "small-durable", int(1.5 * one)) as store:  # room for one checkpoint, not two
+    with mount_tmpfs(workdir / "small-durable", int(1.5 * one)) as store:  # room for one checkpoint, not two
         path = campaign_on(workdir, "small-durable", shard_root, store)
         t_start = time.time()
         failure, seconds = fails_before_any_rank(path, logs, t_start)

@@ -12,8 +12,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,20 +29,6 @@ from megatrain.reliability.preflight import preflight, targets
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
-
-
-@contextmanager
-def tmpfs(path: Path, size: int, read_only: bool = False) -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    options = f"{'ro,' if read_only else ''}size={size}"
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=False,
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def deterministic_lines(text: str) -> list[str]:
@@ -112,8 +96,8 @@ def test_targets_ask_the_staging_dir_for_a_node_and_the_durable_store_for_whole_
     assert [p for p in tmp_path.rglob("*")] == []  # nothing left, not even the directories it made
 
 
-def test_preflight_on_a_read_only_durable_dir(tmp_path):
-    with tmpfs(tmp_path / "ro", 2**20, read_only=True) as disk:
+def test_preflight_on_a_read_only_durable_dir(tmp_path, mount_tmpfs):
+    with mount_tmpfs(tmp_path / "ro", 2**20, read_only=True) as disk:
         cfg = load_config(TINY, [f"train.run_dir={tmp_path}/run", f"checkpoint.staging_dir={tmp_path}/staging",
                                  f"checkpoint.durable_url={disk}/ckpt"])
         with pytest.raises(storage.LocationNotWritable, match=rf"^checkpoint.durable_url {disk}/ckpt is not writable: "
@@ -121,8 +105,8 @@ def test_preflight_on_a_read_only_durable_dir(tmp_path):
             preflight(cfg, cuda=False)
 
 
-def test_megatrain_train_with_a_read_only_durable_dir_fails_before_step_1(run_training, tmp_path):
-    with tmpfs(tmp_path / "ro", 4 * 2**20, read_only=True) as disk:
+def test_megatrain_train_with_a_read_only_durable_dir_fails_before_step_1(run_training, tmp_path, mount_tmpfs):
+    with mount_tmpfs(tmp_path / "ro", 4 * 2**20, read_only=True) as disk:
         metrics, proc = run_training(["train.steps=2", f"checkpoint.durable_url={disk}/ckpt"], check=False)
     assert proc.returncode == EXIT_DETERMINISTIC, proc.stderr[-2000:]
     (line,) = deterministic_lines(proc.stdout + proc.stderr)
@@ -135,9 +119,9 @@ def test_megatrain_train_with_a_read_only_durable_dir_fails_before_step_1(run_tr
     assert "model:" not in proc.stdout  # the model was never built
 
 
-def test_megatrain_train_on_a_too_small_durable_disk_fails_before_step_1(run_training, tmp_path):
+def test_megatrain_train_on_a_too_small_durable_disk_fails_before_step_1(run_training, tmp_path, mount_tmpfs):
     size = checkpoint_size(load_config(TINY), 1, cuda=False).total
-    with tmpfs(tmp_path / "small", size) as disk:  # room for one checkpoint, not two
+    with mount_tmpfs(tmp_path / "small", size) as disk:  # room for one checkpoint, not two
         metrics, proc = run_training(["train.steps=2", f"checkpoint.durable_url={disk}/ckpt"], check=False)
         assert list(disk.iterdir()) == []
     assert proc.returncode == EXIT_DETERMINISTIC

@@ -17,7 +17,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,21 +36,6 @@ MIB = 2**20
 
 def files_under(path: Path) -> list[Path]:
     return [p for p in path.rglob("*") if p.is_file()]
-
-
-@contextmanager
-def tmpfs(path: Path, size: int, read_only: bool = False) -> Iterator[Path]:
-    """A real filesystem of ``size`` bytes at ``path`` (``read_only``: mounted ro, writes get EROFS)."""
-    path.mkdir(parents=True, exist_ok=True)
-    options = f"{'ro,' if read_only else ''}size={size}"
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=False,
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def closed_port() -> int:
@@ -75,8 +59,8 @@ def test_a_writable_local_dir_passes_and_keeps_nothing(tmp_path):
     assert files_under(tmp_path) == [tmp_path / "run" / "kept.txt"]
 
 
-def test_a_read_only_filesystem_is_deterministic_and_named(tmp_path):
-    with tmpfs(tmp_path / "ro", 4 * MIB, read_only=True) as disk:
+def test_a_read_only_filesystem_is_deterministic_and_named(tmp_path, mount_tmpfs):
+    with mount_tmpfs(tmp_path / "ro", 4 * MIB, read_only=True) as disk:
         target = Target(str(disk / "ckpt"), "checkpoint.durable_url", needed=2 * MIB, what="two checkpoints (2 x 1 MiB)")
         with pytest.raises(LocationNotWritable) as failed:
             storage.probe_locations([target])
@@ -88,8 +72,8 @@ def test_a_read_only_filesystem_is_deterministic_and_named(tmp_path):
         assert files_under(disk) == []
 
 
-def test_a_filesystem_too_small_for_two_checkpoints_names_the_numbers(tmp_path):
-    with tmpfs(tmp_path / "small", MIB) as disk:
+def test_a_filesystem_too_small_for_two_checkpoints_names_the_numbers(tmp_path, mount_tmpfs):
+    with mount_tmpfs(tmp_path / "small", MIB) as disk:
         target = Target(str(disk / "ckpt"), "checkpoint.durable_url", needed=3 * MIB,
                         what=f"two checkpoints (2 x {3 * MIB // 2} bytes)")
         with pytest.raises(LocationTooSmall) as failed:
