@@ -32,14 +32,11 @@ def open_append(path: str | Path, buffering: int = -1) -> IO[str]:
     return path.open("a", buffering=buffering)
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """Every row that parses as a JSON object, in file order; a torn or foreign line is skipped
-    with a warning naming the file and line (never an exception: these files are reports)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows, skipped = [], []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+def parse_rows(lines: list[str]) -> tuple[list[dict], list[int]]:
+    """(the lines that parse as JSON objects, the 1-based numbers of those that do not); blank
+    lines are neither."""
+    rows, torn = [], []
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -49,7 +46,17 @@ def read_rows(path: str | Path) -> list[dict]:
         if isinstance(row, dict):
             rows.append(row)
         else:
-            skipped.append(number)
+            torn.append(number)
+    return rows, torn
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Every row that parses as a JSON object, in file order; a torn or foreign line is skipped
+    with a warning naming the file and line (never an exception: these files are reports)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows, skipped = parse_rows(path.read_text(errors="replace").splitlines())
     if skipped:
         log.warning("%s: skipped %d line(s) that are not JSON rows (a write cut short?): line %s",
                     path, len(skipped), ", ".join(map(str, skipped[:5])))

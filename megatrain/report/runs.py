@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain.observe.jsonl import read_rows
+from megatrain.observe.jsonl import parse_rows, read_rows
 
 
 @dataclass
@@ -72,19 +72,8 @@ def read_jsonl(path: str | Path) -> JsonlFile:
         data = path.read_bytes()
     except FileNotFoundError:
         return JsonlFile(path, False, [], [], False)
-    rows, torn = [], []
     lines = data.decode(errors="replace").splitlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            torn.append(number)
+    rows, torn = parse_rows(lines)
     ends_torn = bool(torn) and torn[-1] == len(lines) and not data.endswith(b"\n")
     return JsonlFile(path, True, rows, torn, ends_torn)
 
