@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_keeper_node_loss import final_state as _final_state  # step 8's; test_resume's is step 6's
+from test_keeper_node_loss import shard_url  # noqa: F401  (the module fixture: the tiny corpus, sharded once)
 
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.memory import KEEPER_IDLE_ENV, KeeperClient, KeeperError, keeper_dir
@@ -27,17 +28,6 @@ from megatrain.observe.jsonl import read_rows
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS, INTERVAL, KILL_AT = 8, 4, 7
-
-
-@pytest.fixture(scope="module")
-def shard_url(tmp_path_factory) -> str:
-    from megatrain.config import load_config
-    from megatrain.data.shard import shard_corpus
-
-    url = str(tmp_path_factory.mktemp("shards"))
-    cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["data.max_source_bytes=300000", f"data.shard_url={url}"])
-    shard_corpus(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
-    return url
 
 
 def _launch(run_dir: Path, shard_url: str, kill: bool = False) -> subprocess.Popen:
