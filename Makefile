@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= configs/tiny-cpu.yaml
 IMAGE  ?= megatrain:latest
 
-.PHONY: install services demo train test check test-gpu serve stop image clean
+.PHONY: install services demo demo-gpu train test check test-gpu serve stop image clean
 # Prefect's temporary local server (SQLite) starts slowly on 2 cores.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -31,6 +31,11 @@ services:
 # is in runs/campaigns/<id>/<stage>/logs/ (--verbose shows them here too).
 demo: $(STAMP)
 	$(PY) -m flows.pretrain configs/campaign-local.yaml id=demo-$$(date +%Y%m%d-%H%M%S)
+
+# The same on this machine's GPUs (configs/campaign-gpu.yaml: the 1.3B GPT, one rank per visible GPU,
+# the same two faults; it stops at once on a machine without CUDA). The console adds MFU.
+demo-gpu: $(STAMP)
+	$(PY) -m flows.pretrain configs/campaign-gpu.yaml id=gpu-demo-$$(date +%Y%m%d-%H%M%S)
 
 # One plain training run of a recipe, no Prefect.
 train: $(STAMP)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -40,7 +41,8 @@ class CampaignConfig(_Section):
                     description="names the campaign's directories and cache keys; starts with a letter or digit")
     recipe: str = Field(description="path of the base recipe (relative paths: from the repository root)")
     overrides: list[str] = Field(default_factory=list, description="dotted overrides for every stage")
-    nproc_per_node: int = Field(1, gt=0, description="training ranks per node")
+    nproc_per_node: int = Field(1, gt=0, description="training ranks per node; 'auto': one per CUDA device this "
+                                "machine sees (CUDA_VISIBLE_DEVICES honoured), refused at once on a machine without one")
     nnodes: int = Field(1, gt=0, description="nodes of nproc_per_node ranks; launcher local: that many torchrun "
                         "agents on this machine meeting through a c10d rendezvous (megatrain.launch.nodes), each node "
                         "self-checked before every attempt (reliability.on_node_loss: wait | shrink)")
@@ -57,6 +59,11 @@ class CampaignConfig(_Section):
                          "report says why when no transformers class computes the model exactly)")
     stage_timeout_s: float = Field(6 * 3600, gt=0, description="a stage attempt is killed after this long")
     stages: list[StageConfig] = Field(min_length=1)
+
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _auto_is_the_visible_gpus(cls, value: object) -> object:
+        return visible_gpus() if value == "auto" else value
 
     @field_validator("stages")
     @classmethod
@@ -91,6 +98,23 @@ class CampaignConfig(_Section):
         """What the campaign computes: each stage's config fingerprint, in order."""
         parts = [compat.fingerprint(stage_config(self, i)) for i in range(len(self.stages))]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def visible_gpus() -> int:
+    """The CUDA devices this process sees (``nproc_per_node: auto``); ValueError without one. torch is
+    imported only here, so a campaign with a number never loads it."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() in ("-1",) or (
+        "CUDA_VISIBLE_DEVICES" in os.environ and not os.environ["CUDA_VISIBLE_DEVICES"].strip())
+    count = 0
+    if not hidden:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 1:
+        raise ValueError("auto means one rank per GPU, and this machine has no CUDA device"
+                         + (" visible (CUDA_VISIBLE_DEVICES hides them)" if hidden else "")
+                         + ": this campaign needs a GPU (on CPU run configs/campaign-local.yaml, or set nproc_per_node)")
+    return count
 
 
 def _resolve(path: str) -> Path:

@@ -20,7 +20,9 @@ def test_there_are_recipes():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads(path):
     if path.name.startswith("campaign-"):  # a campaign validates each stage as a full run config
-        assert isinstance(load_campaign(path), CampaignConfig)
+        # nproc_per_node: auto counts this machine's GPUs (none here: test_campaign_gpu.py tests that refusal)
+        gpus = ["nproc_per_node=1"] if "nproc_per_node: auto" in path.read_text() else None
+        assert isinstance(load_campaign(path, gpus), CampaignConfig)
         return
     cfg = load_config(path)
     assert isinstance(cfg, Config)
