@@ -68,12 +68,15 @@ def summary_lines(report: dict) -> list[str]:
     """The end of a campaign on one screen: a row per stage, the faults, where everything is."""
     stages = report["stages"]
     state = "finished" if report.get("finished", True) else "not finished"
+    mfu = any(row.get("MFU %") is not None for row in stages)  # known on a GPU (its peak), never on CPU
     lines = [f"\ncampaign {report['campaign']}: {state} ({len(stages)} stages)",
-             f"  {'stage':<16}{'steps':>7}{'loss':>9}{'val loss':>10}{'tokens/s':>10}{'attempts':>10}  faults"]
+             f"  {'stage':<16}{'steps':>7}{'loss':>9}{'val loss':>10}{'tokens/s':>10}" + (f"{'MFU %':>7}" if mfu else "")
+             + f"{'attempts':>10}  faults"]
     for row in stages:
         faults = f"{row['restarts']} restarts, {row['rollbacks']} rollbacks"
         lines.append(f"  {row['stage']:<16}{row['steps']:>7}{_num(row['final loss']):>9}{_num(row.get('val loss')):>10}"
-                     f"{_num(row['tokens/s'], '{:,.0f}'):>10}{row['attempts']:>10}  {faults}")
+                     f"{_num(row['tokens/s'], '{:,.0f}'):>10}" + (f"{_num(row.get('MFU %'), '{:.1f}'):>7}" if mfu else "")
+                     + f"{row['attempts']:>10}  {faults}")
     faults = report.get("faults", [])
     lines.append(f"  faults detected and recovered: {len(faults)}")
     lines += [f"    - {f['stage']}, attempt {f['attempt']}: {f['status']}: {f['message'][:110]}" for f in faults]

@@ -59,3 +59,13 @@ def test_summary_fits_one_screen_and_says_where_everything_is():
     for where in ("report.md", "loss.png", "step-00000040", "tensorboard --logdir /runs/campaigns/demo-1",
                   "megatrain status /runs/campaigns/demo-1"):
         assert where in text
+
+
+def test_summary_shows_mfu_where_a_stage_has_it():
+    row = {"stage": "full-context", "steps": 40, "final loss": 5.1, "val loss": None, "tokens/s": 61000,
+           "attempts": 2, "restarts": 0, "rollbacks": 1}
+    report = {"campaign": "gpu-1", "stages": [row], "faults": [], "checkpoints": [], "report": "r.md",
+              "loss_curve": "loss.png"}
+    assert "MFU" not in "\n".join(summary_lines(report))  # CPU: no peak, no column
+    header, line = summary_lines({**report, "stages": [{**row, "MFU %": 41.7}]})[1:3]
+    assert "MFU %" in header and "41.7" in line and line.index("41.7") < line.index("61,000") + 14
