@@ -22,6 +22,12 @@ Families (``FAMILIES``), each a table of (megatrain name, Hugging Face name, how
   is written to both of NeoX's (``use_parallel_residual=true`` computes x + attn(ln1(x)) +
   mlp(ln2(x)): exact when ln1 = ln2). NeoX's fused qkv holds its rows per head.
 
+- ``mixtral`` / ``qwen2_moe`` / ``glm4_moe`` -> ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` /
+  ``Glm4MoeForCausalLM``: ``model.mlp=moe`` on the Llama block (``moe.py``: tables, one tensor per
+  expert; ``moe_config.py``: which router, shared experts and routed layers each class computes).
+  Mixtral: softmax, renormalised top-k, every layer routed; Qwen2-MoE: softmax either way,
+  ``moe_every`` and dense first layers; GLM-4-MoE: sigmoid with the aux-free bias, shared experts.
+
 The MegaScale default (parallel block, learned positions) and the Llama parts in a parallel block
 (RMSNorm, SwiGLU) have no transformers architecture: their export is refused.
 
@@ -65,6 +71,7 @@ from megatrain.interop.hf_tensors import (  # noqa: F401
     read_tensors,
 )
 from megatrain.interop.mapping import ExportRefused, ImportMismatch, full_attention
+from megatrain.interop.moe_config import dense_width_matters, moe_differences
 
 log = logging.getLogger("megatrain.interop")
 
@@ -123,6 +130,10 @@ def export_checkpoint(checkpoint: str, out: str | Path, config: str | None = Non
 def _differences(wanted: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path) -> list[str]:
     """The architecture fields where the recipe's model is not the one config.json describes
     (seq_len and dropout are the recipe's to choose)."""
+    moe = moe_differences(wanted, cfg, str(hf_dir)) if "moe" in wanted else []
+    if "moe" in wanted and not dense_width_matters(cfg):  # every layer routed: d_ff computes nothing
+        wanted = {k: v for k, v in wanted.items() if k != "d_ff"}
+    wanted = {k: v for k, v in wanted.items() if k != "moe"}
     ours: dict[str, Any] = {k: getattr(cfg, k, None) for k in wanted}
     ours.update(d_ff=cfg.ffn_dim, n_kv_head=cfg.kv_heads)
     wanted = {**wanted, "n_kv_head": wanted.get("n_kv_head") or wanted["n_head"]}
@@ -131,7 +142,7 @@ def _differences(wanted: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path) -
     if full_attention(cfg):  # a window as long as the context
         ours.update(attention="full", window=None)
     return [f"model.{k}: recipe {ours[k]!r}, {hf_dir} {v!r}" for k, v in wanted.items()
-            if k not in ("seq_len", "dropout") and ours[k] != v]
+            if k not in ("seq_len", "dropout") and ours[k] != v] + moe
 
 
 def import_hf_state(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:

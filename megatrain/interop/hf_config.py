@@ -1,8 +1,8 @@
 """A transformers model folder's config.json -> the megatrain model it describes, every key accounted for.
 
 ``read_model`` reads config.json, picks the family by ``model_type`` (``FAMILIES``), lets the
-family map its keys to ``ModelConfig`` fields (``gpt2.py``, ``llama.py``, ``neox.py``; RoPE in
-``hf_rope.py``), and then refuses every key of the file that nothing read and that is not on a
+family map its keys to ``ModelConfig`` fields (``gpt2.py``, ``llama.py``, ``neox.py``, MoE in
+``moe_config.py``; RoPE in ``hf_rope.py``), and then refuses every key of the file that nothing read and that is not on a
 list of keys known to change nothing megatrain computes (``NEUTRAL``, ``NEUTRAL_AT``, a family's
 ``neutral``). A key transformers would honour and megatrain silently ignored would import a
 different model than the published one; a refusal is one ``ImportMismatch`` line naming
@@ -28,9 +28,10 @@ from megatrain.config import ModelConfig
 from megatrain.interop.gpt2 import GPT2
 from megatrain.interop.llama import LLAMA, MISTRAL
 from megatrain.interop.mapping import ExportRefused, Family, HFConfig, ImportMismatch
+from megatrain.interop.moe import MOE_FAMILIES
 from megatrain.interop.neox import NEOX_PARALLEL, NEOX_SERIAL
 
-FAMILIES: tuple[Family, ...] = (GPT2, LLAMA, MISTRAL, NEOX_SERIAL, NEOX_PARALLEL)
+FAMILIES: tuple[Family, ...] = (GPT2, LLAMA, MISTRAL, NEOX_SERIAL, NEOX_PARALLEL, *MOE_FAMILIES)
 CONFIG_FILE = "config.json"
 
 _RUNTIME = "a switch of transformers' own forward or loading code; the logits are the same"

@@ -127,25 +127,32 @@ class Family:
     # tensors a checkpoint may hold that transformers drops on loading (derived buffers): pattern -> why
     ignored_tensors: dict[str, str] = dataclass_field(default_factory=dict)
     base_prefix: str = ""  # the base model's prefix: a folder saved from the base model alone lacks it
+    # the table of block i when blocks differ (a mixture of experts: routed or dense); None: per_block
+    layer_table: Callable[[ModelConfig, int], tuple[Any, ...]] | None = None
 
-    def entries(self, cfg: ModelConfig) -> list[Rename | Split | Copies]:
+    def entries(self, cfg: ModelConfig) -> list[Any]:
         """The table for one model: ``{i}`` filled in per block, absent tensors left out."""
-        out: list[Rename | Split | Copies] = [r for r in self.globals if not cfg.tie_embeddings or r.ours != "head.weight"]
+        out: list[Any] = [r for r in self.globals if not cfg.tie_embeddings or r.ours != "head.weight"]
         for i in range(cfg.n_layer):
-            for e in self.per_block:
-                if isinstance(e, Split):
+            for e in (self.per_block if self.layer_table is None else self.layer_table(cfg, i)):
+                if hasattr(e, "at_block"):  # an entry that maps itself (moe.py's per-expert entries)
+                    out.append(e.at_block(i))
+                elif isinstance(e, Split):
                     out.append(Split(e.ours.format(i=i), tuple(t.format(i=i) for t in e.theirs), e.sizes))
                 elif isinstance(e, Copies):
                     out.append(Copies(e.ours.format(i=i), tuple(t.format(i=i) for t in e.theirs)))
                 else:
                     out.append(Rename(e.ours.format(i=i), e.theirs.format(i=i), e.layout))
         if not cfg.bias:  # then no linear or norm has one
-            out = [e for e in out if not e.ours.endswith(".bias")]
+            out = [e for e in out if hasattr(e, "to_hf") or not e.ours.endswith(".bias")]
         return out
 
     def to_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         out = {}
         for e in self.entries(cfg):
+            if hasattr(e, "to_hf"):
+                out.update(e.to_hf(state, cfg))
+                continue
             tensor = state[e.ours]
             if isinstance(e, Split):
                 out.update(zip(e.theirs, (t.contiguous() for t in tensor.split(e.sizes(cfg), dim=0)), strict=True))
@@ -158,6 +165,9 @@ class Family:
     def from_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         out = {}
         for e in self.entries(cfg):
+            if hasattr(e, "from_hf"):
+                out.update(e.from_hf(state, cfg))
+                continue
             names = e.theirs if isinstance(e, (Split, Copies)) else (e.theirs,)
             for name in names:
                 if name not in state:
