@@ -46,6 +46,7 @@ class FaultConfig(_Section):
     kind: Literal[
         "kill_rank", "hang_rank", "freeze_rank", "slow_rank", "nan_loss", "spike_loss",
         "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node", "collapse_router",
+        "kill_keeper", "corrupt_keeper",
     ]
     step: int = Field(0, ge=0)
     rank: int = Field(0, ge=0)
@@ -63,7 +64,8 @@ class FaultConfig(_Section):
 class SelfCheckConfig(_Section):
     """Per-node diagnostics run before training (and after a fault); a node below a minimum is
     reported, and evicted on a cluster. Defaults pass on a 2-core CPU box: recipes for real
-    hardware set real floors (an H200 does ~800 bf16 TFLOP/s and ~4000 GB/s copy)."""
+    hardware set real floors (an H200 does ~800 bf16 TFLOP/s and ~4000 GB/s copy). A GPU is also
+    judged against its kind's expected figures (gpu_min_fraction, strict)."""
 
     min_gemm_tflops: float = Field(0.005, ge=0)
     min_memory_gbs: float = Field(0.2, ge=0, description="copy bandwidth, read + write")
@@ -76,6 +78,20 @@ class SelfCheckConfig(_Section):
     copy_mb: int | None = Field(None, gt=0, description="copy test size; default 1024 on GPU, 64 on CPU")
     allreduce_mb: int | None = Field(None, gt=0, description="all-reduce message; default 256 on GPU, 8 on CPU")
     storage_mb: int = Field(8, gt=0)
+    # The card's verdict (megatrain/reliability/gpu_verdict.py): GEMM, copy and all-reduce against
+    # the expected figures of the card's kind (gpu_expected.py), beside the fixed floors above.
+    gpu_min_fraction: float = Field(
+        0.8, gt=0, le=1, description="a GPU figure below this x its card's expected figure is 'slow'. The "
+        "expected figures are what a healthy card reaches, and healthy cards of one kind spread ~5% "
+        "(H100s here: 769-798 TFLOP/s), so 0.8 leaves room for clocks and a busy host while a card 20% "
+        "slow, which sets the pace of every synchronous step, is caught")
+    strict: bool = Field(False, description="a slow card fails the self-check: the campaign stops before "
+                         "training (a cluster evicts the node); off: a warning line and training goes on")
+    fail_unknown_gpu: bool = Field(False, description="a card with no expected figures fails the self-check; "
+                                   "off: its figures are recorded, verdict 'unknown card (no expected figures)'")
+    expected_gpu: str | None = Field(None, description="judge against this card's figures (a name of "
+                                     "gpu_expected's table or a CUDA device name, e.g. 'H100 SXM'); default "
+                                     "the card CUDA reports, none on a CPU node")
 
 
 class ReliabilityConfig(_Section):

@@ -13,6 +13,10 @@ measures one thing a bad node gets wrong, and compares it with a floor (or a cei
   room for two checkpoints (the preflight's probe).
 - Redis PING round trip (ms), when a Redis URL is configured: the control plane is reachable.
 
+On a GPU the GEMM, copy and all-reduce figures are also judged against the card's kind
+(``gpu_verdict``, figures from ``gpu_expected``): below ``gpu_min_fraction`` x expected is
+``slow``, a failure with ``strict`` and a warning without.
+
 The result is a ``NodeReport``; the orchestrator merges one per node into a
 ``SelfCheckReport`` whose ``failing_nodes()`` is the eviction list.
 """
@@ -34,8 +38,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config import Config, SelfCheckConfig
-from megatrain.config import ConfigError, load_config
+from megatrain.config import Config, ConfigError, SelfCheckConfig, load_config
 
 
 @dataclass
@@ -47,6 +50,11 @@ class CheckResult:
     passed: bool
     higher_is_better: bool = True
     detail: str = ""
+    # GPU checks only (gpu_verdict.py): the card's expected figure, value / expected, and the
+    # verdict ("ok", "slow", "unknown card (no expected figures)")
+    expected: float | None = None
+    fraction: float | None = None
+    verdict: str = ""
 
 
 @dataclass
@@ -54,6 +62,8 @@ class NodeReport:
     node: str
     device: str
     checks: list[CheckResult] = field(default_factory=list)
+    card: str = ""  # the expected-figures table's name of the card judged ("" when none)
+    warnings: list[str] = field(default_factory=list)  # slow or unknown card, not failed on
 
     @property
     def passed(self) -> bool:
@@ -94,13 +104,21 @@ class SelfCheckReport:
         return cls([node for report in reports for node in report.nodes])
 
     def table(self) -> str:
-        lines = [f"{'node':<20} {'check':<18} {'value':>12} {'limit':>12} {'unit':<8} result"]
+        lines = [f"{'node':<20} {'check':<18} {'value':>12} {'limit':>12} {'expected':>16} {'unit':<8} result"]
         for node in self.nodes:
             for c in node.checks:
                 value = "n/a" if c.value is None else f"{c.value:.4g}"
                 limit = ("min " if c.higher_is_better else "max ") + f"{c.threshold:.4g}"
+                expected = "" if c.expected is None else f"{c.expected:.4g}"
+                expected += "" if c.fraction is None else f" ({c.fraction:.2f}x)"
                 verdict = "ok" if c.passed else "FAIL" + (f" ({c.detail})" if c.detail else "")
-                lines.append(f"{node.node[:20]:<20} {c.name:<18} {value:>12} {limit:>12} {c.unit:<8} {verdict}")
+                if c.verdict and c.verdict != "ok" and c.passed:
+                    verdict += f", {c.verdict}"
+                lines.append(f"{node.node[:20]:<20} {c.name:<18} {value:>12} {limit:>12} {expected:>16} "
+                             f"{c.unit:<8} {verdict}")
+            if node.card:
+                lines.append(f"{node.node[:20]:<20} judged as {node.card} ({node.device})")
+            lines += [f"{node.node[:20]:<20} warning: {w}" for w in node.warnings]
         lines.append("all nodes passed" if self.passed else f"failing nodes: {self.failing_nodes()}")
         return "\n".join(lines)
 
@@ -223,8 +241,17 @@ def _measure(name: str, unit: str, threshold: float, fn: Callable[[], float], hi
     return CheckResult(name, value, threshold, unit, passed, higher_is_better)
 
 
+def _judge_card(report: NodeReport, sc: SelfCheckConfig) -> None:
+    """The GPU figures against the card's kind (``gpu_verdict``): a new concern kept apart."""
+    from megatrain.reliability.gpu_verdict import judge_checks, warnings_of
+
+    report.card = judge_checks(report.device, report.checks, sc)
+    report.warnings = warnings_of(report.device, report.checks, sc)
+
+
 def run_node_checks(cfg: Config, node: str | None = None) -> NodeReport:
-    """All checks on this node, with the thresholds and sizes of ``cfg.reliability.selfcheck``."""
+    """All checks on this node, with the thresholds and sizes of ``cfg.reliability.selfcheck``,
+    the GPU figures judged against the card's expected ones."""
     sc: SelfCheckConfig = cfg.reliability.selfcheck
     node = node or socket.gethostname()
     cuda = torch.cuda.is_available()
@@ -246,6 +273,7 @@ def run_node_checks(cfg: Config, node: str | None = None) -> NodeReport:
     if cfg.reliability.redis_url:
         add(_measure("redis_rtt", "ms", sc.max_redis_rtt_ms,
                      lambda: redis_rtt_ms(cfg.reliability.redis_url or ""), higher_is_better=False))
+    _judge_card(report, sc)
     return report
 
 
