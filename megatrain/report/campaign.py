@@ -50,7 +50,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
     report_dir.mkdir(parents=True, exist_ok=True)
     results = {r["stage"]: r for r in stage_results or []}
 
-    rows, attempts_seen, checkpoints, pictures, samples, problems, resumes = [], [], [], {}, {}, [], []
+    rows, attempts_seen, checkpoints, pictures, samples, problems, resumes, restores = [], [], [], {}, {}, [], [], []
     for stage in status.stages:
         result = results.get(stage.name, {})
         summary = summarize_run(stage.run_dir) if stage.loss is not None else None  # rows to summarize
@@ -63,6 +63,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
                            "message": attempt.get("message") or "", "log": attempt.get("log")}
                           for number, attempt in numbered]
         resumes += [{"stage": stage.name, **change} for change in resume_changes(stage.durable_url, stage.committed)]
+        restores += [{"stage": stage.name, **row} for row in read_restores(stage.run_dir)]
         rows.append({
             "stage": stage.name, "state": stage.state,
             "steps": summary.steps if summary else stage.last_step,  # no metrics: the committed steps
@@ -105,6 +106,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         "pictures": {title: str(png) for title, png in pictures.items()},
         "samples": samples,
         "resume_changes": resumes,  # schedule or layout changed on a resume (the checkpoint history)
+        "restores": restores,  # every restore of a restarted attempt: its tier (keeper, peer, durable) and cost
         "problems": problems,  # files missing or damaged, per stage
         "export": _read_export(Path(status.stages[-1].run_dir) / EXPORT_FILE) if status.stages else None,
     }
@@ -188,6 +190,34 @@ def resume_changes(durable_url: str, committed: list[int]) -> list[dict]:
     return [entry for entry in meta.get("history") or [] if isinstance(entry, dict) and "step" in entry]
 
 
+RESTORES_FILE = "restores.jsonl"  # in a stage's run dir: a row per restore (megatrain/checkpoint/manager.py)
+
+
+def read_restores(run_dir: str | Path) -> list[dict]:
+    """A stage's restores, in order: step, tier, seconds, the newest durable step then (a torn
+    row is skipped: the report is no place to fail)."""
+    from megatrain.report.runs import read_jsonl
+
+    return [{k: row.get(k) for k in ("step", "tier", "seconds", "durable_step", "world_size")}
+            for row in read_jsonl(Path(run_dir) / RESTORES_FILE).rows if isinstance(row.get("step"), int)]
+
+
+def _restores_markdown(restores: list[dict]) -> list[str]:
+    """A line per restore: where it came from and what it cost (seconds; the steps it kept over the
+    durable store, which a durable restore would have redone)."""
+    if not restores:
+        return []
+    lines = ["", "## Restores", ""]
+    for row in restores:
+        seconds = "-" if row.get("seconds") is None else f"{row['seconds']:.3f} s"
+        durable = row.get("durable_step")
+        newer = None if durable is None or row["tier"] == "durable" else row["step"] - durable
+        ahead = "" if newer is None else f", {newer} step{'' if newer == 1 else 's'} newer"
+        lines.append(f"* `{row['stage']}` restored step {row['step']} from the **{row['tier']}** tier in {seconds} "
+                     f"(newest durable step {'-' if durable is None else durable}{ahead})")
+    return lines
+
+
 def _resume_changes_markdown(changes: list[dict]) -> list[str]:
     if not changes:
         return []
@@ -250,6 +280,7 @@ def _markdown_body(summary: dict) -> tuple[str, str]:
     if summary.get("problems"):
         lines += ["", "## Missing or damaged files", ""]
         lines += [f"* `{p['stage']}`: {problem}" for p in summary["problems"] for problem in p["problems"]]
+    lines += _restores_markdown(summary.get("restores") or [])
     lines += _resume_changes_markdown(summary.get("resume_changes") or [])
     lines += _samples_markdown(summary["samples"])
     lines += _export_markdown(summary.get("export"))
