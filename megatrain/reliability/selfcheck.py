@@ -266,7 +266,7 @@ def run_node_checks(cfg: Config, node: str | None = None) -> NodeReport:
     nproc = sc.nproc_per_node or (torch.cuda.device_count() if cuda else 2)
     if nproc > 1:
         add(_measure(f"allreduce_x{nproc}", "GB/s", sc.min_allreduce_busbw_gbs,
-                     lambda: allreduce_busbw_gbs(nproc, sc.allreduce_mb or (256 if cuda else 8))))
+                     lambda: allreduce_busbw_gbs(nproc, sc.allreduce_mb or (1024 if cuda else 8))))
     storage_url = sc.storage_url or cfg.checkpoint.durable_url
     add(_measure("storage", "MB/s", sc.min_storage_mbs,
                  lambda: storage_roundtrip_mbs(cfg, storage_url, sc.storage_mb)))
