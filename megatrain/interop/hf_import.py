@@ -18,7 +18,9 @@ What the command checks, in order, before it writes anything:
 The recipe is the base recipe with the model replaced whole: every architecture field from
 config.json (a field the base recipe set and config.json does not, such as a window or RoPE
 scaling, is not inherited), and only the base's runtime knobs (kernels, activation checkpointing,
-compile) kept. ``model.seq_len`` stays the base recipe's (or ``--seq-len``), one line saying how
+compile) kept, and for a mixture of experts the base's load balancing (``model.moe``'s
+load_balance, aux_loss_coef, bias_update_rate, z_loss_coef: they train the router, they compute
+nothing). ``model.seq_len`` stays the base recipe's (or ``--seq-len``), one line saying how
 many positions the model allows. The run is the recipe's own: ``name`` is the recipe file's stem,
 ``train.run_dir`` is ``<recipe folder>/runs/<stem>``, and the locations a run owns (checkpoints,
 staging, TensorBoard) are dropped so they follow that run dir; the base recipe's would mix two
@@ -38,6 +40,8 @@ from megatrain.interop.mapping import ImportMismatch
 
 HF_PREFIX = "hf:"  # checkpoint.init_from of a transformers folder
 RUNTIME_KNOBS = ("kernels", "activation_checkpointing", "compile")  # how the model runs, not what it computes
+# model.moe's load balancing: how the router trains, not what it computes (an imported bias is loaded either way)
+MOE_TRAINING_KNOBS = ("load_balance", "aux_loss_coef", "bias_update_rate", "z_loss_coef")
 SAMPLE = "Hello world: def f(x): return x + 1"  # text whose encoding shows the tokens a document starts with
 
 
@@ -145,6 +149,9 @@ def build_recipe(hf_dir: Path, model: HFModel, base: dict[str, Any], out: Path, 
     base_model = recipe.get("model") or {}
     seq_len, seq_line = _seq_len(model, base_model, seq_len)
     recipe["model"] = {**{k: base_model[k] for k in RUNTIME_KNOBS if k in base_model}, **at_seq_len(model.fields, seq_len)}
+    base_moe = base_model.get("moe") or {}
+    if "moe" in recipe["model"] and base_moe:
+        recipe["model"]["moe"] = {**recipe["model"]["moe"], **{k: base_moe[k] for k in MOE_TRAINING_KNOBS if k in base_moe}}
     lines, warnings = [seq_line], []
     if (hf_dir / TOKENIZER_FILE).is_file():
         data, line = _model_tokenizer(hf_dir, model)

@@ -25,8 +25,8 @@ What no class computes is refused naming the field: a softmax router with shared
 training knobs, not logits: megatrain's per-layer aux loss and z-loss have no exact transformers
 counterpart (transformers' aux loss pools every layer's tokens), so ``router_aux_loss_coef`` and
 ``output_router_logits`` are written for information and read as neutral; an imported recipe
-trains with megatrain's ``model.moe`` defaults (aux loss 0.01), or ``aux_free`` for GLM-4-MoE,
-whose bias is routing state and is imported.
+trains with the base recipe's balance knobs (``hf_import.MOE_TRAINING_KNOBS``), else megatrain's
+defaults (aux loss 0.01), or ``aux_free`` for GLM-4-MoE, whose bias is routing state and is imported.
 """
 
 from __future__ import annotations

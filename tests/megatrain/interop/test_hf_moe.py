@@ -5,6 +5,7 @@ field no class computes is named in one line."""
 import pytest
 import torch
 import transformers
+import yaml
 
 from megatrain.config import ModelConfig
 from megatrain.interop.hf import (
@@ -12,6 +13,7 @@ from megatrain.interop.hf import (
     ImportMismatch,
     export_model,
     family_for,
+    import_cli,
     load_hf_weights,
     model_config_from_hf,
 )
@@ -81,6 +83,18 @@ def test_export_then_from_pretrained_gives_the_same_logits(name, tmp_path, token
     load_hf_weights(back, out)
     with torch.no_grad():
         assert max_diff(back.eval()(idx), ours) < TOLERANCE
+
+
+def test_megatrain_import_keeps_the_base_recipes_load_balancing(tmp_path, tokenizer_json):  # noqa: F811
+    """The router's balance knobs train, they compute nothing: the base recipe's stay; the architecture is the folder's."""
+    model = random_moe(moe={"n_experts": 4, "top_k": 2, "expert_d_ff": 48})
+    export_model(model, model.cfg, tmp_path / "hf", tokenizer_json)
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"model": {"mlp": "moe", "moe": {"n_experts": 16, "z_loss_coef": 0.001,
+                                                                     "aux_loss_coef": 0.02}}}))
+    assert import_cli(["--hf", str(tmp_path / "hf"), "--config", str(base), "--out", str(tmp_path / "r.yaml")]) == 0
+    moe = yaml.safe_load((tmp_path / "r.yaml").read_text())["model"]["moe"]
+    assert (moe["n_experts"], moe["z_loss_coef"], moe["aux_loss_coef"]) == (4, 0.001, 0.02)
 
 
 def test_each_family_maps_every_tensor_both_ways_exactly():
