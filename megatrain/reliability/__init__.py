@@ -6,6 +6,7 @@
 - ``anomaly``     NaN/inf loss, loss spikes, gradient explosions -> a ``Verdict`` file for rollback
 - ``faults``      fault injection (off by default) to prove that recovery works
 - ``selfcheck``   per-node GEMM, memory, all-reduce, storage and Redis checks -> eviction list
+- ``gpu_verdict`` the card's GEMM, copy and all-reduce against its kind's figures (``gpu_expected``)
 - ``redis_server`` a temporary loopback Redis for a command-line run
 
 Nothing is imported here: the orchestrator imports ``watcher`` and ``anomaly`` without

@@ -18,9 +18,9 @@ when it falls well below its kind rather than below a fixed floor:
 
 Measured here (KINDS.md of the device machines, 2026-10/11, torch 2.11, cu130): H100 SXM 769-798
 TFLOP/s and ~3.0 TB/s copy; H200 788 TFLOP/s and ~4.3 TB/s copy; 2-8 H100 SXM all-reduce of
-1 GiB 329-361 GB/s bus bandwidth. The self-check itself on 2 H200s (2026-11-26): GEMM 680-706
-TFLOP/s (0.92-0.95 of 742), copy 4120-4150 GB/s (1.01), all-reduce of 1 GiB 328-329 GB/s (0.97
-of 338). Those agree with the fractions below; the other cards' figures are datasheet x
+1 GiB 329-361 GB/s bus bandwidth. The self-check itself (2026-11-26): 2 H200s GEMM 680-706 TFLOP/s
+(0.92-0.95 of 742), copy 4120-4152 GB/s (1.01-1.02), all-reduce of 1 GiB 328-329 GB/s (0.97 of
+338); one H100 SXM GEMM 688-697 (0.93-0.94), copy 2949-2955 (1.04). Those agree with the fractions below; the other cards' figures are datasheet x
 fraction, not yet measured by this project. Pure Python: no torch.
 """
 
