@@ -29,6 +29,7 @@ from megatrain.interop.gpt2 import GPT2
 from megatrain.interop.llama import LLAMA, MISTRAL
 from megatrain.interop.mapping import ExportRefused, Family, HFConfig, ImportMismatch
 from megatrain.interop.moe import MOE_FAMILIES
+from megatrain.interop.moe_config import NOT_COMPUTED
 from megatrain.interop.neox import NEOX_PARALLEL, NEOX_SERIAL
 
 FAMILIES: tuple[Family, ...] = (GPT2, LLAMA, MISTRAL, NEOX_SERIAL, NEOX_PARALLEL, *MOE_FAMILIES)
@@ -92,7 +93,8 @@ def family_of_hf(hf_config: dict[str, Any], path: str = CONFIG_FILE) -> Family:
         if family.model_type == model_type and family.imports(hf_config):
             return family
     known = ", ".join(dict.fromkeys(f.model_type for f in FAMILIES))
-    raise ImportMismatch(f"{path}: model_type={model_type!r}: megatrain imports {known}")
+    why = f"{NOT_COMPUTED[model_type]}; " if model_type in NOT_COMPUTED else ""
+    raise ImportMismatch(f"{path}: model_type={model_type!r}: {why}megatrain imports {known}")
 
 
 def family_for(cfg: ModelConfig) -> Family:

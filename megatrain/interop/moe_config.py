@@ -42,6 +42,13 @@ MIXTRAL, QWEN2_MOE, GLM4_MOE = "Mixtral", "Qwen2-MoE", "GLM-4-MoE"
 _LOSS = ("transformers' load-balancing loss while training (pooled over all layers; only with output_router_logits): "
          "not megatrain's per-layer loss, and no part of the logits; the recipe's model.moe.aux_loss_coef trains")
 MOE_NEUTRAL = {"router_aux_loss_coef": _LOSS, "output_router_logits": _LOSS}
+# MoE classes whose attention megatrain does not compute: model_type -> why (the import refusal says it)
+NOT_COMPUTED = {
+    "qwen3_moe": "Qwen3-MoE puts an RMSNorm on q and k in every layer, which megatrain's attention does not have",
+    "olmoe": "OLMoE puts an RMSNorm on q and k in every layer, which megatrain's attention does not have",
+    "deepseek_v3": "DeepSeek-V3's attention is multi-head latent attention (MLA), which megatrain does not compute",
+    "deepseek_v2": "DeepSeek-V2's attention is multi-head latent attention (MLA), which megatrain does not compute",
+}
 
 
 # ------------------------------------------------------------------------------------ export

@@ -225,3 +225,10 @@ def test_an_unknown_key_of_a_moe_config_is_refused(tmp_path):
     transformers.MixtralConfig(**SMALL, my_router_knob=1).save_pretrained(tmp_path)
     with pytest.raises(ImportMismatch, match="my_router_knob=1"):
         model_config_from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("config_class", [transformers.Qwen3MoeConfig, transformers.OlmoeConfig])
+def test_a_moe_class_with_q_k_norm_is_refused_saying_so(config_class, tmp_path):
+    config_class(**{k: v for k, v in SMALL.items() if k != "rope_parameters"}).save_pretrained(tmp_path)
+    with pytest.raises(ImportMismatch, match="RMSNorm on q and k"):
+        model_config_from_hf(tmp_path)
