@@ -30,6 +30,7 @@ from megatrain.config import load_config
 from megatrain.observe.attempt_log import next_attempt
 from tasks._artifacts import create_markdown_artifact  # secrets hidden
 from tasks.checkpoint import staged_steps, upload_checkpoint
+from tasks.keepers import stage_keepers
 from tasks.rollback import RollbackLimitExceeded, rollback
 from tasks._log import run_logger
 from tasks.attempts import ABANDONED, abandoned_event, attempt_state, should_stop
@@ -144,10 +145,11 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
         cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"upload_mode": "external"})})
     config_path = str(write_run_config(cfg, campaign.stage_dir(index) / "config.yaml"))
     ABANDONED[config_path] = threading.Event()
-    try:
-        return _run_attempts(campaign, index, cfg, config_path)
-    finally:  # whatever ended the stage (an upload failed for good, a bug): no rank trains on alone
-        ABANDONED.pop(config_path).set()
+    with stage_keepers(campaign, index, cfg):  # the nodes' keepers outlive the attempts' ranks, not the stage
+        try:
+            return _run_attempts(campaign, index, cfg, config_path)
+        finally:  # whatever ended the stage (an upload failed for good, a bug): no rank trains on alone
+            ABANDONED.pop(config_path).set()
 
 
 def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):

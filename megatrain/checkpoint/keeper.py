@@ -78,7 +78,7 @@ class Keeper:
             return self._seal(request), []
         if op == "list":
             return {"ok": True, "instance": self.instance, "pid": os.getpid(), "ranks": self._list(),
-                    "peer": self.peer.status() if self.peer is not None else None}, []
+                    "writing": self._writing(), "peer": self.peer.status() if self.peer is not None else None}, []
         if op == "get" and request.get("replica"):  # another node's copy held here (inspection, tests)
             found = self.peer.replica(int(request["rank"]), int(request["step"])) if self.peer is not None else None
             if found is None:
@@ -102,7 +102,7 @@ class Keeper:
                 if slot is not None:
                     slot.close()
                 slot = pair[index] = Slot(f"megatrain-rank{rank}-slot{index}", nbytes)
-            slot.sealed = None  # being rewritten: no longer a copy of anything
+            slot.sealed, slot.writing = None, True  # being rewritten: no longer a copy of anything
             return {"ok": True, "slot": index, "id": f"{self.instance}-{slot.generation}", "nbytes": nbytes}, [slot.fd]
 
     def _seal(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +116,7 @@ class Keeper:
             slot.sealed = {"step": int(request["step"]), "used": used, "chunks": hashes,
                            "entries": request["entries"], "json": request["json"], "json_sha256": request["json_sha256"],
                            "sealed_at": time.time()}
+            slot.writing = False
         if self.peer is not None:  # off the rank's path: the peer tier's own thread sends it
             self.peer.sealed(rank, int(request["step"]))
         return {"ok": True, "hash_s": time.perf_counter() - start}
@@ -125,6 +126,12 @@ class Keeper:
             return {str(rank): [{"slot": i, "step": s.sealed["step"], "bytes": s.sealed["used"]}
                                 for i, s in enumerate(pair) if s is not None and s.sealed]
                     for rank, pair in self.slots.items()}
+
+    def _writing(self) -> dict[str, list[int]]:
+        """rank -> its slots handed out and not sealed yet (a copy in flight; a fault test waits for it)."""
+        with self.lock:
+            return {str(rank): [i for i, s in enumerate(pair) if s is not None and s.writing]
+                    for rank, pair in self.slots.items() if any(s is not None and s.writing for s in pair)}
 
     def _get(self, rank: int, step: int) -> tuple[dict[str, Any], list[int]]:
         with self.lock:

@@ -269,7 +269,9 @@ class PeerClient:
     def held(self, rank: int) -> dict[int, str]:
         """step -> the address of a peer keeper holding a replica of it for ``rank``."""
         found: dict[int, str] = {}
-        for node, address in sorted(self.registry.addresses().items()):
+        # this node's own keeper last: its copies were the local tier, already tried (corrupt, say);
+        # another node's replica of the same step is the next tier, not a second look at the same bytes
+        for node, address in sorted(self.registry.addresses().items(), key=lambda item: (item[0] == self.node, item[0])):
             try:
                 channel = Channel.client(address, self.token)
                 channel.send({"op": "list", "rank": rank})

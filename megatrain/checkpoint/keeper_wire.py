@@ -97,6 +97,7 @@ class Slot:
         self.map = mmap.mmap(self.fd, max(nbytes, 1))
         self.generation = secrets.token_hex(4)  # with the keeper's instance: the id a rank caches its mapping by
         self.sealed: dict[str, Any] | None = None
+        self.writing = False  # handed out by alloc and not sealed since (a rank is copying into it)
 
     def close(self) -> None:
         self.map.close()

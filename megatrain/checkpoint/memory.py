@@ -1,8 +1,10 @@
 """A rank's side of RAM checkpoints: save into the node's keeper, and restore from it.
 
 The keeper (keeper.py) is found by a folder derived from the node's staging dir, so every rank
-of a node, and every attempt of a run, reaches the same one. The first rank that finds none starts
-it, detached (see ``start_keeper``); the run's last save shuts it down.
+of a node, and every attempt of a run, reaches the same one (keeper_control.py). The campaign
+flow starts one per node before a stage; a rank that finds none starts it, detached (see
+``start_keeper``); the run's last save shuts it down, and the flow stops what is left at the
+stage's end.
 
 Save (``MemoryCheckpoints.save``, on the training thread): wait for the previous seal, ask the
 keeper for its spare slot, copy every tensor from the device straight into that shared memory
@@ -23,27 +25,28 @@ RNG, the LR schedule and the data position come back through ``restore.apply_ran
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatrain.checkpoint.files import ChecksumError, model_file, rank_meta_file, rank_tensor_file
-from megatrain.checkpoint.keeper import SOCKET
+from megatrain.checkpoint.experts import read_weights
+from megatrain.checkpoint.files import ChecksumError, rank_meta_file, rank_tensor_file
+from megatrain.checkpoint.keeper_control import (  # noqa: F401  (KEEPER_*_ENV, keeper_dir: re-exported)
+    KEEPER_IDLE_ENV,
+    KEEPER_ROOT_ENV,
+    KeeperClient,
+    KeeperError,
+    PeerSettings,
+    keeper_dir,
+)
 from megatrain.checkpoint.keeper_peer import PeerClient, PeerError, Registry
-from megatrain.checkpoint.keeper_wire import chunk_hashes, recv_message, send_message, text_hash
+from megatrain.checkpoint.keeper_wire import chunk_hashes, text_hash
 from megatrain.checkpoint.restore import RankState, Restored, RunIdentity, _gather, apply_rank_state, same_layout
 from megatrain.checkpoint.snapshot import RankSnapshot, SnapshotTiming
 from megatrain.launch.run_token import run_token
@@ -51,89 +54,7 @@ from megatrain.parallel.dims import ProcessGroups
 
 log = logging.getLogger("megatrain.checkpoint")
 
-KEEPER_ROOT_ENV = "MEGATRAIN_KEEPER_ROOT"  # where keeper folders live (default: the temp dir)
-KEEPER_IDLE_ENV = "MEGATRAIN_KEEPER_IDLE_S"  # a keeper with no rank connected exits after this long
-DEFAULT_IDLE_S = 600.0  # long enough for a flow to relaunch its ranks; short enough not to hoard RAM
 ALIGN = 64
-
-
-class KeeperError(RuntimeError):
-    """The keeper refused a request or could not be reached."""
-
-
-@dataclass(frozen=True)
-class PeerSettings:
-    """This node's place in the keepers' replication ring, and where keepers register."""
-    node: int
-    nnodes: int
-    registry: str  # a folder shared by the nodes, or a redis:// URL
-    run_id: str
-
-    def args(self) -> list[str]:
-        return ["--node", str(self.node), "--nnodes", str(self.nnodes), "--registry", self.registry,
-                "--run-id", self.run_id]
-
-
-def keeper_dir(staging_dir: str | Path) -> Path:
-    """The keeper folder of a node's staging dir (short: a Unix socket path has ~100 bytes)."""
-    key = hashlib.sha1(os.path.realpath(staging_dir).encode()).hexdigest()[:12]
-    return Path(os.environ.get(KEEPER_ROOT_ENV) or tempfile.gettempdir()) / f"megatrain-keeper-{key}"
-
-
-def start_keeper(folder: Path, log_path: Path, peer: PeerSettings | None = None) -> None:
-    """Start a keeper detached from this rank: its own session (a launcher's killpg of the ranks
-    does not reach it) and no parent-death signal (prctl's is cleared on fork). A second keeper
-    started by a racing rank finds the lock taken and exits at once. The run token reaches it by
-    the inherited environment, never its command line (anyone on the host reads those)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    idle = os.environ.get(KEEPER_IDLE_ENV, str(DEFAULT_IDLE_S))
-    with open(log_path, "a") as out:
-        subprocess.Popen([sys.executable, "-m", "megatrain.checkpoint.keeper", "--dir", str(folder), "--idle-s", idle,
-                          *(peer.args() if peer is not None else [])],
-                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                         close_fds=True)
-
-
-class KeeperClient:
-    """One connection to a keeper; requests are serialised (the training and seal threads share it)."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock, self._lock = sock, threading.Lock()
-
-    @classmethod
-    def connect(cls, folder: Path, start_log: Path | None = None, timeout_s: float = 30.0,
-                peer: PeerSettings | None = None) -> KeeperClient:
-        """Connect to the keeper of ``folder``; with ``start_log``, start one when none answers."""
-        deadline, started = time.monotonic() + timeout_s, False
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(str(folder / SOCKET))
-                return cls(sock)
-            except OSError as exc:
-                sock.close()
-                if start_log is None or time.monotonic() > deadline:
-                    raise KeeperError(f"no checkpoint keeper answers at {folder / SOCKET}: {exc}") from None
-            if not started:
-                start_keeper(folder, start_log, peer)
-                started = True
-            time.sleep(0.05)
-
-    def request(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
-        with self._lock:
-            try:
-                send_message(self.sock, {"op": op, **fields})
-                reply, fds = recv_message(self.sock)
-            except OSError as exc:  # ConnectionError included: the keeper died
-                raise KeeperError(f"checkpoint keeper: {op}: {exc}") from exc
-        if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
-            raise KeeperError(f"checkpoint keeper: {op}: {reply.get('error')}")
-        return reply, fds
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _map(fd: int, nbytes: int) -> torch.Tensor:
@@ -296,7 +217,7 @@ class MemoryCheckpoints:
         if meta.get("fingerprint") != identity.fingerprint or not same_layout(meta.get("layout", {}), layout) \
                 or meta.get("tokenizer_sha256") != identity.tokenizer_sha256:
             raise ValueError(f"keeper copy of step {step} was written by another config, layout or tokenizer")
-        model = files.get(model_file(groups.pp_rank, groups.tp_rank)) if groups.dp_rank == 0 else None
+        model = read_weights(groups, files.__getitem__)  # its model files (under EP: its experts' too)
         return RankState(model=model, tensors=files[rank_tensor_file(self.rank)], meta=meta)
 
     def drop_after(self, step: int) -> None:
@@ -335,9 +256,14 @@ def read_newest(memory: MemoryCheckpoints, step: int, local: list[int], peer: di
     problems = []
     for source in sources:
         try:
-            return memory.read(step, groups, identity, layout, source), "keeper" if source is None else "peer"
+            found = memory.read(step, groups, identity, layout, source), "keeper" if source is None else "peer"
         except (ChecksumError, KeeperError, PeerError, OSError, ValueError, KeyError) as exc:
             problems.append(f"{'keeper' if source is None else 'peer ' + source}: {type(exc).__name__}: {exc}")
+            continue
+        if problems:  # a copy refused on the way says so even when the next tier stood in
+            log.warning("rank %d step %d: %s; read from the %s tier instead", memory.rank, step, "; ".join(problems),
+                        found[1])
+        return found
     return None, "; ".join(problems) or "no copy"
 
 

@@ -7,7 +7,8 @@ builds one ``FaultInjector`` per rank and calls two hooks:
 - ``on_step_start(step)`` - at the top of each step, inside the step's compute timer so that an
   injected slowdown counts as the rank's own time: kill_rank, hang_rank, freeze_rank (SIGSTOP:
   the whole process stops, heartbeat thread included), slow_rank, storage_outage,
-  corrupt_checkpoint, corrupt_shard, kill_redis.
+  corrupt_checkpoint, corrupt_shard, kill_redis, kill_keeper and corrupt_keeper (the node's
+  checkpoint keeper: killed, or this rank's copies in it damaged; ``keeper_faults.py``).
 - ``transform_loss(step, loss)`` - on the loss before backward: nan_loss, spike_loss.
 - ``collapse_router`` (needs the model: ``from_config(..., model=...)``), at the top of its step:
   from then on every MoE router of the model sends each token to experts 0..top_k-1 (a forward
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 FAULTS_ENV = "MEGATRAIN_FAULTS"
 STEP_KINDS = {"kill_rank", "hang_rank", "freeze_rank", "slow_rank", "storage_outage", "corrupt_checkpoint",
-              "corrupt_shard", "kill_redis", "collapse_router"}
+              "corrupt_shard", "kill_redis", "collapse_router", "kill_keeper", "corrupt_keeper"}
 LOSS_KINDS = {"nan_loss", "spike_loss"}
 NEEDS_TARGET = {"corrupt_checkpoint", "corrupt_shard", "kill_redis"}
 LossT = TypeVar("LossT")
@@ -69,13 +70,15 @@ def fault_key(fault: FaultConfig) -> str:
 
 
 class FaultInjector:
-    def __init__(self, faults: list[FaultConfig], rank: int, run_dir: str | Path, model: Any = None) -> None:
+    def __init__(self, faults: list[FaultConfig], rank: int, run_dir: str | Path, model: Any = None,
+                 staging_dir: str | Path | None = None) -> None:
         for fault in faults:
             if fault.kind in NEEDS_TARGET and not fault.target:
                 raise ValueError(f"fault {fault.kind} at step {fault.step}: 'target' is required")
         self.rank = rank
         self.run_dir = Path(run_dir)
         self.model = model  # collapse_router's target (a torch module)
+        self.staging_dir = staging_dir  # kill_keeper/corrupt_keeper: the node's keeper is found by it
         self.faults = [fault for fault in faults if fault.rank == rank]
         self.fired: list[tuple[int, str]] = []  # (step, kind) this process fired, for logs and tests
         self._active: set[str] = set()  # markers this process claimed
@@ -86,9 +89,9 @@ class FaultInjector:
     @classmethod
     def from_config(
         cls, cfg: ReliabilityConfig, rank: int, run_dir: str | Path, environ: Mapping[str, str] = os.environ,
-        model: Any = None,
+        model: Any = None, staging_dir: str | Path | None = None,
     ) -> FaultInjector:
-        return cls([*cfg.faults, *faults_from_env(environ)], rank, run_dir, model)
+        return cls([*cfg.faults, *faults_from_env(environ)], rank, run_dir, model, staging_dir)
 
     @property
     def enabled(self) -> bool:
@@ -155,6 +158,10 @@ class FaultInjector:
             kill_redis(fault.target or "")
         elif fault.kind == "collapse_router":
             collapse_routers(self.model)
+        elif fault.kind in ("kill_keeper", "corrupt_keeper"):  # the node's checkpoint keeper (keeper_faults.py)
+            from megatrain.reliability.keeper_faults import corrupt_keeper, kill_keeper
+
+            (kill_keeper if fault.kind == "kill_keeper" else corrupt_keeper)(self.staging_dir, self.rank)
 
     def transform_loss(self, step: int, loss: LossT) -> LossT:
         """Works on a float or a tensor; a tensor keeps its autograd graph."""

@@ -153,7 +153,8 @@ class Trainer:
         # the router checks need every MoE layer's shares on every rank: a pipeline stage sees only its own
         moe_checked = cfg.model.mlp == "moe" and self.groups.dims.pp == 1
         self.anomaly = AnomalyDetector(cfg.reliability.anomaly, cfg.model.moe.top_k if moe_checked else None)
-        self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir, model=self.engine.module)
+        self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir, model=self.engine.module,
+                                                staging_dir=cfg.checkpoint.staging_dir)
         self.stragglers = StragglerMonitor(env.world_size)
         log.info("model: %.1fM parameters, %s block, %s attention; layout dp=%d tp=%d pp=%d; accumulation %d",
                  self.n_params / 1e6, cfg.model.block, cfg.model.attention, self.groups.dims.dp,

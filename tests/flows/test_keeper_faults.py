@@ -1,0 +1,154 @@
+"""Fault-matrix rows of the checkpoint keeper (issue 29), through the real ``pretrain`` flow: a real
+Prefect server, torchrun ranks over gloo, the real data pipeline, RAM checkpoints every
+``MEMORY_INTERVAL`` steps into the nodes' keepers (started and stopped by the flow), durable ones
+every ``INTERVAL``.
+
+To stay cheap, several faults are stages of one attempt history: one stage, a fault every 4 steps,
+each restart's tier read from the stage's ``restores.jsonl`` (a row per restore, in order).
+
+- one node, 2 ranks:
+  (a) rank 1 SIGKILLed at step 8 -> the local keeper's step 6 (newer than durable step 4; the
+      steps redone stay under the memory interval);
+  (c) the keeper SIGKILLed, then rank 1, at step 12 -> the durable step 8;
+  (d) rank 1's keeper copies corrupted, then rank 1 killed, at step 16 -> checksums fail, the
+      durable step 12 (the next tier on one node).
+- two nodes on this box (``megatrain.launch.nodes``), 1 rank each, keepers replicating to each other:
+  (b) node loss at step 8: rank 1's node loses its keeper and its rank -> rank 1's step 6 from the
+      other node's replica (tier ``peer``);
+  (d) rank 1's keeper copies corrupted, rank 1 killed, at step 12 -> its own keeper's copy fails
+      its checksums, the other node's replica of step 10 is used (tier ``peer``).
+
+Every campaign ends bit for bit where the fault-free one-node campaign ends (one reference for the
+module: two nodes of one rank compute what one node of two ranks does), no keeper process outlives
+its flow, and the campaign report has a line per restore with its tier and seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fault_matrix_common import (  # noqa: F401  (fixtures are found by name; reproducible_cpu_math: autouse)
+    ROOT, assert_bit_exact, logs, reproducible_cpu_math, run_campaign, workdir,
+)
+from process_table import processes_mentioning
+
+from megatrain.checkpoint import catalog
+from megatrain.checkpoint.keeper_control import keeper_dir
+from megatrain.observe.jsonl import read_rows
+
+STEPS, INTERVAL, MEMORY_INTERVAL = 16, 4, 2
+COMMITTED = [8, 12, 16]  # the default keep_last=3
+
+
+def kill(step: int) -> dict:
+    return {"kind": "kill_rank", "step": step, "rank": 1}
+
+
+def keeper_fault(kind: str, step: int) -> dict:
+    return {"kind": kind, "step": step, "rank": 1}
+
+
+def write_campaign(directory: Path, campaign_id: str, shard_url: Path, nnodes: int = 1,
+                   faults: list[dict] | None = None) -> Path:
+    """One stage of STEPS steps of the tiny recipe at one layer, 2 ranks (on 1 or 2 nodes)."""
+    stage = ["reliability.faults=" + json.dumps(faults)] if faults else []
+    doc = {
+        "id": campaign_id, "recipe": str(ROOT / "configs/tiny-cpu.yaml"), "nproc_per_node": 2 // nnodes,
+        "nnodes": nnodes, "root_dir": str(directory / "campaigns"), "shard_url": str(shard_url),
+        "self_check": False, "samples": 0, "export": False,
+        "overrides": ["model.n_layer=1", "model.dropout=0.1", "data.max_source_bytes=400000",
+                      "train.micro_batch_size=4", f"checkpoint.interval={INTERVAL}",
+                      f"checkpoint.memory_interval={MEMORY_INTERVAL}", "train.log_interval=1",
+                      "reliability.heartbeat_interval_s=0.5", "reliability.heartbeat_timeout_s=60"],
+        "stages": [{"name": "only", "steps": STEPS, "overrides": stage}],
+    }
+    path = directory / f"{campaign_id}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def keeper_folders(outcome, nnodes: int) -> list[Path]:
+    stagings = [outcome.run_dir / "staging"] if nnodes == 1 else \
+        [outcome.run_dir / "nodes" / f"node-{n}" / "staging" for n in range(nnodes)]
+    return [keeper_dir(staging) for staging in stagings]
+
+
+def assert_no_keeper_left(outcome, nnodes: int) -> None:
+    """No keeper process of the campaign is alive after its flow (the flow's or one a rank started)."""
+    for folder in keeper_folders(outcome, nnodes):
+        alive = [pid for pid in processes_mentioning(f"--dir {folder}")
+                 if "megatrain.checkpoint.keeper" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="ignore")]
+        assert not alive, f"keeper processes {alive} of {folder} outlived the flow"
+
+
+def restores(outcome) -> list[dict]:
+    rows = read_rows(outcome.run_dir / "restores.jsonl")
+    print("\n" + "\n".join(f"restore: {outcome.path.stem} step {r['step']} from {r['tier']} in {r['seconds']:.3f} s "
+                           f"(durable {r['durable_step']})" for r in rows))
+    return rows
+
+
+def assert_reported(outcome, rows: list[dict]) -> None:
+    """The campaign report has the stage's restores, a line each with its tier and cost."""
+    report = Path(outcome.report["report"]).read_text()
+    for row in rows:
+        assert f"* `only` restored step {row['step']} from the **{row['tier']}** tier in {row['seconds']:.3f} s" \
+            in report, report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keepers_on_loopback():
+    """Keepers advertise 127.0.0.1 to their peers (this box's hostname may not resolve to itself)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEGATRAIN_KEEPER_HOST", "127.0.0.1")
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def reference(prefect_api, workdir, shard_root) -> str:
+    """The fault-free campaign's durable URL (one node, 2 ranks): the rows are compared with it."""
+    outcome = run_campaign(write_campaign(workdir, "keeper-reference", shard_root))
+    assert outcome.stage["attempts"] == 1 and not (outcome.run_dir / "restores.jsonl").exists()
+    assert [i.step for i in catalog.committed(outcome.durable)] == COMMITTED
+    assert_no_keeper_left(outcome, 1)
+    return outcome.durable
+
+
+@pytest.mark.slow
+def test_one_node_keeper_then_durable_after_a_lost_or_corrupt_keeper(reference, workdir, shard_root, logs):
+    faults = [kill(8),  # (a)
+              keeper_fault("kill_keeper", 12), kill(12),  # (c): fired in list order, the keeper first
+              keeper_fault("corrupt_keeper", 16), kill(16)]  # (d)
+    outcome = run_campaign(write_campaign(workdir, "keeper-one-node", shard_root, faults=faults))
+    assert (outcome.stage["attempts"], outcome.stage["restarts"]) == (4, 3)
+    logs.need(r"stage only: checkpoint keepers started")
+    (a, c, d) = rows = restores(outcome)
+    assert (a["tier"], a["step"], a["durable_step"]) == ("keeper", 6, 4), a
+    assert 8 - 1 - a["step"] < MEMORY_INTERVAL  # redone steps: step 7 only
+    assert (c["tier"], c["step"]) == ("durable", 8), c  # the keeper's step 10 died with it
+    logs.need(r"fault kill_keeper: killed the checkpoint keeper")
+    assert (d["tier"], d["step"]) == ("durable", 12), d  # step 14's copy in the keeper failed its checksums
+    logs.need(r"keeper copies of step 14 rejected: .*sha256 of chunk")
+    assert_bit_exact(outcome.durable, reference, COMMITTED)
+    assert_reported(outcome, rows)
+    assert_no_keeper_left(outcome, 1)
+
+
+@pytest.mark.slow
+def test_two_nodes_node_loss_and_corrupt_copy_restore_from_the_peer(reference, workdir, shard_root, logs):
+    faults = [keeper_fault("kill_keeper", 8), kill(8),  # (b) rank 1's node: keeper and rank gone
+              keeper_fault("corrupt_keeper", 12), kill(12)]  # (d) its own copy fails, the peer's replica is next
+    outcome = run_campaign(write_campaign(workdir, "keeper-two-nodes", shard_root, nnodes=2, faults=faults))
+    assert (outcome.stage["attempts"], outcome.stage["restarts"]) == (3, 2)
+    (b, d) = rows = restores(outcome)
+    assert (b["tier"], b["step"]) == ("peer", 6), b
+    assert (d["tier"], d["step"]) == ("peer", 10), d
+    logs.need(r"rank 1 step 10: keeper: ChecksumError: .*sha256 of chunk.*; read from the peer tier instead")
+    assert_bit_exact(outcome.durable, reference, COMMITTED)
+    assert_reported(outcome, rows)
+    assert_no_keeper_left(outcome, 2)

@@ -1,0 +1,71 @@
+"""A keeper run from outside, with real processes: the flow's way (start_keeper tied to its parent,
+stop_keeper waits until the process is gone) and the keeper faults of the fault matrix
+(corrupt_keeper: the rank's copies fail their checksums; kill_keeper: SIGKILL, copies gone)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.checkpoint.files import ChecksumError
+from megatrain.checkpoint.keeper_control import KeeperClient, KeeperError, ask, keeper_dir, start_keeper, stop_keeper
+from megatrain.checkpoint.memory import MemoryCheckpoints
+from megatrain.checkpoint.snapshot import RankSnapshot
+from megatrain.launch.ranks import die_with_parent
+from megatrain.reliability.keeper_faults import corrupt_keeper, kill_keeper
+
+
+@pytest.fixture
+def staging(tmp_path):
+    path = tmp_path / "staging"
+    path.mkdir()
+    yield path
+    with contextlib.suppress(KeeperError):  # never leave a keeper behind, whatever the test did
+        KeeperClient.connect(keeper_dir(path), timeout_s=0).request("shutdown")
+
+
+def started(staging: Path):
+    proc = start_keeper(keeper_dir(staging), staging / "keeper.log", preexec_fn=die_with_parent)
+    deadline = time.monotonic() + 60
+    while not (keeper_dir(staging) / "keeper.sock").exists():  # serving (the interpreter takes a moment)
+        assert proc.poll() is None and time.monotonic() < deadline, (staging / "keeper.log").read_text()
+        time.sleep(0.05)
+    return proc
+
+
+def save(memory: MemoryCheckpoints, step: int) -> None:
+    tensors = {"w": torch.full((64, 64), float(step)), "n": torch.arange(3) + step}
+    memory.save(RankSnapshot(step=step, rank=1, tensor_files={"rank-00001.safetensors": tensors},
+                             json_files={"rank-00001.json": {"step": step}}))
+    memory.wait()
+
+
+def test_stop_keeper_ends_the_process_and_says_when_none_answers(staging):
+    proc = started(staging)
+    assert ask(keeper_dir(staging), "list")[0]["pid"] == proc.pid
+    assert stop_keeper(keeper_dir(staging)) == proc.pid
+    assert proc.wait(timeout=5) == 0  # a clean exit, and already gone when stop_keeper returned
+    assert not (keeper_dir(staging) / "keeper.sock").exists()
+    assert stop_keeper(keeper_dir(staging)) is None
+
+
+def test_keeper_faults_corrupt_the_ranks_copies_then_kill_the_keeper(staging):
+    proc = started(staging)
+    memory = MemoryCheckpoints(staging, rank=1, device=torch.device("cpu"), log_path=staging / "keeper.log")
+    for step in (2, 4):
+        save(memory, step)
+    assert memory.fetch(4)[0]["rank-00001.safetensors"]["n"].tolist() == [4, 5, 6]
+    assert corrupt_keeper(staging, rank=1) == [2, 4]
+    for step in (2, 4):
+        with pytest.raises(ChecksumError, match="sha256 of chunk"):
+            memory.fetch(step)
+    memory.close()
+    assert kill_keeper(staging, rank=1) == proc.pid
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+    assert MemoryCheckpoints(staging, 1, torch.device("cpu"), staging / "keeper.log").held_steps() == []
+    assert kill_keeper(staging, rank=1) is None  # nothing left to kill: a warning, not an error
