@@ -4,6 +4,9 @@ One step is one directory, ``step-00000100/``, the same in the local staging dir
 storage::
 
     model-pp00-tp00.safetensors   model weights of one (pipeline, tensor) shard, written by its dp_rank 0
+                                  (under expert parallelism: all but the routed experts)
+    model-pp00-tp00-ep01.safetensors  expert parallelism only: EP rank 1's slice of the routed experts,
+                                  written by dp_rank 1 (checkpoint/experts.py)
     rank-00003.safetensors        rank 3's optimizer partition (ZeRO) and RNG tensors
     rank-00003.json               rank 3's non-tensor state: step, LR schedule, data position, RNG, counters
     rank-00003.done.json          rank 3's marker, written last: its files with size and sha256
@@ -52,8 +55,10 @@ def parse_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def model_file(pp_rank: int, tp_rank: int) -> str:
-    return f"model-pp{pp_rank:02d}-tp{tp_rank:02d}.safetensors"
+def model_file(pp_rank: int, tp_rank: int, ep_rank: int | None = None) -> str:
+    """A (pp, tp) shard's weights; with ``ep_rank``, that EP rank's slice of the routed experts."""
+    ep = "" if ep_rank is None else f"-ep{ep_rank:02d}"
+    return f"model-pp{pp_rank:02d}-tp{tp_rank:02d}{ep}.safetensors"
 
 
 def rank_tensor_file(rank: int) -> str:

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 
 from megatrain import storage
-from megatrain.checkpoint import catalog, reshard, state
+from megatrain.checkpoint import catalog, experts, reshard, state
 from megatrain.checkpoint.files import (
-    MANIFEST, STAGED, model_file, parse_step, rank_marker, rank_meta_file, rank_tensor_file, step_dir_name,
+    MANIFEST, STAGED, parse_step, rank_marker, rank_meta_file, rank_tensor_file, step_dir_name,
 )
 from megatrain.checkpoint.memory import MemoryCheckpoints, PeerSettings, restore_from_memory
 from megatrain.checkpoint.restore import RunIdentity, restore_checkpoint
@@ -81,6 +81,8 @@ class Checkpointer:
         self.fingerprint = self.identity.fingerprint
         self.layout = {"dp": groups.dims.dp, "tp": groups.dims.tp, "pp": groups.dims.pp, "world_size": env.world_size,
                        "zero_stage": cfg.parallel.zero_stage}
+        if groups.dims.ep > 1:  # recorded only where it matters: a layout without it is ep=1
+            self.layout["ep"] = groups.dims.ep
         self.history: list[dict] = []  # changes of schedule or layout this run's checkpoints went through
         self.snapshotter = Snapshotter(self.ckpt.staging_dir, env.device)
         self.memory = MemoryCheckpoints(self.ckpt.staging_dir, env.rank, env.device,
@@ -187,9 +189,7 @@ class Checkpointer:
         root = Path(self.ckpt.staging_dir)
         if root.is_dir():
             rank, g = self.groups.rank, self.groups
-            mine = [rank_tensor_file(rank), rank_meta_file(rank), rank_marker(rank)]
-            if g.dp_rank == 0:
-                mine.append(model_file(g.pp_rank, g.tp_rank))
+            mine = [rank_tensor_file(rank), rank_meta_file(rank), rank_marker(rank), *experts.weight_files(g)]
             if rank == 0:
                 mine.append(STAGED)
             for step_dir in (p for p in root.iterdir() if parse_step(p.name) is not None):
@@ -252,9 +252,9 @@ class Checkpointer:
         rng_tensors, rng_meta = state.rng_state(self.env.device)
         loader_state = trainer.loader.state_dict()
         coords = {"pp": g.pp_rank, "dp": g.dp_rank, "tp": g.tp_rank}
-        tensor_files = {rank_tensor_file(rank): {**optim_tensors, **rng_tensors}}
-        if g.dp_rank == 0:  # DP replicas hold the same weights: one copy per (pp, tp) shard
-            tensor_files[model_file(g.pp_rank, g.tp_rank)] = state.model_tensors(engine.module)
+        # DP replicas hold the same weights: one copy per (pp, tp) shard (and per EP slice of the experts)
+        tensor_files = {rank_tensor_file(rank): {**optim_tensors, **rng_tensors},
+                        **experts.model_files(engine.module, g)}
         meta = {
             "step": trainer.step, "rank": rank, "coords": coords, "fingerprint": self.fingerprint,
             "layout": self.layout, "optimizer": optim_meta, "scheduler": state.scheduler_state(engine.lr_scheduler),

@@ -25,6 +25,8 @@ Restoring into another layout goes through the *full* (unsharded) value of each 
    so the loader re-splits it over the new DP ranks. RNG: a rank restores the streams of the old
    rank with the same global rank when there is one (python/numpy/torch CPU are seeded alike on
    every rank), else keeps its seeded state.
+5. Expert parallelism (experts.py): an expert shard's weight and moments are joined from the old
+   EP ranks' slices and this rank's slice is cut, so any ep degree restores any other.
 """
 
 from __future__ import annotations
@@ -40,49 +42,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megatrain.checkpoint import state
+from megatrain.checkpoint import experts, state
 from megatrain.checkpoint.files import load_safetensors, model_file, rank_meta_file, rank_tensor_file
+from megatrain.checkpoint.names import canonical_names, param_names
 from megatrain.parallel.dims import ParallelDims, ProcessGroups
 from megatrain.parallel.tensor_parallel import join_shards, shard_tensor
 
 log = logging.getLogger("megatrain.checkpoint")
-
-
-def canonical_name(name: str) -> str:
-    """A GPT state-dict name without the wrappers parallelize() may add:
-    ``blocks.0.block.attn.qkv.weight`` (activation checkpointing) -> ``blocks.0.attn.qkv.weight``."""
-    name = name.replace("_orig_mod.", "")
-    return re.sub(r"^(blocks\.\d+)\.block\.", r"\1.", name)
-
-
-def _canonical(module: nn.Module, name: str) -> str:
-    """The canonical name of ``name`` in a GPT or a DeepSpeed PipelineModule. A PipelineModule names
-    its layers by their index in ``pipeline_layers()``: [Embedding (when tied: under
-    ``tied_modules.embed``), blocks..., (the tied embedding again), LossHead]."""
-    from megatrain.model.gpt import Embedding
-    from megatrain.parallel.pipeline import LossHead
-
-    if not hasattr(module, "forward_funcs"):
-        return canonical_name(name)
-    head, _, rest = name.partition(".")
-    if head == "tied_modules":
-        return "embed." + rest.partition(".")[2]
-    layer = module._modules[head]
-    if isinstance(layer, Embedding):
-        return "embed." + rest
-    if isinstance(layer, LossHead):
-        return rest  # "head.ln_f.weight"
-    return canonical_name(f"blocks.{int(head) - 1}.{rest}")
-
-
-def canonical_names(module: nn.Module) -> dict[str, str]:
-    """Live state-dict name (as in the model file) -> canonical GPT name."""
-    return {name: _canonical(module, name) for name in state.model_tensors(module)}
-
-
-def _param_names(module: nn.Module) -> dict[int, str]:
-    """id(parameter) -> canonical name."""
-    return {id(p): _canonical(module, name) for name, p in module.named_parameters()}
 
 
 def _tp_split(param: torch.Tensor) -> list | None:
@@ -107,9 +73,12 @@ def _offset(param: torch.Tensor, flat: torch.Tensor) -> int:
 
 def param_map(module: nn.Module, optimizer: Any, dp_rank: int) -> dict[str, Any]:
     """What a restore at another layout needs to know about this rank's tensors (plain JSON)."""
-    names = _param_names(module)
+    names = param_names(module)
     tp = {names[id(p)]: _tp_split(p) for p in module.parameters() if id(p) in names}
     out: dict[str, Any] = {"names": canonical_names(module), "tp": tp}
+    ep = experts.ep_map(module, names)
+    if ep:  # expert parallelism: each expert shard's slice of its layer (experts.py)
+        out["ep"] = ep
     if state._is_zero3(optimizer):  # each parameter's own slice of its flattened (padded) value
         groups = []
         for flat, params in zip(state.fp32_partitions(optimizer), optimizer.fp16_groups):
@@ -165,7 +134,7 @@ def _cut_tp(full: torch.Tensor, split: list[int] | None, rank: int, world: int) 
 
 def old_dims(manifest: dict[str, Any]) -> ParallelDims:
     layout = manifest["layout"]
-    return ParallelDims(dp=int(layout["dp"]), tp=int(layout["tp"]), pp=int(layout["pp"]))
+    return ParallelDims(dp=int(layout["dp"]), tp=int(layout["tp"]), pp=int(layout["pp"]), ep=int(layout.get("ep", 1)))
 
 
 def read_full_state(metas: dict[int, dict], dims: ParallelDims, load: Callable[[str], dict[str, torch.Tensor]],
@@ -179,14 +148,25 @@ def read_full_state(metas: dict[int, dict], dims: ParallelDims, load: Callable[[
         head = metas[dims.rank_of(pp, 0, 0)]["shards"]
         names = [n for n in head["tp"] if wanted is None or n in wanted]
         names = [n for n in names if n not in params]  # a tied weight: the first stage's copy
+        split = head["tp"]
+        # persistent buffers (an MoE router's bias): in the model files only, the same on every TP rank
+        buffers = [n for n in dict.fromkeys(head["names"].values())
+                   if n not in split and n not in params and (wanted is None or n in wanted)]
+        if weights and buffers:
+            first = load(model_file(pp, 0))
+            live = {canonical: name for name, canonical in head["names"].items()}
+            for n in buffers:
+                params[n] = FullParam(weight=first[live[n]])
         if not names:
             continue
-        split = head["tp"]
         if weights and head["kind"] != "zero3":  # ZeRO-3 model files hold placeholders: weights = masters
             files = [load(model_file(pp, t)) for t in range(dims.tp)]
             file_names = {canonical: live for live, canonical in head["names"].items()}
+            sliced = head.get("ep", {})  # expert shards: one file per EP rank
             for n in names:
-                params.setdefault(n, FullParam()).weight = _join_tp([f[file_names[n]] for f in files], split[n])
+                parts = [experts.read_expert_weight(load, pp, t, dims.ep, file_names[n]) if n in sliced
+                         else files[t][file_names[n]] for t in range(dims.tp)]
+                params.setdefault(n, FullParam()).weight = _join_tp(parts, split[n])
         if optimizer or head["kind"] == "zero3":
             _read_optimizer(metas, dims, pp, set(names), load, params, scalars)
         if head["kind"] == "zero3":
@@ -207,7 +187,8 @@ def _read_optimizer(metas: dict[int, dict], dims: ParallelDims, pp: int, names: 
         for i, group in enumerate(layout["groups"]):
             if layout["kind"] in ("zero", "zero3"):
                 _read_flat_group(i, group, tensors, names, shards, scalars, per_parameter=layout["kind"] == "zero3")
-            else:
+            else:  # without ZeRO every DP rank holds the same state, but for the expert shards:
+                sliced = layout.get("ep", {})  # those of EP rank e are in dp_rank e's file
                 for j, (name, shape) in enumerate(group):
                     prefix = f"torch.{i}.{j}."
                     if name not in names:
@@ -219,6 +200,8 @@ def _read_optimizer(metas: dict[int, dict], dims: ParallelDims, pp: int, names: 
                         if tensor.numel() != torch.Size(shape).numel():
                             scalars.setdefault(i, {})[key] = tensor
                         else:
+                            if name in sliced:
+                                tensor = experts.join([tensors[e][tname] for e in range(dims.ep)])
                             shards.setdefault(name, {}).setdefault(key, []).append(tensor)
             for sname, value in scalar_meta.items():  # JSON scalars, e.g. a python-int step
                 m = re.match(r"^(?:zero|torch)\.(\d+)\.(?:\d+\.)?state\.(.+)$", sname)
@@ -292,23 +275,27 @@ def _apply_zero3(optimizer: Any, full: FullState, names: dict[int, str], local: 
 def apply_full_state(module: nn.Module, optimizer: Any, full: FullState, groups: ProcessGroups,
                      weights: bool = True) -> None:
     """Copy this rank's TP shard / ZeRO slice of every full tensor into the live run, in place."""
-    names = _param_names(module)
+    names = param_names(module)
     tp_rank, tp = groups.tp_rank, groups.dims.tp
 
     def local(p: torch.Tensor, full_tensor: torch.Tensor) -> torch.Tensor:
-        return _cut_tp(full_tensor, _tp_split(p), tp_rank, tp)
+        return _cut_tp(experts.cut(p, full_tensor, names[id(p)]), _tp_split(p), tp_rank, tp)
 
-    if state._is_zero3(optimizer):  # the model holds placeholders: its weights are the partitions
-        _apply_zero3(optimizer, full, names, local, groups)
-        return
+    zero3 = state._is_zero3(optimizer)
     if weights:
         live = state.model_tensors(module)
+        # ZeRO-3: the parameters are placeholders, their weights the partitions (below); buffers are whole
+        placeholders = {name for name, _ in module.named_parameters()} if zero3 else set()
         for live_name, canonical in canonical_names(module).items():
+            if live_name in placeholders:
+                continue
             found = full.params.get(canonical)
             if found is None or found.weight is None:
                 raise ValueError(f"{canonical}: not in the checkpoint (a different model?)")
             state._copy_exact(live[live_name], _local_like(live[live_name], found.weight, live_name, module, tp_rank, tp), canonical)
-    if state._is_zero(optimizer):
+    if zero3:
+        _apply_zero3(optimizer, full, names, local, groups)
+    elif state._is_zero(optimizer):
         base = optimizer.optimizer
         for i, (flat, params, part) in enumerate(_zero_groups(optimizer)):
             start = groups.dp_rank * part.numel()
@@ -342,7 +329,7 @@ def _local_like(live: torch.Tensor, full_tensor: torch.Tensor, live_name: str, m
     """The shard of ``full_tensor`` that the live tensor ``live_name`` holds."""
     param = dict(module.named_parameters()).get(live_name)
     split = _tp_split(param) if param is not None else None
-    return _cut_tp(full_tensor, split, tp_rank, tp).to(live.dtype)
+    return _cut_tp(experts.cut(param, full_tensor, live_name), split, tp_rank, tp).to(live.dtype)
 
 
 def _set_state(slot: dict, key: str, value: Any) -> None:
@@ -384,7 +371,7 @@ def read_metas(read: Callable[[str], bytes], manifest: dict[str, Any], groups: P
 @dataclass
 class Loaded:
     full: FullState
-    weights: bool  # this rank read the weights (dp_rank 0 of its new shard)
+    weights: bool  # this rank read the weights (dp_rank 0 of its new shard; under EP the first of its EDP group)
     rng: tuple[dict[str, torch.Tensor], dict[str, Any]] | None  # the old rank with this global rank's
 
 
@@ -401,9 +388,9 @@ def read_resharded(engine: Any, read: Callable[[str], bytes], metas: dict[int, d
 
     dims = old_dims(manifest)
     old_kind = metas[0]["shards"]["kind"]
-    # weights: one reader per new (pp, tp) shard, then broadcast; without ZeRO the old weights
-    # are also the fp32 master weights, which every rank needs
-    reader = groups.dp_rank == 0
+    # weights: one reader per new (pp, tp) shard (and per EDP group: its experts), then broadcast;
+    # without ZeRO the old weights are also the fp32 master weights, which every rank needs
+    reader = groups.dp_rank < groups.dims.ep
     wanted = set(canonical_names(engine.module).values())
     full = read_full_state(metas, dims, load, wanted, weights=reader or old_kind == "torch", optimizer=True)
     mine = metas.get(groups.rank)
@@ -414,24 +401,5 @@ def read_resharded(engine: Any, read: Callable[[str], bytes], metas: dict[int, d
 def apply_resharded(engine: Any, loaded: Loaded, groups: ProcessGroups) -> None:
     """Put what ``read_resharded`` read into this rank, in place, and share the weights over DP."""
     apply_full_state(engine.module, engine.optimizer, loaded.full, groups, weights=loaded.weights)
-    broadcast_weights(engine.module, groups)
-    log.info("resharded into dp=%d tp=%d pp=%d", groups.dims.dp, groups.dims.tp, groups.dims.pp)
-
-
-def live_names(tensors: dict[str, torch.Tensor], meta: dict[str, Any], module: nn.Module) -> dict[str, torch.Tensor]:
-    """A model file's tensors under this run's live names (same layout; the wrappers may differ,
-    e.g. activation checkpointing turned on). Files without a parameter map: GPT names."""
-    saved = meta.get("shards", {}).get("names") or {name: canonical_name(name) for name in tensors}
-    live = {canonical: name for name, canonical in canonical_names(module).items()}
-    return {live.get(saved.get(name, name), name): tensor for name, tensor in tensors.items()}
-
-
-def broadcast_weights(module: nn.Module, groups: ProcessGroups) -> None:
-    """dp_rank 0 of this (pp, tp) shard sends the weights it read to the other DP replicas."""
-    if groups.dims.dp == 1 or not dist.is_initialized():
-        return
-    src = groups.dims.rank_of(groups.pp_rank, 0, groups.tp_rank)
-    with torch.no_grad():
-        for tensor in state.model_tensors(module).values():
-            if tensor.numel():  # ZeRO-3 placeholders: the weights live in the partitions
-                dist.broadcast(tensor, src=src, group=groups.dp_group)
+    experts.broadcast_weights(engine.module, groups)
+    log.info("resharded into dp=%d tp=%d pp=%d ep=%d", groups.dims.dp, groups.dims.tp, groups.dims.pp, groups.dims.ep)

@@ -13,8 +13,10 @@
    reasons are logged and all ranks move on to the previous checkpoint.
 3. Who reads what (MegaScale's "one reader per group, then broadcast"): model weights are the same
    on every data-parallel replica, so only dp_rank 0 of each (pp, tp) shard reads the model file
-   and broadcasts the tensors over its DP group; optimizer state under ZeRO is a different
-   partition on each DP rank, so each rank reads its own rank file (there is nothing to share).
+   and broadcasts the tensors over its DP group (under expert parallelism the first rank of each
+   EDP group also reads its slice of the experts and broadcasts it over that group: experts.py);
+   optimizer state under ZeRO is a different partition on each DP rank, so each rank reads its
+   own rank file (there is nothing to share).
 4. Everything is put back in place: model, optimizer partition and hyper-parameters, LR schedule,
    DeepSpeed's step counters, data-loader position and, last, the RNG states, so the next step is
    bit-identical to the one an uninterrupted run would take.
@@ -30,12 +32,13 @@ import torch
 import torch.distributed as dist
 
 from megatrain import errors, storage
-from megatrain.checkpoint import catalog, reshard, state
+from megatrain.checkpoint import catalog, experts, reshard, state
 from megatrain.config import compat
 from megatrain.checkpoint.files import (
-    ChecksumError, check_bytes, check_parses, model_file, parse_json, parse_safetensors, rank_meta_file,
-    rank_tensor_file, sha256_stream,
+    ChecksumError, check_bytes, check_parses, parse_json, parse_safetensors, rank_meta_file, rank_tensor_file,
+    sha256_stream,
 )
+from megatrain.checkpoint.names import live_names
 from megatrain.parallel.dims import ProcessGroups
 
 log = logging.getLogger("megatrain.checkpoint")
@@ -122,7 +125,7 @@ def check_compatible(manifest: dict[str, Any], meta0: dict[str, Any] | None, ide
 def same_layout(saved: dict[str, Any], mine: dict[str, Any]) -> bool:
     """True when every rank's files fit this run as they are (no resharding)."""
     keys = ("dp", "tp", "pp", "world_size")
-    if any(saved.get(k) != mine.get(k) for k in keys):
+    if any(saved.get(k) != mine.get(k) for k in keys) or saved.get("ep", 1) != mine.get("ep", 1):
         return False
     if "zero_stage" in saved and "zero_stage" in mine:  # ZeRO 1 and 2 share a partition layout; 0 and 3 do not
         return _partitioning(saved["zero_stage"]) == _partitioning(mine["zero_stage"])
@@ -148,18 +151,15 @@ def read_verified(step_url: str, name: str, manifest: dict[str, Any]) -> bytes:
 class RankState:
     """What one rank read for one checkpoint."""
 
-    model: dict[str, torch.Tensor] | None  # only on the rank that reads its shard's model file
+    model: dict[str, torch.Tensor] | None  # only on a rank that reads model files (experts.weight_files)
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
 
 
 def read_rank_state(step_url: str, manifest: dict[str, Any], groups: ProcessGroups) -> RankState:
-    """Read and verify this rank's files (and its shard's model file when it is the DP reader)."""
+    """Read and verify this rank's files (and its shard's model files when it is their reader)."""
     rank = groups.rank
-    model = None
-    if groups.dp_rank == 0:
-        name = model_file(groups.pp_rank, groups.tp_rank)
-        model = parse_safetensors(read_verified(step_url, name, manifest), name)
+    model = experts.read_weights(groups, lambda name: parse_safetensors(read_verified(step_url, name, manifest), name))
     tensors = parse_safetensors(read_verified(step_url, rank_tensor_file(rank), manifest), rank_tensor_file(rank))
     meta = parse_json(read_verified(step_url, rank_meta_file(rank), manifest), rank_meta_file(rank))
     if not isinstance(meta, dict) or meta.get("step") != manifest["step"] or meta.get("rank") != rank:
@@ -353,8 +353,9 @@ def apply_rank_state(trainer: Any, rank_state: RankState, groups: ProcessGroups,
     (only the step count of the schedule comes from the checkpoint)."""
     engine, meta = trainer.engine, rank_state.meta
     if rank_state.model is not None:
-        state.load_model_tensors(engine.module, reshard.live_names(rank_state.model, meta, engine.module))
-    reshard.broadcast_weights(engine.module, groups)
+        state.load_model_tensors(engine.module, live_names(rank_state.model, meta, engine.module),
+                                 names=experts.names_read(engine.module, groups))
+    experts.broadcast_weights(engine.module, groups)
     state.load_optimizer_state(engine.optimizer, rank_state.tensors, meta["optimizer"],
                                hyperparameters=full and not schedule_changed)
     if full:

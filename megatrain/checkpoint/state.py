@@ -182,8 +182,12 @@ def _copy_exact(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         dst.copy_(src)
 
 
-def load_model_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def load_model_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], names: set[str] | None = None) -> None:
+    """Copy ``tensors`` into the module in place: every model tensor, or exactly ``names`` (a
+    rank that reads only some of the weights, e.g. its slice of the experts)."""
     live = model_tensors(module)
+    if names is not None:
+        live = {name: tensor for name, tensor in live.items() if name in names}
     if set(live) != set(tensors):
         missing, extra = sorted(set(live) - set(tensors)), sorted(set(tensors) - set(live))
         raise ValueError(f"model tensors differ from the checkpoint: missing {missing[:3]}, unexpected {extra[:3]}")

@@ -34,9 +34,10 @@ What composes (validated in ``config/schema.py``):
   gradients itself. Refused naming ``parallel.tp`` / ``parallel.pp``.
 - fp32 weights (``train.dtype=fp32``): ZeRO-0 in bf16 is DeepSpeed's FP16_Optimizer, which reduces
   and clips fp32 copies of its own; refused in ``deepspeed.py``.
-- Checkpoints: not yet. ``checkpoint/manager.py`` writes one model file per (pp, tp) shard from
-  dp_rank 0, which holds only EP rank 0's experts, so the trainer refuses ep > 1 until the
-  checkpoint writes a file per (pp, tp, ep) shard (and restore reads it per EDP group).
+- Checkpoints: each expert shard records its slice of the layer's experts (``expert_slice``:
+  first global id, total), so ``checkpoint/experts.py`` writes one file of experts per (pp, tp,
+  ep) from the first rank of each EDP group, and restore at another ep degree joins and re-cuts
+  the slices.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from megatrain.optim.lamb import Lamb, TensorSegments
 from megatrain.parallel.dims import ProcessGroups
 
 EXPERT_PARAM = "expert_parallel"  # attribute set on the expert shards (True)
+EXPERT_SLICE = "expert_slice"  # (first global expert id, experts of the whole layer) of an expert shard
 
 
 class AllToAll(torch.autograd.Function):
@@ -101,6 +103,12 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return getattr(param, EXPERT_PARAM, False)
 
 
+def expert_slice(param: torch.Tensor) -> tuple[int, int] | None:
+    """(first global expert id, experts of the whole layer) of an expert shard; None otherwise
+    (a replicated tensor, or experts held whole)."""
+    return getattr(param, EXPERT_SLICE, None)
+
+
 def apply_expert_parallel(model: nn.Module, groups: ProcessGroups) -> None:
     """Keep this EP rank's slice of every MoE layer's experts (the model was built whole, so the
     slice has the weights one process would hold for those experts) and route through the
@@ -117,6 +125,7 @@ def apply_expert_parallel(model: nn.Module, groups: ProcessGroups) -> None:
             whole = getattr(experts, name)
             shard = nn.Parameter(whole.detach()[first:first + local].clone(), requires_grad=whole.requires_grad)
             setattr(shard, EXPERT_PARAM, True)
+            setattr(shard, EXPERT_SLICE, (first, n))  # where the checkpoint puts (and finds) these experts
             # deepspeed.initialize broadcasts every replicated parameter from DP rank 0, which would give
             # every rank EP rank 0's experts; it skips those marked as per-shard weights (its OptimizedLinear's)
             shard.ds_optim_param = True

@@ -187,10 +187,6 @@ class Trainer:
         p = self.cfg.parallel
         dims = ParallelDims(dp=p.data_parallel_size(self.env.world_size), tp=p.tp, pp=p.pp, ep=p.ep)
         dims.validate(self.env.world_size, p.gpus_per_node, self.cfg.model.n_head, self.cfg.model.n_layer)
-        if p.ep > 1:  # everything else of EP is wired (parallelize, deepspeed config, _build_engine)
-            raise ConfigError(f"parallel.ep={p.ep}: expert-parallel runs cannot be checkpointed yet (the checkpoint "
-                              "writes one model file per (pp, tp) shard from dp_rank 0, which holds only EP rank 0's "
-                              "experts); use parallel.ep=1")
         if self.cfg.model.mlp == "moe" and (p.tp > 1 or self.cfg.train.precision == "fp8"):
             raise ConfigError(f"model.mlp=moe: not yet with parallel.tp={p.tp} > 1 or train.precision=fp8 "
                               "(the experts have no tensor-parallel or FP8 form); use tp 1 and bf16")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from checkpoint_fakes import assert_same_state, full_state, make_trainer, run
 
-from megatrain.checkpoint import catalog, reshard
+from megatrain.checkpoint import catalog, names, reshard
 from megatrain.checkpoint.manager import Checkpointer
 from megatrain.checkpoint.restore import CheckpointMismatch
 
@@ -40,9 +40,9 @@ def test_a_grouped_query_qkv_is_cut_per_block():
 
 
 def test_canonical_names_drop_the_wrappers():
-    assert reshard.canonical_name("blocks.3.block.attn.qkv.weight") == "blocks.3.attn.qkv.weight"
-    assert reshard.canonical_name("blocks.0._orig_mod.mlp.fc.bias") == "blocks.0.mlp.fc.bias"
-    assert reshard.canonical_name("embed.wte.weight") == "embed.wte.weight"
+    assert names.canonical_name("blocks.3.block.attn.qkv.weight") == "blocks.3.attn.qkv.weight"
+    assert names.canonical_name("blocks.0._orig_mod.mlp.fc.bias") == "blocks.0.mlp.fc.bias"
+    assert names.canonical_name("embed.wte.weight") == "embed.wte.weight"
 
 
 def _as_old_format(step_dir: Path) -> None:

@@ -256,19 +256,6 @@ def test_config_refuses_what_does_not_compose():
     assert ConfigError  # the loader turns these into a ConfigError naming the field
 
 
-def test_the_trainer_refuses_ep_until_checkpoints_hold_every_expert():
-    """The checkpoint writes one model file per (pp, tp) shard from dp_rank 0: under EP that file
-    would hold EP rank 0's experts only, and a restore would give them to every rank."""
-    from megatrain.config import ConfigError
-    from megatrain.parallel.init import DistEnv
-    from megatrain.training.trainer import Trainer
-
-    cfg = build_config({"set": {"parallel.ep": 2}}, world=2)
-    env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(ConfigError, match="parallel.ep=2: expert-parallel runs cannot be checkpointed"):
-        Trainer(cfg, env)
-
-
 def test_groups_carve_ep_out_of_dp():
     from megatrain.parallel.dims import ParallelDims
 
