@@ -138,11 +138,16 @@ def hold_run_dir(cfg) -> Lease:
 
 
 def _train(cfg) -> int:
+    from megatrain.launch.compile_cache import use_compile_cache
+
+    # before anything compiles: a restart finds the compiled graphs and kernels of the attempts before it
+    cache = use_compile_cache(cfg.train.run_dir) if cfg.model.compile else None
     from megatrain.parallel.init import init_distributed, shutdown_distributed
     from megatrain.observe.startup import StartupTimer
     from megatrain.training.trainer import Trainer
 
     startup = StartupTimer(int(os.environ.get("RANK", 0)))  # imports so far count as its first phase
+    startup.compile_cache = cache
     env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.reliability.collective_timeout_s,
                            init=cfg.parallel.init, run_id=cfg.run_id, redis_url=cfg.reliability.redis_url,
                            timer=startup)

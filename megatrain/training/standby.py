@@ -37,6 +37,9 @@ def warm_imports() -> None:
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     except ImportError:
         pass
+    if torch.cuda.is_available():  # a GPU rank: the driver up, and what its compiled first step imports
+        torch.cuda.init()  # no device context yet: the rank's LOCAL_RANK picks its GPU after the hand-over
+        import torch._inductor.compile_fx  # noqa: F401  (Inductor, Triton: seconds a restart no longer waits)
 
 
 def may_raise_priority() -> bool:
