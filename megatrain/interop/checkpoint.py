@@ -47,7 +47,8 @@ from megatrain.errors import InputError, one_line
 
 log = logging.getLogger("megatrain.interop")
 
-_MODEL_FILE = re.compile(r"^model-pp(\d+)-tp(\d+)\.safetensors$")
+# -epEE: an expert-parallel run's file of EP rank e's slice of the routed experts (checkpoint/experts.py)
+_MODEL_FILE = re.compile(r"^model-pp(\d+)-tp(\d+)(-ep\d+)?\.safetensors$")
 
 
 class RunNotFound(InputError):
@@ -192,11 +193,13 @@ def full_state_dict(step_url: str, manifest: dict[str, Any], model: torch.nn.Mod
     shaped as ``model`` (a plain model of the run's config, possibly on the meta device) wants."""
     n_layer = len(model.blocks)
     shards: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
-    for name in sorted({n for files in manifest["files"].values() for n in files}):
+    for name in sorted({n for files in manifest["files"].values() for n in files}):  # EP slices in EP order
         match = _MODEL_FILE.match(name)
         if match:
             pp, tp = int(match.group(1)), int(match.group(2))
-            shards.setdefault(tp, {})[pp] = load_safetensors(read_verified(step_url, name, manifest))
+            stage = shards.setdefault(tp, {}).setdefault(pp, {})
+            for tensor_name, tensor in load_safetensors(read_verified(step_url, name, manifest)).items():
+                stage[tensor_name] = torch.cat([stage[tensor_name], tensor]) if tensor_name in stage else tensor
     if not shards:
         raise RunNotFound(f"{step_url}: the manifest lists no model file")
     by_name: dict[str, list[torch.Tensor]] = {}
