@@ -16,9 +16,10 @@ the next ``alloc``: a rank killed while copying leaves the other ranks' keepers 
 also holds (the restore takes the newest step every rank holds, see memory.py).
 
 Lifetime: started detached (its own session, so a launcher's killpg of the ranks does not reach it)
-by the first rank that finds none (memory.py); one per key (a node's staging dir) thanks to
-an exclusive flock. It ends on ``shutdown`` (the run finished), on SIGTERM, or when no rank has
-been connected for ``idle_s``. Because the slots are anonymous memory, nothing is left behind
+by the campaign flow before a stage (tied to the flow process: tasks/keepers.py), or by the first
+rank that finds none (memory.py); one per key (a node's staging dir) thanks to an exclusive
+flock. It ends on ``shutdown`` (the run finished, or the flow's stage ended), on SIGTERM, or when
+no rank has been connected for ``idle_s``. Because the slots are anonymous memory, nothing is left behind
 in /dev/shm even after a SIGKILL: the memory goes when the last process mapping it is gone.
 
 Peer tier (keeper_peer.py): with ``--registry`` and the run token, sealed copies are also sent to

@@ -2,9 +2,9 @@
 
 The keeper (keeper.py) is found by a folder derived from the node's staging dir, so every rank
 of a node, and every attempt of a run, reaches the same one (keeper_control.py). The campaign
-flow starts one per node before a stage; a rank that finds none starts it, detached (see
-``start_keeper``); the run's last save shuts it down, and the flow stops what is left at the
-stage's end.
+flow starts one per node before a stage; a rank that finds none starts it, detached
+(``keeper_control.start_keeper``); the run's last save shuts it down, and the flow stops what is
+left at the stage's end.
 
 Save (``MemoryCheckpoints.save``, on the training thread): wait for the previous seal, ask the
 keeper for its spare slot, copy every tensor from the device straight into that shared memory

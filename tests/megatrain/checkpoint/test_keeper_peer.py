@@ -2,7 +2,8 @@
 dirs, node ids 0 and 1, a registry folder), each started by a rank process that saves and dies.
 
 Node 1's keeper replicates its rank's copies to node 0's over TCP (and node 0's to node 1's). Then
-node 1 is lost: its keeper is SIGKILLed. A restarted rank of node 1 finds nothing in its own
+node 0's own copy of rank 0 is damaged: the next tier is node 1's replica of it. Then node 1 is
+lost: its keeper is SIGKILLed. A restarted rank of node 1 finds nothing in its own
 keeper and fetches its copy from node 0's replica, bit for bit what it saved; a copy corrupted in
 node 0's memory is refused by its checksums, so restore goes on to the durable tier; a process
 without the run's token can neither list, fetch nor push copies.
@@ -117,6 +118,22 @@ def test_node_loss_restores_from_the_peer_replica_and_refuses_corruption_and_str
     assert sent["step"] == 4 and sent["node"] == 0 and sent["bytes"] >= 1000 * 700 * 4, sent
     print(f"replication of a {sent['bytes'] / 1e6:.1f} MB copy: {sent['seconds']:.3f} s")
     assert status0["peer"]["replicas"].get("0") is None  # a node never holds its own ranks as replicas
+
+    # Node 0's own copy of rank 0 damaged in its memory: refused, and the next tier is node 1's
+    # replica, not node 0's own keeper again (it also serves its own ranks' copies to peers).
+    own = KeeperClient.connect(keeper_dir(staging0), timeout_s=5)
+    reply, fds = own.request("get", rank=0, step=4)
+    with mmap.mmap(fds[0], reply["nbytes"]) as shared:
+        shared[reply["used"] // 2] ^= 0xFF
+    os.close(fds[0])
+    own.close()
+    rank0 = MemoryCheckpoints(staging0, rank=0, device=torch.device("cpu"), log_path=staging0 / "k.log", peer=peer0)
+    with pytest.raises(ChecksumError, match="sha256 of chunk"):
+        rank0.fetch(4)
+    assert rank0.peer_steps()[4] == status1["peer"]["address"]
+    got = rank0.fetch(4, status1["peer"]["address"])[0]["rank-00000.safetensors"]
+    assert all(torch.equal(got[k], v) for k, v in expected(0, 4).items())
+    rank0.close()
 
     # Node 1 is lost: its keeper dies by SIGKILL (its rank is dead already).
     os.kill(status1["pid"], signal.SIGKILL)
