@@ -91,7 +91,10 @@ def _relative_differences(got: dict, want: dict) -> dict[str, float]:
     return out
 
 
-def test_the_gpu_campaign_recovers_both_faults_to_the_fault_free_state(prefect_api, tmp_path, shard_root):
+def test_the_gpu_campaign_recovers_both_faults_to_the_fault_free_state(prefect_api, tmp_path, shard_root, monkeypatch):
+    # one compile cache for both campaigns (megatrain/launch/compile_cache.py): the fault-free run
+    # compiles nothing again, and both run the very same kernels
+    monkeypatch.setenv("MEGATRAIN_COMPILE_CACHE_DIR", str(tmp_path / "compile-cache"))
     recover_and_compare(tmp_path, shard_root, "configs/gpt-125m.yaml", GPT_125M)
 
 

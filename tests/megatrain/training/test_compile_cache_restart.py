@@ -26,7 +26,7 @@ def _train(run_dir: Path, shard_root: Path, steps: int, inherited_cache: Path) -
          "optim.decay_steps=2", "model.compile=true", "model.n_layer=1", "train.eval_interval=0",
          "train.tensorboard=false", "checkpoint.interval=1", "data.max_source_bytes=400000",
          f"data.shard_url={shard_root}", f"train.run_dir={run_dir}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return read_startup(run_dir)
