@@ -6,6 +6,8 @@
                and waiting (their side is ``megatrain/training/standby.py``)
 - ``nodes``    N torchrun agents on one machine (nodes x ranks), for elastic campaigns
 - ``lease``    one writer per campaign or run dir (a lease file with pid, host, heartbeat)
+- ``compile_cache`` where a run's torch.compile caches live (the campaign's or run dir's
+               ``compile-cache``), so a restart finds the graphs and kernels compiled before it
 
 Nothing here imports torch: the Prefect tasks launch ranks without loading the engine.
 """
