@@ -39,6 +39,7 @@ from pathlib import Path
 
 PROCESS_MODULE = "megatrain.training.standby"  # what each standby process runs (its side of the pipe)
 READY_LINE = "megatrain: standby ready"  # printed once the imports are done
+STANDBY_INDEX_ENV = "MEGATRAIN_STANDBY_INDEX"  # which process of its set: the local rank it will be handed
 
 
 def rank_env(rank: int, world: int, master_port: int) -> dict[str, str]:
@@ -56,11 +57,13 @@ class StandbySet:
     def __init__(self, nproc: int, env: dict[str, str] | None, cwd: str | Path | None) -> None:
         from megatrain.launch.ranks import die_with_parent
 
-        self.procs = [
+        base = dict(os.environ if env is None else env)
+        self.procs = [  # process i becomes local rank i at the hand-over: it may ready that GPU now
             subprocess.Popen([sys.executable, "-m", PROCESS_MODULE], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                             start_new_session=True, preexec_fn=die_with_parent, env=env, cwd=cwd)
-            for _ in range(nproc)
+                             start_new_session=True, preexec_fn=die_with_parent,
+                             env={**base, STANDBY_INDEX_ENV: str(index)}, cwd=cwd)
+            for index in range(nproc)
         ]
         self.ready = [threading.Event() for _ in self.procs]
         self._held: list[list[str]] = [[] for _ in self.procs]

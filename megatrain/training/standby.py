@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from megatrain.launch.standby import READY_LINE
+from megatrain.launch.standby import READY_LINE, STANDBY_INDEX_ENV
 from megatrain.observe.startup import HANDED_OVER_ENV  # the rank's start time, for its start-up breakdown
 
 WARM_NICE = 10  # where SCHED_IDLE cannot be left again: the standby imports at this niceness
@@ -37,9 +37,23 @@ def warm_imports() -> None:
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     except ImportError:
         pass
-    if torch.cuda.is_available():  # a GPU rank: the driver up, and what its compiled first step imports
-        torch.cuda.init()  # no device context yet: the rank's LOCAL_RANK picks its GPU after the hand-over
+    if torch.cuda.is_available():  # a GPU rank: what its compiled first step imports, its GPU ready
         import torch._inductor.compile_fx  # noqa: F401  (Inductor, Triton: seconds a restart no longer waits)
+
+        warm_gpu(int(os.environ.get(STANDBY_INDEX_ENV, "0")))
+
+
+def warm_gpu(local_rank: int) -> None:
+    """The CUDA context and a cuBLAS handle on the GPU this process will train on (process i of a
+    standby set becomes local rank i, megatrain/launch/standby.py), made while the attempt before it
+    trains: a few hundred MB of that GPU's memory, and the driver's part of a restart done."""
+    import torch
+
+    if local_rank >= torch.cuda.device_count():
+        return
+    torch.cuda.set_device(local_rank)
+    probe = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
+    (probe @ probe).sum().item()
 
 
 def may_raise_priority() -> bool:
