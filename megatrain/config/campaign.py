@@ -103,8 +103,8 @@ class CampaignConfig(_Section):
 def visible_gpus() -> int:
     """The CUDA devices this process sees (``nproc_per_node: auto``); ValueError without one. torch is
     imported only here, so a campaign with a number never loads it."""
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() in ("-1",) or (
-        "CUDA_VISIBLE_DEVICES" in os.environ and not os.environ["CUDA_VISIBLE_DEVICES"].strip())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = visible is not None and visible.strip() in ("", "-1")
     count = 0
     if not hidden:
         import torch
