@@ -14,9 +14,8 @@ each restart's tier read from the stage's ``restores.jsonl`` (a row per restore,
       durable step 12 (the next tier on one node).
 - two nodes on this box (``megatrain.launch.nodes``), 1 rank each, keepers replicating to each other:
   (b) node loss at step 8: rank 1's node loses its keeper and its rank -> rank 1's step 6 from the
-      other node's replica (tier ``peer``);
-  (d) rank 1's keeper copies corrupted, rank 1 killed, at step 12 -> its own keeper's copy fails
-      its checksums, the other node's replica of step 10 is used (tier ``peer``).
+      other node's replica (tier ``peer``). (A corrupt own copy with the peer's replica as the next
+      tier is test_keeper_peer.py's, at the engine level: here it would cost a third two-node launch.)
 
 Every campaign ends bit for bit where the fault-free one-node campaign ends (one reference for the
 module: two nodes of one rank compute what one node of two ranks does), no keeper process outlives
@@ -54,8 +53,12 @@ def keeper_fault(kind: str, step: int) -> dict:
 
 def write_campaign(directory: Path, campaign_id: str, shard_url: Path, nnodes: int = 1,
                    faults: list[dict] | None = None) -> Path:
-    """One stage of STEPS steps of the tiny recipe at one layer, 2 ranks (on 1 or 2 nodes)."""
+    """One stage of STEPS steps of the tiny recipe at one layer, 2 ranks (on 1 or 2 nodes). A
+    one-node stage with faults keeps a warm standby (its restarts skip the imports: cheaper);
+    the math is the same either way."""
     stage = ["reliability.faults=" + json.dumps(faults)] if faults else []
+    if faults and nnodes == 1:
+        stage.append("reliability.warm_standby=true")
     doc = {
         "id": campaign_id, "recipe": str(ROOT / "configs/tiny-cpu.yaml"), "nproc_per_node": 2 // nnodes,
         "nnodes": nnodes, "root_dir": str(directory / "campaigns"), "shard_url": str(shard_url),
@@ -140,15 +143,14 @@ def test_one_node_keeper_then_durable_after_a_lost_or_corrupt_keeper(reference, 
 
 
 @pytest.mark.slow
-def test_two_nodes_node_loss_and_corrupt_copy_restore_from_the_peer(reference, workdir, shard_root, logs):
-    faults = [keeper_fault("kill_keeper", 8), kill(8),  # (b) rank 1's node: keeper and rank gone
-              keeper_fault("corrupt_keeper", 12), kill(12)]  # (d) its own copy fails, the peer's replica is next
+def test_two_nodes_node_loss_restores_from_the_peer(reference, workdir, shard_root, logs):
+    faults = [keeper_fault("kill_keeper", 8), kill(8)]  # (b) rank 1's node: keeper and rank gone
     outcome = run_campaign(write_campaign(workdir, "keeper-two-nodes", shard_root, nnodes=2, faults=faults))
-    assert (outcome.stage["attempts"], outcome.stage["restarts"]) == (3, 2)
-    (b, d) = rows = restores(outcome)
-    assert (b["tier"], b["step"]) == ("peer", 6), b
-    assert (d["tier"], d["step"]) == ("peer", 10), d
-    logs.need(r"rank 1 step 10: keeper: ChecksumError: .*sha256 of chunk.*; read from the peer tier instead")
+    assert (outcome.stage["attempts"], outcome.stage["restarts"]) == (2, 1)
+    logs.need(r"fault kill_keeper: killed the checkpoint keeper")
+    (b,) = rows = restores(outcome)
+    assert (b["tier"], b["step"]) == ("peer", 6) and b["durable_step"] in (0, 4), b  # 4: unless its upload lost the race
+    assert 8 - 1 - b["step"] < MEMORY_INTERVAL  # a lost node redoes no more than a rank's crash
     assert_bit_exact(outcome.durable, reference, COMMITTED)
     assert_reported(outcome, rows)
     assert_no_keeper_left(outcome, 2)
