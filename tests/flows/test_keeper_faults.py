@@ -37,7 +37,9 @@ from process_table import processes_mentioning
 
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.keeper_control import keeper_dir
+from megatrain.config import FaultConfig
 from megatrain.observe.jsonl import read_rows
+from megatrain.reliability.faults import fault_key
 
 STEPS, INTERVAL, MEMORY_INTERVAL = 16, 4, 2
 COMMITTED = [8, 12, 16]  # the default keep_last=3
@@ -95,6 +97,19 @@ def restores(outcome) -> list[dict]:
     return rows
 
 
+def recovery_s(outcome, logs, fault: dict, row: dict) -> float:
+    """Seconds from the kill (its marker file, written just before it fires) to the first step
+    after the restore finished (its log record): the restart, the restore and one step."""
+    marker = outcome.run_dir / "faults" / f"fired-kill_rank-{fault_key(FaultConfig(**fault))}.json"
+    t_fault = marker.stat().st_mtime
+    # after the restore's own line: the killed attempt's last step line may reach the log after the kill
+    t_restored, _ = logs.need(rf"restored step {row['step']} from the {row['tier']} tier", after=t_fault)
+    t_step, _ = logs.need(rf"\bstep {row['step'] + 1}/{STEPS}\b", after=t_restored)
+    print(f"recovery, {row['tier']} tier: kill at step {fault['step']} -> step {row['step'] + 1} finished in "
+          f"{t_step - t_fault:.2f} s (restore {row['seconds']:.3f} s)")
+    return t_step - t_fault
+
+
 def assert_reported(outcome, rows: list[dict]) -> None:
     """The campaign report has the stage's restores, a line each with its tier and cost."""
     report = Path(outcome.report["report"]).read_text()
@@ -137,6 +152,8 @@ def test_one_node_keeper_then_durable_after_a_lost_or_corrupt_keeper(reference, 
     logs.need(r"fault kill_keeper: killed the checkpoint keeper")
     assert (d["tier"], d["step"]) == ("durable", 12), d  # step 14's copy in the keeper failed its checksums
     logs.need(r"keeper copies of step 14 rejected: .*sha256 of chunk")
+    for fault, row in zip((faults[0], faults[2], faults[4]), rows):
+        recovery_s(outcome, logs, fault, row)
     assert_bit_exact(outcome.durable, reference, COMMITTED)
     assert_reported(outcome, rows)
     assert_no_keeper_left(outcome, 1)
@@ -151,6 +168,7 @@ def test_two_nodes_node_loss_restores_from_the_peer(reference, workdir, shard_ro
     (b,) = rows = restores(outcome)
     assert (b["tier"], b["step"]) == ("peer", 6) and b["durable_step"] in (0, 4), b  # 4: unless its upload lost the race
     assert 8 - 1 - b["step"] < MEMORY_INTERVAL  # a lost node redoes no more than a rank's crash
+    recovery_s(outcome, logs, faults[1], b)
     assert_bit_exact(outcome.durable, reference, COMMITTED)
     assert_reported(outcome, rows)
     assert_no_keeper_left(outcome, 2)
