@@ -7,6 +7,7 @@ recipe (``--config configs/llama-1b.yaml``, issue 15) the baseline is Hugging Fa
     python benchmarks/mfu.py --quick --out runs/mfu.json          # one device call (< 8 min)
     python benchmarks/mfu.py --out runs/mfu.json                  # longer steps, more micro-batches
     python benchmarks/mfu.py --quick --config configs/tiny-cpu.yaml --device cpu   # smoke test
+    python benchmarks/mfu.py --quick --config configs/moe-gpu-2b.yaml             # MoE (mfu_moe.py, issue 32)
 
 What runs, in order of priority (a time budget skips what no longer fits; JSON is rewritten after
 every measurement, so a run cut short still leaves its numbers):
@@ -91,6 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(e.g. rowwise, keep-ends, mb8)")
     parser.add_argument("--variants", default="", help=f"comma list of A/B rows of the default: {', '.join(VARIANTS)}")
     parser.add_argument("--fp8-no-bound", action="store_true", help="fp8: skip bound.py's FP8 GEMM bound (measured once)")
+    parser.add_argument("--baseline-eager", action="store_true", help="the baseline without torch.compile (CPU smoke tests)")
     parser.add_argument("--trace", action="store_true", help="also write the profile's chrome trace (gzip)")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
     args = parser.parse_args(argv)
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     data = Data(args, data_overrides)
     data.start()
     shape_cfg = load_config(args.config, [*common])
-    if "ceilings" in only:
+    moe = recipe.model.mlp == "moe"  # mfu_moe.py: its own rows, the dense ablation does not apply
+    if "ceilings" in only and not moe:
         measure_ceilings(bench, shape_cfg, device)
 
     def run_dirs(key: str) -> list[str]:
@@ -165,18 +168,19 @@ def main(argv: list[str] | None = None) -> int:
         """variant: run_baseline's convert/key/label/precision (fp8_rows.py's torchao row)."""
         if fits(f"{variant.get('key', 'baseline')} mb {mb}", est_seconds(args.large_batch, args.steps, 60)):
             log(f"{variant.get('label', 'baseline')}, micro-batch {mb}")
-            profile_it = "profile" in only and device.type == "cuda" and mb == recipe_mb and not variant
-            r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps, profile_it, **variant))
+            profile_it = "profile" in only and device.type == "cuda" and mb == recipe_mb and not variant and not moe
+            r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps, profile_it,
+                                          compile_model=not args.baseline_eager, **variant))
             log(f"  -> {fmt(r.tokens_per_s, ',.0f')} tok/s, MFU {fmt(r.mfu and 100 * r.mfu, '.1f')}%, peak {fmt(r.peak_gib, '.1f')} GiB {r.error or ''}")
             return r
         return None
 
-    if "baseline" in only:
+    if "baseline" in only and not moe:
         for mb in baseline_mbs:
             baseline(mb)
 
     # 2b. the bound: the model's GEMMs and attention alone, beside the baseline just measured
-    if "bound" in only and fits("bound", 120):
+    if "bound" in only and not moe and fits("bound", 120):
         from bound import measure_bound, table
 
         base = [r.tokens_per_s for r in bench.results if r.kind == "baseline" and r.tokens_per_s]
@@ -204,6 +208,18 @@ def main(argv: list[str] | None = None) -> int:
         r = bench.add(run_megatrain(bench, spec, cfg, env, data, steps, warmup))
         log(f"  -> {fmt(r.tokens_per_s, ',.0f')} tok/s, MFU {fmt(r.mfu and 100 * r.mfu, '.1f')}%, peak {fmt(r.peak_gib, '.1f')} GiB {r.error or ''}")
         return r
+
+    if moe:  # a mixture of experts (issue 32): megatrain beside transformers' MoE class, mfu_moe.py
+        from mfu_moe import moe_table, run_moe, summarize_moe
+
+        def moe_profile_cfg(mb: int):
+            return (build_config(args, ["model.compile=false", *run_dirs("moe-profile")], common, mb, 2 * mb)
+                    if fits("moe profile", 90) else None)
+
+        run_moe(bench, args, recipe, only, baseline, megatrain_row, moe_profile_cfg, env, data)
+        bench.report["table"] = print_table(bench) + "\n" + moe_table(bench)
+        bench.report["summary"] = summarize_moe(bench, on_cuda=device.type == "cuda")
+        return finish(bench, data)
 
     # 3. megatrain's default (the recipe as it is), at each micro-batch
     default_mbs = [int(x) for x in (args.default_mbs or f"{recipe_mb},8,16").split(",")]
@@ -312,11 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.report["table"] = print_table(bench)
     if "fp8" in only:
         bench.report["fp8"] = fp8_rows.summary(bench)
+    return finish(bench, data)
+
+
+def finish(bench: Bench, data: Data) -> int:
     bench.report["wall_s"] = time.perf_counter() - T0
     bench.save()
     if data.proc is not None and data.proc.poll() is None:
         data.proc.terminate()
-    log(f"done in {time.perf_counter() - T0:.0f}s; JSON: {args.out}")
+    log(f"done in {time.perf_counter() - T0:.0f}s; JSON: {bench.args.out}")
     return 0
 
 

@@ -24,7 +24,7 @@ from nanogpt_baseline import NanoGPT
 
 def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int, steps: int,
                  profile_it: bool = False, convert: Callable[[nn.Module], Any] | None = None,
-                 key: str = "baseline", label: str = "", precision: str = "") -> Result:
+                 key: str = "baseline", label: str = "", precision: str = "", compile_model: bool = True) -> Result:
     """``convert``: applied to the built model before the optimizer and compile (fp8_rows.py's
     torchao float8 row); ``key``/``label``/``precision`` name that row."""
     from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
@@ -33,22 +33,42 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
     device = env.device
     m = cfg.model
     accumulation = global_batch // mb
-    llama = m.position == "rope"  # the Llama family: HF LlamaForCausalLM (benchmarks/llama_baseline.py)
+    moe = m.mlp == "moe"  # a mixture of experts: the transformers MoE class it exports to (mfu_moe.py)
+    llama = m.position == "rope" and not moe  # the Llama family: HF LlamaForCausalLM (benchmarks/llama_baseline.py)
     name = "baseline HF LlamaForCausalLM (SDPA) + torch.compile" if llama else "baseline nanoGPT + torch.compile"
+    # transformers' grouped_mm experts take only bf16 weights under compile: the MoE baseline holds
+    # its weights (and AdamW state) in bf16 on CUDA, as the recipe's header measurement did
+    bf16_weights = moe and device.type == "cuda"
     res = Result(key=f"{key}-mb{mb}", label=f"{label or name}, mb {mb}", kind="baseline" if convert is None else "baseline-variant",
                  micro_batch=mb, global_batch=global_batch,
                  settings={"block": "serial", "attention": "full", "kernels": "torch", "compile": "whole model",
-                           "optim": "AdamW (fused)", "precision": precision or "fp32 weights, bf16 autocast"})
+                           "optim": "AdamW (fused)", "precision": precision or ("bf16 weights and AdamW state" if bf16_weights
+                                                                                  else "fp32 weights, bf16 autocast")})
     reset_memory(device)
     t = time.perf_counter()
     with torch.device(device):
-        if llama:
+        if moe:
+            from mfu_moe import HFMoE
+
+            model = HFMoE(m, cfg.seq_len)
+            name = (f"baseline HF {model.architecture} (SDPA, experts {model.experts_implementation})"
+                    + (" + torch.compile" if compile_model else " eager"))
+            res.label = f"{label or name}, mb {mb}"
+            res.settings.update(hf_class=model.architecture, experts_implementation=model.experts_implementation,
+                                load_balancing_loss=f"transformers' own, coef {model.aux_coef:g}")
+            if bf16_weights:
+                model.to(torch.bfloat16)
+        elif llama:
             from llama_baseline import HFLlama
 
             model = HFLlama(m, cfg.seq_len)
         else:
             model = NanoGPT(m.vocab_size, cfg.seq_len, m.n_layer, m.n_head, m.d_model, m.ffn_dim, m.bias, m.norm_eps)
     n_params = sum(p.numel() for p in model.parameters())
+    if moe:  # MFU by active-parameter FLOPs, as the trainer counts an MoE
+        from mfu_moe import flops_params
+
+        res.settings["parameters"] = {"total_hf": n_params, "active": flops_params(m.model_copy(update={"seq_len": cfg.seq_len}))}
     if convert is not None:
         convert(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -56,7 +76,10 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
     fused = device.type == "cuda"
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=6e-4, betas=(0.9, 0.95), fused=fused or None)
-    compiled = torch.compile(model, dynamic=False)
+    compiled = torch.compile(model, dynamic=False) if compile_model else model
+    if not compile_model:
+        res.settings["compile"] = "eager (--baseline-eager)"
+    model_fn = compiled
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     timers = StepTimers(device)
     res.init_s = time.perf_counter() - t
@@ -68,7 +91,7 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
                 x, y = next(batches)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with timers.phase("forward"), amp:
-                loss = compiled(x, y) / accumulation
+                loss = model_fn(x, y) / accumulation
             with timers.phase("backward"):
                 loss.backward()
             total += loss.detach()
@@ -88,7 +111,19 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
         # Compile on random tokens while the shards are being written (same shapes, same graphs).
         t = time.perf_counter()
         warm_accumulation, accumulation = accumulation, min(2, accumulation)
-        step(random_batches()).item()
+        try:
+            step(random_batches()).item()
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a model torch.compile cannot take still runs eager
+            log(f"  {res.key}: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); eager instead")
+            res.settings["compile"] = f"eager (torch.compile failed: {type(exc).__name__}: {str(exc)[:200]})"
+            res.note = (res.note + "; " if res.note else "") + "torch.compile failed: eager"
+            res.label = res.label.replace("+ torch.compile", "EAGER (compile failed)")
+            torch._dynamo.reset()
+            opt.zero_grad(set_to_none=True)
+            model_fn = model
+            step(random_batches()).item()
         accumulation = warm_accumulation
         timers = StepTimers(device)  # the timed loop's step indices start at 0 (its warm step)
         res.first_step_s = time.perf_counter() - t
@@ -115,7 +150,8 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
         res.step_s = statistics.median(times)
         res.tokens_per_s = global_batch * cfg.seq_len / res.step_s
         res.tokens_per_s_mean = global_batch * cfg.seq_len * len(times) / sum(times)
-        res.flops_per_token = flops_per_token(m.model_copy(update={"seq_len": cfg.seq_len, "attention": "full"}), n_params)
+        res.flops_per_token = flops_per_token(m.model_copy(update={"seq_len": cfg.seq_len, "attention": "full"}),
+                                              res.settings["parameters"]["active"] if moe else n_params)
         peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         res.mfu = mfu(res.tokens_per_s, res.flops_per_token, peak)
         res.phases_ms = median_phases(phases, global_batch // mb)
@@ -144,7 +180,7 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
     finally:
         if loader is not None:
             loader.close()
-        model = compiled = opt = decay = no_decay = None  # free them (not del: step() refers to them)
+        model = compiled = model_fn = opt = decay = no_decay = None  # free them (not del: step() refers to them)
         torch._dynamo.reset()  # compiled code keeps the model alive otherwise
         reset_memory(device)
         res.leftover_gib = allocated_gib(device)

@@ -111,6 +111,8 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
                            "compile": "blocks" if m.compile else "no",
                            "fused_projections": fuse if m.block == "parallel" and m.compile else "n/a",
                            "optim": cfg.optim.name, "zero_stage": cfg.parallel.zero_stage})
+    if m.mlp == "moe":  # moe_experts.resolve_experts_impl: auto = grouped GEMMs on Hopper in bf16
+        res.settings["experts"] = f"{m.moe.n_experts} experts top-{m.moe.top_k}, impl {kernels.experts}"
     key = (json.dumps(cfg.model_dump(mode="json", exclude={"train": {"run_dir"}, "checkpoint": True}), sort_keys=True), fuse,
            json.dumps(spec.compile_options, sort_keys=True), repr(sorted((spec.module_settings or {}).items())))
     if spec.module_settings:
@@ -159,6 +161,10 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
         res.mfu = (res.tokens_per_s * trainer.flops_per_token / trainer.peak_flops) if trainer.peak_flops else None
         res.phases_ms = median_phases(phases, trainer.grad_accumulation)
         res.loss = metrics[-1].loss
+        if getattr(metrics[-1], "moe", None):
+            from mfu_moe import load_balance
+
+            res.moe = load_balance([metric.moe for metric in metrics])
         res.peak_gib = peak_gib(device)
         bench.cache[key] = res
     except torch.cuda.OutOfMemoryError as exc:

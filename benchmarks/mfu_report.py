@@ -48,6 +48,7 @@ class Result:
     tokens_per_s_at_recipe_batch: float | None = None  # extrapolated, see extrapolate()
     note: str = ""
     error: str | None = None
+    moe: dict[str, Any] | None = None  # MoE rows: expert load of the timed steps (mfu_moe.load_balance)
 
 
 def extrapolate(res: Result, seq_len: int, global_batch: int) -> float | None:

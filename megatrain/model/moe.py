@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 
 from megatrain.config import ModelConfig
 from megatrain.model.mlp import SwiGLU
@@ -118,21 +119,36 @@ class MoE(nn.Module):
         self.register_buffer("sums", torch.zeros(5), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+        # The profiler ranges (benchmarks/mfu_moe.py splits the step's time by them) cost a few
+        # microseconds each in eager mode; torch.compile drops them from compiled code.
         h = x.reshape(-1, x.shape[-1])  # [N, d]
-        routing = self.router(h)
-        rows, counts, order = dispatch(h, routing.experts, self.n_experts)  # [N k, d], [E], [N k]
-        y = self.experts(rows, counts) if self.exchange is None else self.exchange(rows, counts, self.experts)
-        out = combine(y, routing.weights, order).to(x.dtype)  # [N, d]
+        with record_function("moe.router"):
+            routing = self.router(h)
+        with record_function("moe.dispatch"):
+            rows, counts, order = dispatch(h, routing.experts, self.n_experts)  # [N k, d], [E], [N k]
+        if self.exchange is None:
+            y = self._run_experts(rows, counts)
+        else:
+            with record_function("moe.exchange"):  # the all-to-all there and back around the experts
+                y = self.exchange(rows, counts, self._run_experts)
+        with record_function("moe.combine"):
+            out = combine(y, routing.weights, order).to(x.dtype)  # [N, d]
         if self.shared is not None:
-            out = out + self.shared(h)
+            with record_function("moe.shared"):
+                out = out + self.shared(h)
         out = out.view_as(x)
         if self.training:
-            aux, z = self.balance_loss(routing, counts), self.z_loss(routing)
-            penalty = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
-            if penalty.requires_grad and torch.is_grad_enabled():
-                out = AddAuxGrad.apply(out, penalty, self.aux_loss_scale)
-            self._record(routing, counts, aux, z)
+            with record_function("moe.balance"):
+                aux, z = self.balance_loss(routing, counts), self.z_loss(routing)
+                penalty = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
+                if penalty.requires_grad and torch.is_grad_enabled():
+                    out = AddAuxGrad.apply(out, penalty, self.aux_loss_scale)
+                self._record(routing, counts, aux, z)
         return out
+
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        with record_function("moe.experts"):
+            return self.experts(rows, counts)
 
     def balance_loss(self, routing: Routing, counts: torch.Tensor) -> torch.Tensor:
         """E * sum_i f_i P_i (1 when perfectly balanced); 0 unless load_balance is aux_loss."""
