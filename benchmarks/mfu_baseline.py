@@ -55,6 +55,7 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
                     + (" + torch.compile" if compile_model else " eager"))
             res.label = f"{label or name}, mb {mb}"
             res.settings.update(hf_class=model.architecture, experts_implementation=model.experts_implementation,
+                                transformers=model.transformers_version,
                                 load_balancing_loss=f"transformers' own, coef {model.aux_coef:g}")
             if bf16_weights:
                 model.to(torch.bfloat16)

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mfu_device import reset_memory, sync
-from mfu_report import Bench, Result, log
+from mfu_report import Bench, log
 
 # The issue's acceptance targets on one H100/H200 (bf16).
 TARGET_SPEEDUP, TARGET_MFU, TARGET_LOAD = 1.5, 0.40, 1.25
@@ -77,7 +77,9 @@ class HFMoE(nn.Module):
         self.model = getattr(transformers, family.architecture)(config)
         self.architecture, self.aux_loss = family.architecture, aux_loss
         self.aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-        self.experts_implementation = getattr(self.model.config, "_experts_implementation", None) or "eager"
+        # transformers 5 picks grouped_mm where it can dispatch, else its per-expert loop ("eager")
+        self.experts_implementation = getattr(self.model.config, "_experts_implementation", None) or "default"
+        self.transformers_version = transformers.__version__
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=idx, use_cache=False, output_router_logits=self.aux_loss)
@@ -174,9 +176,8 @@ def split_by_ranges(prof, on_device: bool) -> dict[str, Any]:
 
 def run_moe_profile(bench: Bench, cfg, env, data, steps: int = 2) -> dict[str, Any]:
     """``steps`` optimizer steps of the recipe (eager) under torch.profiler after one warm step."""
-    from torch.profiler import ProfilerActivity, profile
-
     from mfu_megatrain import close_trainer, make_trainer
+    from torch.profiler import ProfilerActivity, profile
 
     device = env.device
     data.ready(cfg)
