@@ -197,6 +197,8 @@ def run_moe_profile(bench: Bench, cfg, env, data, steps: int = 2) -> dict[str, A
             sync(device)
             report["wall_ms"] = (time.perf_counter() - t) * 1e3
         report.update(split_by_ranges(prof, device.type == "cuda"))
+        report["by_part_ms_per_step"] = {k: v / steps for k, v in report["by_part_ms"].items()}
+        report["step_ms_wall"] = report["wall_ms"] / steps
         ep = cfg.parallel.ep if hasattr(cfg.parallel, "ep") else 1
         report["all_to_all_note"] = ("0 ms: one GPU, no expert parallelism (parallel.ep=1), no all-to-all runs"
                                      if ep == 1 else f"parallel.ep={ep}")
