@@ -137,6 +137,9 @@ ROWS = {
                                     ["binary.txt", "binary"]),
     "train: a truncated tokenizer.json": (["train", *TINY, *SCRATCH, "data.tokenizer={ws}/truncated-tokenizer.json"],
                                           TRAIN_INPUT, ["truncated-tokenizer.json"]),
+    "train: bf16 on ZeRO-0 (an optimizer no checkpoint can hold), refused before the first step": (
+        ["train", *TINY, *SCRATCH, "parallel.zero_stage=0", "train.dtype=bf16"], {EXIT_DETERMINISTIC},
+        ["parallel.zero_stage=0", "zero_stage=1"]),
     "train: a directory as the config": (["train", "--config", "{ws}/a-directory"], {EXIT_INPUT}, ["a-directory"]),
     # shard
     "shard: a bad config field": (["shard", "--config", "{ws}/bad-field.yaml"], {EXIT_CONFIG}, ["model.n_layer"]),

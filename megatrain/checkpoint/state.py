@@ -99,6 +99,13 @@ def _state_entries(optimizer: Any) -> list[tuple[str, torch.Tensor, dict]]:
     )
 
 
+def check_checkpointable(optimizer: Any) -> None:
+    """Raise now, before the first step, for an optimizer wrapper whose state this module cannot
+    save (DeepSpeed's bf16 ZeRO-0 wrappers keep fp32 copies of their own): otherwise the run would
+    train up to its first checkpoint and fail there."""
+    _state_entries(optimizer)
+
+
 def optimizer_state(optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, metadata) of this rank's optimizer; ZeRO: its partition incl. fp32 master weights."""
     tensors: dict[str, torch.Tensor] = {}

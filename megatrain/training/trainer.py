@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.checkpoint.manager import Checkpointer
+from megatrain.checkpoint.state import check_checkpointable
 from megatrain.config import Config, ConfigError
 from megatrain.data.loader import build_loader
 from megatrain.data.index import ShardIndex, load_index
@@ -204,6 +205,12 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu,
             dist_init_required=False,
         )
+        try:
+            check_checkpointable(engine.optimizer)
+        except NotImplementedError as exc:
+            raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} with train.dtype "
+                              f"{'bf16' if bf16 else 'fp32'}: {exc}; use parallel.zero_stage=1 (on one GPU it "
+                              "partitions nothing and costs the same, configs/gpt-1.3b.yaml)") from None
         if self.groups.dims.ep > 1:  # experts' gradients over their EDP group, exact clipping (ZeRO-0)
             attach_expert_grad_sync(engine.optimizer, engine.module, self.groups, cfg.optim.grad_clip)
         if isinstance(optimizer, Lamb) and cfg.parallel.zero_stage in (1, 2):
