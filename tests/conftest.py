@@ -90,3 +90,12 @@ def _tmpfs(path, size: int, read_only: bool = False):
 def mount_tmpfs():
     """``with mount_tmpfs(path, size, read_only=False) as disk:`` (read-only and small stores)."""
     return _tmpfs
+
+
+def pytest_runtest_logreport(report):
+    """With MEGATRAIN_TEST_TIMES=<file>, one line per test phase as it ends (``nodeid phase
+    seconds``): where a suite's time goes, readable while it still runs or after a timeout."""
+    path = os.environ.get("MEGATRAIN_TEST_TIMES")
+    if path and report.duration >= 0.5:
+        with open(path, "a") as out:
+            out.write(f"{report.nodeid} {report.when} {report.duration:.2f}\n")

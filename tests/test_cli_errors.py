@@ -223,11 +223,13 @@ def _check(result: subprocess.CompletedProcess, codes: set[int], names: list[str
 
 
 @pytest.mark.parametrize("args, codes, names", _params(ROWS), ids=list(ROWS))
+@pytest.mark.slow
 def test_a_bad_input_ends_in_one_line_naming_it(ws, args, codes, names):
     _check(run([arg.format(ws=ws) for arg in args], ws), codes, names, ws)
 
 
 @pytest.mark.parametrize("args, codes, names", _params(FLOW_ROWS), ids=list(FLOW_ROWS))
+@pytest.mark.slow
 def test_a_bad_campaign_ends_in_one_line_naming_it(ws, args, codes, names):
     result = run([arg.format(ws=ws) for arg in args], ws, module="flows.pretrain")
     _check(result, codes, names, ws)

@@ -83,6 +83,7 @@ def _engine_modules() -> list[str]:
     return sorted(m.name for m in pkgutil.walk_packages(megatrain.__path__, "megatrain."))
 
 
+@pytest.mark.slow
 def test_megatrain_never_imports_prefect():
     modules = [m for m in _engine_modules() if "_triton" not in m and not m.endswith("flex_attention")]
     assert "megatrain.training.trainer" in modules and "megatrain.model.gpt" in modules

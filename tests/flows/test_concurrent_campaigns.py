@@ -76,6 +76,7 @@ def server_environment(tmp_path: Path, **env: str) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_temporary_servers_state_is_the_runs_own_unless_the_user_chose_one(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

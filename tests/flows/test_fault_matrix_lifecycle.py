@@ -317,6 +317,7 @@ def test_a_bad_campaign_is_a_few_lines_and_no_server_starts(workdir, shard_root,
     assert "Traceback" not in flow.output
 
 
+@pytest.mark.slow
 def test_the_temporary_server_of_a_command_line_run_dies_with_it_even_after_sigkill(tmp_path):
     script = ("import time\nfrom flows.lifecycle import temporary_server\nfrom prefect.settings import PREFECT_API_URL\n"
               "with temporary_server():\n    print('up', PREFECT_API_URL.value(), flush=True)\n    time.sleep(600)\n")

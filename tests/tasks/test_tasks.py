@@ -33,6 +33,7 @@ def _stage_config_file(campaign_file, name="rb"):
     return campaign, cfg, write_run_config(cfg, campaign.stage_dir(0) / "config.yaml")
 
 
+@pytest.mark.slow
 def test_rollback_records_the_window_and_stops_after_the_limit(prefect_api, campaign_file):
     from tasks.rollback import RollbackLimitExceeded, rollback
 
@@ -69,6 +70,7 @@ def test_write_report_makes_tables_a_curve_and_a_summary(prefect_api, campaign_f
     assert (campaign.campaign_dir / "report" / "loss.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_self_check_passes_on_this_machine_and_names_a_failing_check(prefect_api, campaign_file):
     from tasks.selfcheck import SelfCheckFailed, run_self_check
 

@@ -59,6 +59,7 @@ def staging(tmp_path):
         KeeperClient.connect(keeper_dir(path), timeout_s=0).request("shutdown")
 
 
+@pytest.mark.slow
 def test_keeper_survives_the_putting_process_and_refuses_a_corrupt_copy(staging):
     put_and_die(staging, "3,4")
     memory = MemoryCheckpoints(staging, rank=1, device=torch.device("cpu"), log_path=staging / "keeper.log")

@@ -106,6 +106,7 @@ def wait_for_replica(staging: Path, rank: int, step: int, timeout_s: float = 30.
     raise AssertionError(f"no replica of rank {rank} step {step} at {staging}: {status}")
 
 
+@pytest.mark.slow
 def test_node_loss_restores_from_the_peer_replica_and_refuses_corruption_and_strangers(nodes):
     (staging0, staging1), (peer0, peer1) = nodes
     put_and_die(staging0, 0, "3,4", peer0)  # node 0's rank 0: its keeper comes up first

@@ -89,6 +89,7 @@ def _differences(run_dir: Path, straight: Path, step: int) -> tuple[float, float
     return loss, grad, _worst(_full(run_dir, step), _full(straight, step))
 
 
+@pytest.mark.slow
 def test_ep2_writes_every_expert_once_and_resumes_bit_exact(tmp_path, shards, ep2_straight):  # noqa: F811
     step_dir = ep2_straight / "durable" / step_dir_name(3)
     dense, slices = _header(step_dir / model_file(0, 0)), [_header(step_dir / model_file(0, 0, e)) for e in (0, 1)]
@@ -111,6 +112,7 @@ def test_ep2_writes_every_expert_once_and_resumes_bit_exact(tmp_path, shards, ep
     _check_samples(resumed, ep2_straight)
 
 
+@pytest.mark.slow
 def test_ep2_reshards_into_one_process_and_back(tmp_path, shards, ep2_straight):  # noqa: F811
     ep1 = _resume(tmp_path, shards[0], ep2_straight, 3, "ep1", 1, 6, *EP1)
     assert "resharded into dp=1 tp=1 pp=1 ep=1" in (ep1 / "train.log").read_text()

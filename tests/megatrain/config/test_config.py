@@ -58,7 +58,10 @@ def test_gpt_recipes_keep_their_fingerprints():
     """Recorded before the Llama knobs existed: existing checkpoints and cached stages stay valid."""
     recorded = {"gpt-1.3b": "cb6c01959c8be93c", "gpt-125m": "d02f6c28821a6db5", "gpt-175b": "780d9e82d7ce709f",
                 "tiny-cpu": "c532aadfd51abce9"}
-    assert {name: fingerprint(load_config(ROOT / f"configs/{name}.yaml")) for name in recorded} == recorded
+    # gpt-1.3b moved from ZeRO-0 to ZeRO-1 (bf16 ZeRO-0 cannot be checkpointed): the one change, so
+    # with its old zero_stage it still has its recorded fingerprint
+    then = {"gpt-1.3b": ["parallel.zero_stage=0"]}
+    assert {name: fingerprint(load_config(ROOT / f"configs/{name}.yaml", then.get(name, []))) for name in recorded} == recorded
     assert fingerprint(load_config(ROOT / "configs/tiny-cpu.yaml", ["model.norm=rmsnorm"])) != recorded["tiny-cpu"]
 
 

@@ -50,6 +50,7 @@ def test_storage_api_over_webhdfs(webhdfs, tmp_path, monkeypatch):
     assert any(op[1] == "CREATE" and op[4] for op in webhdfs.ops)  # the body went to the "datanode"
 
 
+@pytest.mark.slow
 def test_shard_and_load_over_webhdfs(small_index, corpus, webhdfs):
     index = shard_corpus(data_config([str(corpus)], webhdfs.url + "/data/shards"), SEQ_LEN, VOCAB)
     assert index.url == f"{webhdfs.url}/data/shards/{small_index.version}"

@@ -71,6 +71,7 @@ def ws(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("spoil, names", list(ROWS.values()), ids=list(ROWS))
+@pytest.mark.slow
 def test_a_bad_folder_ends_in_one_line_naming_it(ws, spoil, names, tmp_path):
     folder = copy_folder(ws / "llama", tmp_path / "bad")
     spoil(folder)

@@ -86,6 +86,7 @@ def check_commands(run: str, cwd: Path, owner: Path, out: Path) -> None:
     assert status["stages"][-1]["durable_url"].startswith(str(owner) + "/"), status
 
 
+@pytest.mark.slow
 def test_a_relative_run_dir_is_found_from_another_working_directory(ws):
     first = ws / "start" / "runs" / "first"
     record = json.loads((first / "run.json").read_text())  # what the run stored: absolute, never the cwd's
@@ -96,6 +97,7 @@ def test_a_relative_run_dir_is_found_from_another_working_directory(ws):
     check_commands("../start/runs/first", ws / "elsewhere", first, ws / "hf-here")
 
 
+@pytest.mark.slow
 def test_a_moved_run_dir_still_finds_its_checkpoints(ws):
     first, moved = ws / "start" / "runs" / "first", ws / "moved" / "renamed"
     moved.parent.mkdir(exist_ok=True)
@@ -117,6 +119,7 @@ def test_a_new_run_dir_starts_from_step_zero(ws):
     assert (first / "checkpoints" / "step-00000002" / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_a_campaign_dir_stands_for_its_final_stage_also_after_it_moved(ws):
     moved = ws / "moved-campaigns" / "camp"
     moved.parent.mkdir()
@@ -134,6 +137,7 @@ def test_a_campaign_dir_stands_for_its_final_stage_also_after_it_moved(ws):
         assert status["stages"][1]["durable_url"] == str(moved / "durable" / "b")
 
 
+@pytest.mark.slow
 def test_a_folder_that_is_no_run_is_one_line_naming_it(ws):
     proc = subprocess.run([sys.executable, "-m", "megatrain.cli", "eval", "--checkpoint", "."], cwd=ws / "elsewhere",
                           env=child_env(), capture_output=True, text=True, timeout=120, check=False)

@@ -129,6 +129,7 @@ def test_a_killed_holder_not_yet_reaped_holds_nothing(backend):
         holder.wait()
 
 
+@pytest.mark.slow
 def test_racing_contenders_for_a_stale_lease_have_exactly_one_winner(backend):
     kind, where, make_store = backend
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -160,6 +161,7 @@ def test_a_lease_with_an_old_heartbeat_from_another_host_is_stale_and_a_live_one
         assert lease.took_over.owner == "run on node-7"
 
 
+@pytest.mark.slow
 def test_the_holder_notices_a_takeover_rewrites_a_vanished_lease_and_a_waiter_gets_it_when_released(backend):
     _, _, make_store = backend
     lost: list[str] = []

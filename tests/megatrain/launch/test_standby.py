@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from megatrain.launch import standby
 from megatrain.launch.ranks import run_ranks
 from megatrain.reliability.heartbeat import DirectorySink
@@ -16,6 +18,7 @@ from megatrain.launch.standby import StandbyLaunch, standby_key
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow
 def test_a_crashed_attempt_restarts_from_the_warm_standby(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -2,10 +2,12 @@
 source through the data pipeline), DeepSpeed; the loss must fall clearly in 100 steps."""
 
 from pathlib import Path
+import pytest
 
 LLAMA_TINY = Path(__file__).resolve().parents[3] / "configs" / "llama-tiny-cpu.yaml"
 
 
+@pytest.mark.slow
 def test_llama_tiny_loss_falls_clearly_in_100_steps(run_training):
     metrics, _ = run_training(["data.max_source_bytes=1000000", "checkpoint.interval=1000"], config=LLAMA_TINY)
     assert [m["step"] for m in metrics] == list(range(1, 101))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 import textwrap
 
+import pytest
+
 from megatrain.launch.ranks import free_port, run_ranks
 from megatrain.observe.attempt_log import AttemptLog, read_attempts
 
@@ -23,6 +25,7 @@ RANK_SCRIPT = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow
 def test_a_failed_attempt_is_whole_in_files_and_one_line_per_fault_on_the_console(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)

@@ -45,6 +45,7 @@ def test_phases_listeners_and_first_step_record(tmp_path) -> None:
     assert read_startup(tmp_path) == summary
 
 
+@pytest.mark.slow
 def test_a_real_run_writes_its_breakdown(tmp_path) -> None:
     """One process, one step through ``megatrain.train``: every phase up to the first step."""
     import os

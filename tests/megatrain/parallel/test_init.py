@@ -61,6 +61,7 @@ def expected_sums(dims: ParallelDims, rank: int) -> dict[str, float]:
     return {name: float(sum(r + 1 for r in next(g for g in groups if rank in g))) for name, groups in layouts.items()}
 
 
+@pytest.mark.slow
 def test_group_modes_agree_with_reference() -> None:
     """TCPStore here; the Redis store runs the ordered mode in the fault tests below."""
     world, dims = 4, ParallelDims(dp=1, tp=2, pp=2)
@@ -78,6 +79,7 @@ def test_group_modes_agree_with_reference() -> None:
         assert got["store_ops"]["compare_set"] >= 1 and got["store_ops"]["add"] >= 1
 
 
+@pytest.mark.slow
 def test_rank_that_never_joins_is_named(redis_url: str) -> None:
     """World 3, rank 2 never starts: both others fail after the join timeout naming rank 2."""
     port = free_port()
@@ -91,6 +93,7 @@ def test_rank_that_never_joins_is_named(redis_url: str) -> None:
         assert "RendezvousTimeout: rendezvous timed out after 3 s: 1 of 3 ranks never joined: 2" in out, out[-2000:]
 
 
+@pytest.mark.slow
 def test_missing_ranks_over_tcp_store() -> None:
     """The same with torch's TCPStore: ranks 1-2 missing of 4 named as a range by rank 0, which
     hosts the store; rank 3 names them too, or - when rank 0 gave up first and took the store with
@@ -104,6 +107,7 @@ def test_missing_ranks_over_tcp_store() -> None:
             or "RendezvousTimeout: rendezvous timed out after 3 s, and the store went away" in outs[1]), outs[1][-2000:]
 
 
+@pytest.mark.slow
 def test_rank_joining_twice_is_refused(redis_url: str) -> None:
     """A second process claiming rank 1 of a running rendezvous fails naming the first; the
     genuine ranks are not disturbed."""
@@ -125,6 +129,7 @@ def test_rank_joining_twice_is_refused(redis_url: str) -> None:
     assert result(out0)["sums"]["ordered"]["dp_group"] == 3.0
 
 
+@pytest.mark.slow
 def test_redis_restart_during_rendezvous_is_survived() -> None:
     """Rank 0 joins, Redis restarts (losing every key), rank 1 arrives at the new server: rank 0
     notices the new server, joins again in its namespace, and both finish."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 
 import psutil
+import pytest
+
 import torch
 
 from megatrain.config import load_config
@@ -22,6 +24,7 @@ def stage_params(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
     return list(unique.values())
 
 
+@pytest.mark.slow
 def test_175b_per_stage_on_meta_without_materializing() -> None:
     cfg = load_config("configs/gpt-175b.yaml", [])
     assert use_meta(cfg)  # auto: far above the threshold

@@ -100,6 +100,7 @@ def test_casts_is_validated():
 
 
 @pytest.mark.parametrize("casts", ["once", "fused"])
+@pytest.mark.slow
 def test_compiled_blocks_keep_the_cast_inside_one_graph(casts):
     """fullgraph: no graph break between a cast and its GEMMs (an FP8 tensor crossing graphs
     would need a subclass gradient, which AOTAutograd refuses), and the compiled blocks compute

@@ -28,6 +28,7 @@ def _losses(metrics: list[dict]) -> list[float]:
     return [m["loss"] for m in metrics]
 
 
+@pytest.mark.slow
 def test_fp8_trains_beside_bf16_with_activation_checkpointing_and_the_serial_block(run_training):
     common = SMALL + ["parallel.zero_stage=2", "model.activation_checkpointing=true", "model.block=serial"]
     bf16, _ = run_training(common, name="bf16")
@@ -40,6 +41,7 @@ def test_fp8_trains_beside_bf16_with_activation_checkpointing_and_the_serial_blo
     assert all(m["fp8"] is None for m in bf16)
 
 
+@pytest.mark.slow
 def test_fp8_llama_trains_beside_bf16_under_zero0(run_training):
     llama = REPO / "configs" / "llama-tiny-cpu.yaml"
     common = ["data.max_source_bytes=300000", "checkpoint.interval=1000", "train.steps=3", "data.prefetch_batches=0",
@@ -116,6 +118,7 @@ def _tensors(durable: Path, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_fp8_run_killed_after_a_checkpoint_resumes_bit_exactly(tmp_path, shard_root):
     straight = _launch(tmp_path / "straight", shard_root)
     assert straight.returncode == 0, straight.stderr[-3000:]

@@ -105,6 +105,7 @@ def test_preflight_on_a_read_only_durable_dir(tmp_path, mount_tmpfs):
             preflight(cfg, cuda=False)
 
 
+@pytest.mark.slow
 def test_megatrain_train_with_a_read_only_durable_dir_fails_before_step_1(run_training, tmp_path, mount_tmpfs):
     with mount_tmpfs(tmp_path / "ro", 4 * 2**20, read_only=True) as disk:
         metrics, proc = run_training(["train.steps=2", f"checkpoint.durable_url={disk}/ckpt"], check=False)

@@ -11,10 +11,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow
 def test_ctrl_c_of_megatrain_train_is_one_line_with_the_resume_command(tmp_path):
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "megatrain.cli", "train", "--config", "configs/tiny-cpu.yaml",

@@ -5,6 +5,7 @@ import pytest
 SMALL = ["model.n_layer=1", "data.max_source_bytes=400000", "checkpoint.interval=1000"]
 
 
+@pytest.mark.slow
 def test_tiny_recipe_loss_falls_clearly_in_100_steps(run_training):
     metrics, _ = run_training(["data.max_source_bytes=1000000", "checkpoint.interval=1000"])
     assert [m["step"] for m in metrics] == list(range(1, 101))
@@ -30,6 +31,7 @@ def test_two_process_zero1_matches_one_process(run_training, optimizer):
     assert single[-1]["loss"] < single[0]["loss"]
 
 
+@pytest.mark.slow
 def test_runs_are_deterministic_under_a_seed(run_training):
     common = SMALL + ["train.steps=3"]
     a, _ = run_training(common, name="a")
