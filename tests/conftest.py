@@ -63,9 +63,17 @@ def campaign_file(tmp_path, shard_root):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules with multi-process or end-to-end tests (``slow``) first: with ``make test``'s two
-    xdist workers (whole modules each, ``--dist loadfile``), the long ones start early and the
-    many short ones fill the gaps at the end. The order inside a module stays as written."""
+    """GPU tests skip without CUDA. Modules with multi-process or end-to-end tests (``slow``) run
+    first: with ``make test``'s two xdist workers (whole modules each, ``--dist loadfile``), the long
+    ones start early and the many short ones fill the gaps at the end. The order inside a module
+    stays as written."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items:
+        import torch
+
+        if not torch.cuda.is_available():  # run directly (not through make test's -m): skipped, not failed
+            for item in gpu_items:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA (run through the device tool)"))
     slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
 
