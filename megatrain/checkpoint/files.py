@@ -234,3 +234,74 @@ def sha256_stream(handle: Any) -> FileRecord:
         digest.update(chunk)
         size += len(chunk)
     return FileRecord(size=size, sha256=digest.hexdigest())
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+def read_safetensors_verified(url: str, record: FileRecord | dict[str, Any], name: str) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's safetensors file, after checking its size and sha256: the
+    restore path's reader. One copy from storage into one host buffer, hashed slice by slice in a
+    helper thread while the next slice is read (the file costs max(read, hash), not their sum),
+    and the tensors are views into that buffer (``parse_safetensors`` over ``read_bytes`` made two
+    more copies of the whole file: bytes, then safetensors' own tensors)."""
+    expected = record if isinstance(record, FileRecord) else FileRecord(**record)
+    buffer = torch.empty(expected.size, dtype=torch.uint8)
+    view = memoryview(buffer.numpy()) if expected.size else memoryview(bytearray())
+    digest, filled = hashlib.sha256(), 0
+    with storage.open_url(url) as handle, ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
+        hashed = None
+        while filled < expected.size:
+            got = _read_into(handle, view[filled:filled + _CHUNK])
+            if not got:
+                break
+            if hashed is not None:
+                hashed.result()
+            hashed = hasher.submit(digest.update, view[filled:filled + got])
+            filled += got
+        extra = handle.read(1)  # a file longer than its record is as wrong as a shorter one
+        if hashed is not None:
+            hashed.result()
+    if filled != expected.size or extra:
+        size = f"more than {expected.size}" if extra else str(filled)
+        raise ChecksumError(f"{name}: size {size} != recorded {expected.size} (truncated or overwritten)")
+    actual = digest.hexdigest()
+    if actual != expected.sha256:
+        raise ChecksumError(f"{name}: sha256 {actual[:16]}... != recorded {expected.sha256[:16]}... (corrupted)")
+    return tensor_views(buffer, name)
+
+
+def _read_into(handle: Any, target: memoryview) -> int:
+    """Fill ``target`` from ``handle`` as far as the file goes; bytes read (0 at its end)."""
+    if hasattr(handle, "readinto"):
+        return handle.readinto(target) or 0
+    data = handle.read(len(target))
+    target[:len(data)] = data
+    return len(data)
+
+
+def tensor_views(buffer: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``buffer`` (uint8), as views into it (copied only
+    where a tensor's offset is not a multiple of its element size, which safetensors' own writer and
+    ours never produce). The same checks as ``parse_safetensors``; no code runs."""
+    size = buffer.numel()
+    head = bytes(memoryview(buffer[:8 + min(_MAX_HEADER, max(size - 8, 0))].numpy()))
+    check_safetensors_header(head, size, name)
+    (length,) = struct.unpack("<Q", head[:8])
+    header = json.loads(head[8:8 + length])
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        dtype, shape = _TORCH_DTYPES[entry["dtype"]], entry["shape"]
+        start, end = (8 + length + offset for offset in entry["data_offsets"])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = 1
+        for dim in shape:
+            count *= dim
+        if end - start != count * itemsize:
+            raise UnreadableFile(f"{name}: safetensors entry {key!r} holds {end - start} bytes, "
+                                 f"not {count} x {itemsize} ({entry['dtype']} {shape})")
+        raw = buffer[start:end] if start % itemsize == 0 else buffer[start:end].clone()
+        tensors[key] = raw.view(dtype).reshape(shape)
+    return tensors

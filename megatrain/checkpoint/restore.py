@@ -35,7 +35,7 @@ from megatrain import errors, storage
 from megatrain.checkpoint import catalog, experts, reshard, state
 from megatrain.config import compat
 from megatrain.checkpoint.files import (
-    ChecksumError, check_bytes, check_parses, parse_json, parse_safetensors, rank_meta_file, rank_tensor_file,
+    ChecksumError, check_bytes, check_parses, parse_json, rank_meta_file, rank_tensor_file, read_safetensors_verified,
     sha256_stream,
 )
 from megatrain.checkpoint.names import live_names
@@ -147,6 +147,16 @@ def read_verified(step_url: str, name: str, manifest: dict[str, Any]) -> bytes:
     return data
 
 
+def read_verified_tensors(step_url: str, name: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file of a committed step, after checking size and sha256
+    (streamed into one buffer, hashed while read; the tensors are views into it: files.py)."""
+    files = catalog.manifest_files(step_url, manifest)
+    if name not in files:
+        raise ChecksumError(f"{name}: not listed in the manifest of {step_url}")
+    url, record = files[name]
+    return read_safetensors_verified(url, record, url)
+
+
 @dataclass
 class RankState:
     """What one rank read for one checkpoint."""
@@ -159,8 +169,8 @@ class RankState:
 def read_rank_state(step_url: str, manifest: dict[str, Any], groups: ProcessGroups) -> RankState:
     """Read and verify this rank's files (and its shard's model files when it is their reader)."""
     rank = groups.rank
-    model = experts.read_weights(groups, lambda name: parse_safetensors(read_verified(step_url, name, manifest), name))
-    tensors = parse_safetensors(read_verified(step_url, rank_tensor_file(rank), manifest), rank_tensor_file(rank))
+    model = experts.read_weights(groups, lambda name: read_verified_tensors(step_url, name, manifest))
+    tensors = read_verified_tensors(step_url, rank_tensor_file(rank), manifest)
     meta = parse_json(read_verified(step_url, rank_meta_file(rank), manifest), rank_meta_file(rank))
     if not isinstance(meta, dict) or meta.get("step") != manifest["step"] or meta.get("rank") != rank:
         raise ChecksumError(f"{rank_meta_file(rank)}: records step {meta.get('step')} rank {meta.get('rank')}")

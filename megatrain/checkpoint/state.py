@@ -217,9 +217,11 @@ def rng_state(device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, 
 
 
 def load_rng_state(device: torch.device, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    torch.set_rng_state(tensors["rng.torch_cpu"])
+    # Cloned: set_rng_state given a view at an offset into a larger buffer (restore reads each file
+    # into one buffer and hands out views) dies of SIGSEGV (seen on torch 2.13, CPU).
+    torch.set_rng_state(tensors["rng.torch_cpu"].clone())
     if device.type == "cuda" and "rng.cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["rng.cuda"], device)
+        torch.cuda.set_rng_state(tensors["rng.cuda"].clone(), device)
     version, internal, gauss = meta["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = meta["numpy"]

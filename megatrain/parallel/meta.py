@@ -125,7 +125,11 @@ def build_parallel_model(cfg: Config, groups: ProcessGroups, device: torch.devic
     from megatrain.config import ConfigError
 
     if not use_meta(cfg):
-        model = GPT(cfg.model).to(device)
+        # Built on the device itself: the 1.3B recipe spent 16-26 s initialising on one CPU thread
+        # (each weight twice: nn's default init, then GPT-2's) and copying to the GPU. On a CPU the
+        # weights are the same as before; on a GPU they come from the device's generator (seeded alike).
+        with torch.device(device):
+            model = GPT(cfg.model)
         if init_weights is not None:
             init_weights(model)
         return parallelize(model, cfg, groups), count_parameters(model)
