@@ -66,7 +66,7 @@ check: $(STAMP) services
 	$(PYTEST) -m "check or (not gpu and not slow)"
 
 test-gpu:
-	python3 -m pytest -q -m gpu tests/megatrain tests/benchmarks
+	python3 -m pytest -q -m gpu tests
 
 clean:
 	rm -rf runs data/shards
