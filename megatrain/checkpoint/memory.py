@@ -202,9 +202,12 @@ class MemoryCheckpoints:
         if text_hash(reply["json"]) != reply["json_sha256"]:
             raise ChecksumError(f"{where} copy of step {step} (rank {self.rank}): its JSON's sha256 differs")
         files: dict[str, dict[str, torch.Tensor]] = {}
-        for entry in reply["entries"]:  # cloned: a later save rewrites a keeper's slot; and with views
-            # into one received buffer a peer restore died of SIGSEGV twice (cause not found), never with clones
-            files.setdefault(entry[0], {})[entry[1]] = _view(buffer, entry).clone()
+        for entry in reply["entries"]:
+            # Views, not clones: restore copies each tensor into the model and optimizer before any
+            # save can rewrite a keeper's slot, and one more host copy of an 18 GB state cost seconds.
+            # (Restores from views died of SIGSEGV before: torch.set_rng_state given a view at an
+            # offset crashes, so state.load_rng_state clones the RNG tensors.)
+            files.setdefault(entry[0], {})[entry[1]] = _view(buffer, entry)
         return files, json.loads(reply["json"])
 
     def read(self, step: int, groups: ProcessGroups, identity: RunIdentity, layout: dict[str, Any],
