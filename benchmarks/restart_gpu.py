@@ -17,6 +17,12 @@ cache hits. One rank (the first visible GPU, or the CPU with ``--device cpu``).
 
     python benchmarks/restart_gpu.py --recipes configs/gpt-125m.yaml configs/gpt-1.3b.yaml --out restart.json
 
+``--tier keeper`` measures the keeper tier (RAM checkpoints, megatrain/checkpoint/memory.py) instead:
+after the cold start, a run with snapshots into the keeper every step (``checkpoint.memory_interval=1``)
+and no durable commit before its end is killed at the start of its step 3 (a ``kill_rank`` fault), so
+the keeper holds step 2 and the durable store step 1; the measured ``restart`` then restores step 2
+from the keeper. Every row says which tier its restore came from and its seconds (``restores.jsonl``).
+
 A 1.3B checkpoint is 17 GiB and the preflight wants room for two staged and two durable ones:
 ``--staging`` (e.g. a tmpfs) and ``--durable`` put them elsewhere when the run dir's disk is small.
 """
@@ -50,6 +56,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--durable", default=None, help="committed checkpoints root (default: in each run dir)")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--no-standby", action="store_true", help="leave out the warm-standby restart")
+    parser.add_argument("--tier", default="durable", choices=["durable", "keeper"],
+                        help="the tier the measured restarts restore from (keeper: see the module docstring)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per start")
     parser.add_argument("--out", default="restart_gpu.json")
     parser.add_argument("overrides", nargs="*", help="extra dotted overrides for every start, e.g. model.n_layer=2")
@@ -85,13 +93,18 @@ def rank_env(device: str) -> dict[str, str]:
     return env
 
 
-def start_process(config: str, overrides: list[str], env: dict, timeout_s: float) -> tuple[float, list[str]]:
-    """A fresh rank process (``megatrain train``'s one-process path); returns (launch time, output)."""
+def start_process(config: str, overrides: list[str], env: dict, timeout_s: float,
+                  killed: bool = False) -> tuple[float, list[str]]:
+    """A fresh rank process (``megatrain train``'s one-process path); returns (launch time, output).
+    ``killed``: the process must die of its injected fault (a non-zero exit) instead of finishing."""
     launched = time.time()
     proc = subprocess.run([sys.executable, "-m", "megatrain.train", "--config", config, *overrides],
                           check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     output = (proc.stdout + proc.stderr).splitlines()
-    if proc.returncode != 0:
+    if killed:
+        if proc.returncode == 0 or not any("injecting fault kill_rank" in line for line in output):
+            raise SystemExit(f"{config}: the run to be killed exited {proc.returncode}:\n" + "\n".join(output[-30:]))
+    elif proc.returncode != 0:
         raise SystemExit(f"{config}: exit {proc.returncode}:\n" + "\n".join(output[-30:]))
     return launched, output
 
@@ -124,36 +137,60 @@ def measure(args: argparse.Namespace, recipe: str, root: Path) -> list[dict]:
     env = rank_env(args.device)
     rows = []
     for steps, start in enumerate(STARTS, start=1):
-        if start == "restart+standby" and args.no_standby:
+        if start == "restart+standby" and (args.no_standby or args.tier == "keeper"):
             continue
+        overrides = run_overrides(args, recipe, run_dir, steps)
+        if start != "cold" and args.tier == "keeper":
+            overrides = run_overrides(args, recipe, run_dir, KEEPER_STEPS) + KEEPER_OVERRIDES
+            killed_env = {**env, "MEGATRAIN_FAULTS": json.dumps([{"kind": "kill_rank", "step": KEEPER_STEPS}])}
+            start_process(recipe, overrides, killed_env, args.timeout_s, killed=True)  # leaves step 2 in the keeper
         runner = start_standby if start.endswith("standby") else start_process
-        launched, _ = runner(recipe, run_overrides(args, recipe, run_dir, steps), env, args.timeout_s)
+        launched, _ = runner(recipe, overrides, env, args.timeout_s)
         startup = read_startup(run_dir)
         rows.append({"recipe": Path(recipe).stem, "start": start,
                      "launch_to_first_step_s": round(startup["first_step_at"] - launched, 2),
                      "phases_s": startup["phases_s"], "other_s": startup["other_s"],
-                     "compile_cache": startup.get("compile_cache")})
+                     "compile_cache": startup.get("compile_cache"),
+                     "restore": last_restore(run_dir, since=launched)})
         print_row(rows[-1])
     return rows
+
+
+# --tier keeper: the run before the measured restart snapshots every step into the keeper, commits
+# durably only at its end (which it never reaches), and is killed at the start of step KEEPER_STEPS.
+KEEPER_STEPS = 3
+KEEPER_OVERRIDES = ["checkpoint.interval=1000", "checkpoint.memory_interval=1"]
+
+
+def last_restore(run_dir: Path, since: float) -> dict | None:
+    """The tier, step and seconds of the restore this start did (restores.jsonl), or None."""
+    path = run_dir / "restores.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = [row for row in rows if row.get("time", 0) >= since]
+    return {k: rows[-1][k] for k in ("tier", "step", "seconds")} if rows else None
 
 
 def print_row(row: dict) -> None:
     phases = "  ".join(f"{k} {v:.2f}" for k, v in row["phases_s"].items())
     cache = row["compile_cache"] or {}
     hits = f"  cache hits {cache.get('fxgraph_hits', '-')}/misses {cache.get('fxgraph_misses', '-')}" if cache else ""
-    print(f"{row['recipe']:<10} {row['start']:<16} {row['launch_to_first_step_s']:>8.2f} s  [{phases}]{hits}", flush=True)
+    restore = row.get("restore")
+    tier = f"  restore: {restore['tier']} step {restore['step']} {restore['seconds']:.2f} s" if restore else ""
+    print(f"{row['recipe']:<10} {row['start']:<16} {row['launch_to_first_step_s']:>8.2f} s  [{phases}]{hits}{tier}",
+          flush=True)
 
 
 def table(rows: list[dict]) -> str:
     phases = list(rows[0]["phases_s"]) if rows else []
-    head = ["recipe", "start", "launch->step s", *phases, "graph hits"]
+    head = ["recipe", "start", "launch->step s", *phases, "graph hits", "restore tier"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cache = row["compile_cache"] or {}
         cells = [row["recipe"], row["start"], f"{row['launch_to_first_step_s']:.2f}",
                  *(f"{row['phases_s'].get(p, 0.0):.2f}" for p in phases),
                  f"{cache.get('fxgraph_hits', '-')}/{cache.get('fxgraph_hits', 0) + cache.get('fxgraph_misses', 0)}"
-                 if cache else "-"]
+                 if cache else "-",
+                 (row.get("restore") or {}).get("tier", "-")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
