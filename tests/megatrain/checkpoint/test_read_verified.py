@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from megatrain.checkpoint.files import (
-    ChecksumError, UnreadableFile, parse_safetensors, read_safetensors_verified, write_safetensors,
+    ChecksumError,
+    UnreadableFile,
+    parse_safetensors,
+    read_safetensors_verified,
+    write_safetensors,
 )
 
 
