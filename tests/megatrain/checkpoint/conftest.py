@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 from checkpoint_fakes import FakeTrainer, make_config, make_trainer
 
+from megatrain.checkpoint.keeper_control import KeeperClient, KeeperError, keeper_dir
 from megatrain.checkpoint.manager import Checkpointer
 from megatrain.config import Config
 
@@ -30,3 +32,13 @@ def fresh(tmp_path: Path):
             checkpointer.close()
         except Exception:  # an error the test provoked and asserted (close raises it again)
             pass
+
+
+@pytest.fixture
+def staging(tmp_path):
+    """A staging dir for keeper tests; its keeper, if a test started one, is shut down after."""
+    path = tmp_path / "staging"
+    path.mkdir()
+    yield path
+    with contextlib.suppress(KeeperError):  # never leave a keeper behind, whatever the test did
+        KeeperClient.connect(keeper_dir(path), timeout_s=0).request("shutdown")

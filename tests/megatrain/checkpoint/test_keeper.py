@@ -4,7 +4,6 @@ keeps the previous copy readable; shutdown ends the keeper."""
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from megatrain.checkpoint.files import ChecksumError
-from megatrain.checkpoint.memory import KeeperClient, KeeperError, MemoryCheckpoints, keeper_dir
+from megatrain.checkpoint.memory import MemoryCheckpoints, keeper_dir
 
 PUT = textwrap.dedent("""
     import os, signal, sys, torch
@@ -48,15 +47,6 @@ def put_and_die(staging: Path, steps: str) -> None:
     proc = subprocess.run([sys.executable, "-c", PUT, str(staging), steps], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == -9, proc.stderr[-3000:]
-
-
-@pytest.fixture
-def staging(tmp_path):
-    path = tmp_path / "staging"
-    path.mkdir()
-    yield path
-    with contextlib.suppress(KeeperError):  # never leave a keeper behind, whatever the test did
-        KeeperClient.connect(keeper_dir(path), timeout_s=0).request("shutdown")
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ stop_keeper waits until the process is gone) and the keeper faults of the fault 
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import time
 from pathlib import Path
@@ -13,20 +12,11 @@ import pytest
 import torch
 
 from megatrain.checkpoint.files import ChecksumError
-from megatrain.checkpoint.keeper_control import KeeperClient, KeeperError, ask, keeper_dir, start_keeper, stop_keeper
+from megatrain.checkpoint.keeper_control import ask, keeper_dir, start_keeper, stop_keeper
 from megatrain.checkpoint.memory import MemoryCheckpoints
 from megatrain.checkpoint.snapshot import RankSnapshot
 from megatrain.launch.ranks import die_with_parent
 from megatrain.reliability.keeper_faults import corrupt_keeper, kill_keeper
-
-
-@pytest.fixture
-def staging(tmp_path):
-    path = tmp_path / "staging"
-    path.mkdir()
-    yield path
-    with contextlib.suppress(KeeperError):  # never leave a keeper behind, whatever the test did
-        KeeperClient.connect(keeper_dir(path), timeout_s=0).request("shutdown")
 
 
 def started(staging: Path):
