@@ -93,17 +93,23 @@ def _llama_model_config(hf: HFConfig, biases: bool = True) -> dict[str, Any]:
         bias = bool(hf["attention_bias"])
         if bool(hf["mlp_bias"]) != bias:
             raise hf.refuse("mlp_bias", f"differs from attention_bias={bias}: megatrain has one model.bias for every linear")
+    return {**llama_block_fields(hf, mlp="swiglu", bias=bias), "d_ff": hf["intermediate_size"]}
+
+
+def llama_block_fields(hf: HFConfig, mlp: str, bias: bool, partial_default: float = 1.0) -> dict[str, Any]:
+    """The ModelConfig fields every Llama-shaped family shares (dense or MoE): a serial RMSNorm/RoPE/
+    GQA block whose head_dim is hidden_size / heads, no attention dropout."""
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf["head_dim"] not in (None, hidden // heads):
+    if hf.get("head_dim") not in (None, hidden // heads):  # absent from some classes: transformers' getattr default
         raise hf.refuse("head_dim", f"megatrain's head_dim is hidden_size / num_attention_heads = {hidden // heads}")
     if hf["attention_dropout"]:
         raise hf.refuse("attention_dropout", "megatrain has no dropout on attention probabilities")
     return {
         "vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"], "n_head": heads,
-        "n_kv_head": hf["num_key_value_heads"] or heads, "d_model": hidden, "d_ff": hf["intermediate_size"],
-        "seq_len": hf["max_position_embeddings"], "block": "serial", "position": "rope", "norm": "rmsnorm",
-        "mlp": "swiglu", "bias": bias, "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_eps": hf["rms_norm_eps"],
-        "attention": "full", "window": None, "dropout": 0.0, **rope_fields(hf),
+        "n_kv_head": hf["num_key_value_heads"] or heads, "d_model": hidden, "seq_len": hf["max_position_embeddings"],
+        "block": "serial", "position": "rope", "norm": "rmsnorm", "mlp": mlp, "bias": bias,
+        "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_eps": hf["rms_norm_eps"], "attention": "full",
+        "window": None, "dropout": 0.0, **rope_fields(hf, partial_default=partial_default),
     }
 
 

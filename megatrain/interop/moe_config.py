@@ -34,8 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain.config import ModelConfig
-from megatrain.interop.hf_rope import rope_fields
-from megatrain.interop.llama import _rope_parameters
+from megatrain.interop.llama import _rope_parameters, llama_block_fields
 from megatrain.interop.mapping import HFConfig, field, full_attention, kv_heads
 
 MIXTRAL, QWEN2_MOE, GLM4_MOE = "Mixtral", "Qwen2-MoE", "GLM-4-MoE"
@@ -161,18 +160,7 @@ def _attention_fields(hf: HFConfig, partial_default: float = 1.0) -> dict[str, A
     """The ModelConfig fields every MoE family shares: a serial RMSNorm/RoPE/GQA block without biases."""
     if hf["hidden_act"] != "silu":
         raise hf.refuse("hidden_act", "megatrain's experts are SwiGLU (silu)")
-    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hidden // heads):  # absent from some classes: transformers' getattr default
-        raise hf.refuse("head_dim", f"megatrain's head_dim is hidden_size / num_attention_heads = {hidden // heads}")
-    if hf["attention_dropout"]:
-        raise hf.refuse("attention_dropout", "megatrain has no dropout on attention probabilities")
-    return {
-        "vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"], "n_head": heads,
-        "n_kv_head": hf["num_key_value_heads"] or heads, "d_model": hidden, "seq_len": hf["max_position_embeddings"],
-        "block": "serial", "position": "rope", "norm": "rmsnorm", "mlp": "moe", "bias": False,
-        "tie_embeddings": bool(hf["tie_word_embeddings"]), "norm_eps": hf["rms_norm_eps"], "attention": "full",
-        "window": None, "dropout": 0.0, **rope_fields(hf, partial_default=partial_default),
-    }
+    return llama_block_fields(hf, mlp="moe", bias=False, partial_default=partial_default)
 
 
 def mixtral_model_config(hf: HFConfig) -> dict[str, Any]:
