@@ -6,7 +6,8 @@ on a terminal (or a plain line every ``log_interval`` steps when output is not a
 the same step's scalars to every enabled tracking sink: TensorBoard (on by default, event files
 in ``<run_dir>/tb``), and Weights & Biases or MLflow when the recipe names a project or a
 tracking URI. A sink's library is imported only when that sink is enabled, so neither wandb nor
-mlflow is ever required.
+mlflow is ever required. The sinks are written from one background thread (``sink_thread.py``):
+the training thread only appends the row and queues the scalars.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megatrain.observe.jsonl import open_append
+from megatrain.observe.sink_thread import BackgroundSinks
 
 log = logging.getLogger("megatrain")
 
@@ -156,7 +158,8 @@ class MetricsLogger:
         self.enabled = enabled
         self.log_interval = log_interval
         self.total_steps = total_steps
-        self.sinks = list(sinks or []) if enabled else []
+        # the sinks (TensorBoard, MLflow's HTTP calls, W&B) are written from their own thread
+        self.sinks = BackgroundSinks(list(sinks)) if enabled and sinks else None
         self._progress = None
         if not enabled:
             return
@@ -180,9 +183,8 @@ class MetricsLogger:
             if row[optional] is None:
                 del row[optional]
         self._file.write(json.dumps(row) + "\n")
-        values = scalars(metrics)
-        for sink in self.sinks:
-            sink.write(metrics.step, values)
+        if self.sinks is not None:
+            self.sinks.write(metrics.step, scalars(metrics))
         info = f"loss {metrics.loss:.4f}  {metrics.tokens_per_s:,.0f} tok/s"
         if metrics.mfu is not None:
             info += f"  MFU {100 * metrics.mfu:.1f}%"
@@ -200,5 +202,5 @@ class MetricsLogger:
             self._progress.stop()
         if self.enabled:
             self._file.close()
-            for sink in self.sinks:
-                sink.close()
+            if self.sinks is not None:
+                self.sinks.close()
