@@ -4,6 +4,7 @@ import contextlib
 import os
 import subprocess
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="megatrain-prefect-"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -18,6 +19,20 @@ import pytest  # noqa: E402
 def shard_root(tmp_path_factory):
     """One shard directory for the session: sharding is idempotent, so only the first run pays."""
     return tmp_path_factory.mktemp("shards")
+
+
+@pytest.fixture(scope="session")
+def shard_url(tmp_path_factory) -> str:
+    """The tiny recipe's corpus (300 kB of source) sharded once per session, before any run starts:
+    concurrent runs must not race to write the same shards."""
+    from megatrain.config import load_config
+    from megatrain.data.shard import shard_corpus
+
+    root = Path(__file__).resolve().parents[1]
+    url = str(tmp_path_factory.mktemp("tiny-shards"))
+    cfg = load_config(root / "configs/tiny-cpu.yaml", ["data.max_source_bytes=300000", f"data.shard_url={url}"])
+    shard_corpus(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
+    return url
 
 
 @pytest.fixture(scope="session")
@@ -79,8 +94,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 @contextlib.contextmanager
-def _tmpfs(path, size: int, read_only: bool = False):
-    """A real filesystem of ``size`` bytes at ``path`` (``read_only``: mounted ro, writes get
+def _tmpfs(path, size: int | str, read_only: bool = False):
+    """A real filesystem of ``size`` (bytes, or tmpfs's "16k") at ``path`` (``read_only``: mounted ro, writes get
     EROFS), unmounted after; skipped where this machine cannot mount one."""
     path.mkdir(parents=True, exist_ok=True)
     options = f"{'ro,' if read_only else ''}size={size}"

@@ -21,8 +21,6 @@ import re
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,19 +36,6 @@ from megatrain.checkpoint.files import MANIFEST, rank_marker, step_dir_name
 from megatrain.checkpoint.restore import verify_checkpoint
 
 SECRET = b"outside every run folder: never read, copied or committed\n" * 8
-
-
-@contextmanager
-def small_disk(path: Path, size: int) -> Iterator[Path]:
-    """A real filesystem of ``size`` bytes (tmpfs) mounted at ``path``."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def secret_file(directory: Path) -> tuple[Path, dict]:
@@ -84,7 +69,7 @@ def run_failing(path: Path) -> str:
 
 
 @pytest.mark.slow
-def test_staging_disk_full(reference, workdir, shard_root, logs):
+def test_staging_disk_full(reference, workdir, shard_root, logs, mount_tmpfs):
     """The user's staging_dir (a small disk) is honoured and is too small for one checkpoint: since
     the preflight, validate-campaign refuses it before any rank starts, with the path, bytes needed
     (two checkpoints' share of the node) and bytes free; no restart burns time on it, nothing is
@@ -92,7 +77,7 @@ def test_staging_disk_full(reference, workdir, shard_root, logs):
     preflight the ranks trained and stopped at step 2's staging; that check still guards a disk
     that fills during the run.)"""
     step = step_bytes(reference(1), COMMITTED[-1])
-    with small_disk(workdir / "small-staging", step // 2) as disk:
+    with mount_tmpfs(workdir / "small-staging", step // 2) as disk:
         path = write_campaign(workdir, "staging-full", shard_url=shard_root,
                               overrides=[f"checkpoint.staging_dir={disk}"])
         campaign = load_campaign(path)
@@ -111,7 +96,7 @@ def test_staging_disk_full(reference, workdir, shard_root, logs):
 
 
 @pytest.mark.slow
-def test_durable_disk_full_then_a_staged_marker_with_a_traversal_name(reference, workdir, shard_root, logs):
+def test_durable_disk_full_then_a_staged_marker_with_a_traversal_name(reference, workdir, shard_root, logs, mount_tmpfs):
     """Durable storage (a small disk) fills after two commits: the upload of step 6 is refused
     with the path and bytes, the flow fails, steps 2 and 4 still verify and steps 6 and 8 stay
     staged, bit-exact with the reference. A rerun then meets a staged marker that lists a name
@@ -119,7 +104,7 @@ def test_durable_disk_full_then_a_staged_marker_with_a_traversal_name(reference,
     nothing copied anywhere, nothing committed."""
     ref = reference(1)
     step = step_bytes(ref, COMMITTED[-1])
-    with small_disk(workdir / "small-durable", int(2.5 * step)) as disk:
+    with mount_tmpfs(workdir / "small-durable", int(2.5 * step)) as disk:
         path = write_campaign(workdir, "durable-full", shard_url=shard_root)
         path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "durable_url": str(disk)}, sort_keys=False))
         campaign = load_campaign(path)

@@ -41,17 +41,6 @@ REPO = Path(__file__).resolve().parents[3]
 STEPS, INTERVAL, KILL_AT = 8, 4, 7
 
 
-@pytest.fixture(scope="module")
-def shard_url(tmp_path_factory) -> str:
-    from megatrain.config import load_config
-    from megatrain.data.shard import shard_corpus
-
-    url = str(tmp_path_factory.mktemp("shards"))
-    cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["data.max_source_bytes=300000", f"data.shard_url={url}"])
-    shard_corpus(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
-    return url
-
-
 def stagings(run_dir: Path) -> list[Path]:
     return [run_dir / "nodes" / f"node-{n}" / "staging" for n in (0, 1)]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -20,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_keeper_node_loss import final_state as _final_state  # step 8's; test_resume's is step 6's
-from test_keeper_node_loss import shard_url  # noqa: F401  (the module fixture: the tiny corpus, sharded once)
 
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.memory import KEEPER_IDLE_ENV, KeeperClient, KeeperError, keeper_dir
 from megatrain.observe.jsonl import read_rows
+from megatrain.reliability.keeper_faults import corrupt_keeper
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS, INTERVAL, KILL_AT = 8, 4, 7
@@ -51,19 +50,6 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def _corrupt_keeper_copies(staging: Path, rank: int) -> list[int]:
-    """Flip a byte in every copy the keeper holds for ``rank`` (through the keeper's own memory)."""
-    client = KeeperClient.connect(keeper_dir(staging))
-    steps = [entry["step"] for entry in client.request("list")[0]["ranks"][str(rank)]]
-    for step in steps:
-        reply, fds = client.request("get", rank=rank, step=step)
-        with mmap.mmap(fds[0], reply["nbytes"]) as shared:
-            shared[reply["used"] // 2] ^= 0xFF
-        os.close(fds[0])
-    client.close()
-    return steps
-
-
 @pytest.fixture
 def runs(tmp_path):
     names = {name: tmp_path / name for name in ("straight", "keeper", "corrupt")}
@@ -82,7 +68,7 @@ def test_rank_killed_restores_from_keeper_or_durable_when_corrupt_bit_exact(runs
     assert "memory checkpoint step 6: loop blocked" in out
     for crash_code, crash_out in crashes:
         assert crash_code != 0 and "injecting fault kill_rank on rank 1 at step 7" in crash_out, crash_out[-3000:]
-    assert _corrupt_keeper_copies(runs["corrupt"] / "staging", rank=1)
+    assert corrupt_keeper(runs["corrupt"] / "staging", rank=1)
     # Step 4's upload runs beside training: on a loaded machine rank 1 may die before it commits.
     durable = {name: [i.step for i in catalog.committed(str(runs[name] / "durable"))] for name in ("keeper", "corrupt")}
 

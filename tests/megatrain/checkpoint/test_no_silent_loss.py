@@ -7,13 +7,11 @@ Full disks are real: small tmpfs mounts (needs root, as in this project's sandbo
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import struct
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,25 +32,12 @@ from checkpoint_fakes import assert_same_state, full_state, make_trainer, run
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@contextlib.contextmanager
-def small_disk(path: Path, size: str) -> Iterator[Path]:
-    """A real filesystem of ``size`` (tmpfs) mounted at ``path``."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def files_under(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
 
 
-def test_a_full_staging_disk_fails_the_loop_before_writing(fresh, tmp_path):
-    with small_disk(tmp_path / "disk", "16k") as disk:
+def test_a_full_staging_disk_fails_the_loop_before_writing(fresh, tmp_path, mount_tmpfs):
+    with mount_tmpfs(tmp_path / "disk", "16k") as disk:
         _, trainer, checkpointer = fresh(interval=1, staging_dir=disk / "staging")
         with pytest.raises(storage.NoSpaceError) as full:
             run(trainer, checkpointer, 3)  # step 1 stages in the background; step 2 learns it failed
@@ -64,8 +49,8 @@ def test_a_full_staging_disk_fails_the_loop_before_writing(fresh, tmp_path):
         assert files_under(disk) == []  # nothing half-written
 
 
-def test_a_disk_that_fills_while_staging_leaves_no_partial_file(fresh, tmp_path, monkeypatch):
-    with small_disk(tmp_path / "disk", "8k") as disk:
+def test_a_disk_that_fills_while_staging_leaves_no_partial_file(fresh, tmp_path, mount_tmpfs, monkeypatch):
+    with mount_tmpfs(tmp_path / "disk", "8k") as disk:
         monkeypatch.setattr(storage.space, "free_bytes", lambda url: 1 << 40)  # the check is fooled; the disk is not
         _, trainer, checkpointer = fresh(interval=1, staging_dir=disk / "staging")
         run(trainer, checkpointer, 1)
@@ -74,8 +59,8 @@ def test_a_disk_that_fills_while_staging_leaves_no_partial_file(fresh, tmp_path,
         assert files_under(disk) == []
 
 
-def test_a_full_durable_disk_fails_the_loop_and_the_staged_step_survives(fresh, tmp_path):
-    with small_disk(tmp_path / "disk", "16k") as disk:
+def test_a_full_durable_disk_fails_the_loop_and_the_staged_step_survives(fresh, tmp_path, mount_tmpfs):
+    with mount_tmpfs(tmp_path / "disk", "16k") as disk:
         cfg, trainer, checkpointer = fresh(interval=1, durable_url=disk / "durable")
         run(trainer, checkpointer, 1)
         with pytest.raises(storage.NoSpaceError) as full:
@@ -90,8 +75,8 @@ def test_a_full_durable_disk_fails_the_loop_and_the_staged_step_survives(fresh, 
         assert info.step == 1 and verify_checkpoint(info.url, info.manifest) == []
 
 
-def test_a_write_failing_mid_upload_leaves_no_temporary_file(fresh, tmp_path, monkeypatch):
-    with small_disk(tmp_path / "disk", "8k") as disk:
+def test_a_write_failing_mid_upload_leaves_no_temporary_file(fresh, tmp_path, mount_tmpfs, monkeypatch):
+    with mount_tmpfs(tmp_path / "disk", "8k") as disk:
         monkeypatch.setattr(storage.space, "free_bytes", lambda url: 1 << 40)
         _, trainer, checkpointer = fresh(interval=1, durable_url=disk / "durable", upload_retries=1)
         run(trainer, checkpointer, 1)

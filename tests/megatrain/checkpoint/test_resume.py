@@ -27,18 +27,6 @@ REPO = Path(__file__).resolve().parents[3]
 STEPS, HALF = 6, 3
 
 
-@pytest.fixture(scope="module")
-def shard_url(tmp_path_factory) -> str:
-    """Shard once for every run (concurrent runs must not race to write the same shards)."""
-    from megatrain.config import load_config
-    from megatrain.data.shard import shard_corpus
-
-    url = str(tmp_path_factory.mktemp("shards"))
-    cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["data.max_source_bytes=300000", f"data.shard_url={url}"])
-    shard_corpus(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
-    return url
-
-
 def _launch(nproc: int, run_dir: Path, shard_url: str, kill_after: int | None = None) -> subprocess.Popen:
     overrides = [
         "model.n_layer=1", "model.dropout=0.1", f"train.steps={STEPS}", f"checkpoint.interval={HALF}",

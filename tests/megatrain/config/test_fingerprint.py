@@ -48,17 +48,6 @@ def test_state_and_schedule_fields_split_the_config():
     assert schedule_fields(load_config(None, ["train.global_batch_size=8"]))["train.global_batch_size"] == 8
 
 
-@pytest.fixture(scope="module")
-def shard_url(tmp_path_factory) -> str:
-    from megatrain.config import load_config
-    from megatrain.data.shard import shard_corpus
-
-    url = str(tmp_path_factory.mktemp("shards"))
-    cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["data.max_source_bytes=300000", f"data.shard_url={url}"])
-    shard_corpus(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
-    return url
-
-
 def _train(run_dir: Path, shard_url: str, *overrides: str) -> subprocess.CompletedProcess:
     """One process of the real trainer (no torchrun) on tiny-cpu, checkpointing every 2 steps."""
     args = ["model.n_layer=2", "data.max_source_bytes=300000", f"data.shard_url={shard_url}", "data.prefetch_batches=0",
