@@ -45,10 +45,9 @@ def stage_keepers(campaign: CampaignConfig, index: int, cfg) -> Iterator[list[Pa
     ensure_run_token()  # the ranks get the same one (launch tasks): the peers' replication is bound to it
     folders = [keeper_dir(staging) for staging in stage_staging_dirs(campaign, index, cfg)]
     log_path = Path(cfg.train.run_dir) / "logs" / "keeper.log"
-    registry = cfg.reliability.redis_url or str(Path(cfg.train.run_dir) / "keepers")  # as the ranks' (manager.py)
     started = []
     for node, folder in enumerate(folders):
-        peer = PeerSettings(node, len(folders), registry, cfg.run_id) if len(folders) > 1 else None
+        peer = PeerSettings.of_run(cfg, node, len(folders)) if len(folders) > 1 else None
         started.append(start_keeper(folder, log_path, peer, preexec_fn=die_with_parent))
     run_logger().info("stage %s: checkpoint keepers started (pids %s, log %s)", campaign.stages[index].name,
                       [p.pid for p in started], log_path)

@@ -47,6 +47,12 @@ class PeerSettings:
     registry: str  # a folder shared by the nodes, or a redis:// URL
     run_id: str
 
+    @classmethod
+    def of_run(cls, cfg: Any, node: int, nnodes: int) -> PeerSettings:
+        """A run's keepers register in its Redis, else in a folder of its run dir (nodes sharing a
+        file system): the ranks (checkpoint/manager.py) and the flow (tasks/keepers.py) alike."""
+        return cls(node, nnodes, cfg.reliability.redis_url or str(Path(cfg.train.run_dir) / "keepers"), cfg.run_id)
+
     def args(self) -> list[str]:
         return ["--node", str(self.node), "--nnodes", str(self.nnodes), "--registry", self.registry,
                 "--run-id", self.run_id]

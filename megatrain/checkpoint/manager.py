@@ -104,9 +104,8 @@ class Checkpointer:
         nnodes = self.env.world_size // max(self.env.local_world_size, 1)
         if nnodes < 2:
             return None
-        registry = self.cfg.reliability.redis_url or str(Path(self.cfg.train.run_dir) / "keepers")
         node = int(os.environ.get("MEGATRAIN_NODE") or os.environ.get("GROUP_RANK", "0"))
-        return PeerSettings(node, nnodes, registry, self.cfg.run_id)
+        return PeerSettings.of_run(self.cfg, node, nnodes)
 
     # ---- restore ------------------------------------------------------------------------------
 
