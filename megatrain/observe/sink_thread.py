@@ -13,9 +13,13 @@ without end (``max_pending`` steps, 10,000 by default: hours of steps at typical
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 from typing import Any
+
+log = logging.getLogger("megatrain")
 
 _CLOSE = object()
 
@@ -39,10 +43,22 @@ class BackgroundSinks:
         self._raise_if_failed()
         self._rows.put((step, dict(values)))  # a copy: the caller may reuse its dict
 
-    def close(self) -> None:
-        """Writes what is queued, closes every sink, then raises a sink's error if one failed."""
-        self._rows.put(_CLOSE)
-        self._thread.join()
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Writes what is queued, closes every sink, then raises a sink's error if one failed. A
+        sink still stuck after ``timeout_s`` (a tracking server that stopped answering) is left
+        behind with a warning naming the rows it did not get: metrics.jsonl already holds every
+        row, and the run's end must not wait on a dashboard."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._rows.put(_CLOSE, timeout=timeout_s)
+        except queue.Full:
+            pass
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            log.warning("metrics sinks %s still writing after %.0f s: about %d rows not written to them "
+                        "(metrics.jsonl has every row)", [type(sink).__name__ for sink in self.sinks], timeout_s,
+                        self._rows.qsize())
+            return
         for sink in self.sinks:
             try:
                 sink.close()

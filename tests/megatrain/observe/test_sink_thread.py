@@ -86,3 +86,16 @@ def test_the_metrics_logger_hands_its_rows_to_the_sinks_from_the_thread(tmp_path
     assert [step for step, _ in sink.rows] == [1, 2, 3] and sink.closed
     assert sink.threads == {"metrics-sinks"}
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3
+
+
+def test_a_sink_stuck_for_good_does_not_hold_the_run_s_end_and_is_named(caplog):
+    gate = threading.Event()  # never opened: a tracking server that stopped answering
+    stuck = Recording(gate)
+    sinks = BackgroundSinks([stuck])
+    for step in (1, 2, 3):
+        sinks.write(step, {"loss": 1.0})
+    with caplog.at_level("WARNING", logger="megatrain"):
+        sinks.close(timeout_s=0.2)
+    assert "metrics sinks ['Recording'] still writing" in caplog.text and "metrics.jsonl has every row" in caplog.text
+    assert not stuck.closed
+    gate.set()  # let the thread finish its row
