@@ -115,6 +115,12 @@ def test_node_loss_restores_from_the_peer_replica_and_refuses_corruption_and_str
     # Each keeper holds the other node's newest copy (an older one may be superseded before it is sent).
     status0 = wait_for_replica(staging0, rank=2, step=4)
     status1 = wait_for_replica(staging1, rank=0, step=4)
+    # Node 1 records what it sent once node 0 has acknowledged it, a moment after node 0 lists the
+    # replica: read node 1's record until it is there (it raced a CI run when read once).
+    deadline = time.monotonic() + 30
+    while status1["peer"]["sent"].get("2", {}).get("step") != 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        status1 = keeper_status(staging1)
     sent = status1["peer"]["sent"]["2"]
     assert sent["step"] == 4 and sent["node"] == 0 and sent["bytes"] >= 1000 * 700 * 4, sent
     print(f"replication of a {sent['bytes'] / 1e6:.1f} MB copy: {sent['seconds']:.3f} s")
