@@ -40,9 +40,12 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
-from megatrain.config import Config
-from megatrain.config import ConfigError, load_config
-from megatrain.model.gpt import active_parameter_count, expected_parameter_count, moe_layer_parameters
+from megatrain.config import Config, ConfigError, ModelConfig, load_config
+from megatrain.model.gpt import (
+    active_parameter_count,
+    expected_parameter_count,
+    moe_layer_parameters,
+)
 
 GIB = 1024**3
 
@@ -77,6 +80,15 @@ def activation_bytes_per_layer(cfg: Config, mode: str) -> float:
     return s * b * h * (base + (attention_scores if mode == "none" else 0.0))
 
 
+def routed_expert_parameters(m: ModelConfig, layers: int | None = None) -> int:
+    """Parameters of the routed experts (E experts of gate, up and down, 3 d eff each) in
+    ``layers`` MoE layers (default: every MoE layer of the model); 0 for a dense model. This is
+    what expert parallelism cuts into ep slices and the rest of the model replicates."""
+    if m.mlp != "moe":
+        return 0
+    return (m.n_moe_layers if layers is None else layers) * m.moe.n_experts * 3 * m.d_model * m.expert_ffn_dim
+
+
 def params_per_gpu(cfg: Config, tp: int | None = None, pp: int | None = None, ep: int | None = None) -> int:
     """Parameters of one first-stage GPU: its share of L/pp layers, its 1/t of the token
     embedding, the whole position table (learned positions), and with pp = 1 the head too (final
@@ -105,7 +117,7 @@ def params_per_gpu(cfg: Config, tp: int | None = None, pp: int | None = None, ep
             raise ValueError(f"parallel.tp={t}: model.mlp=moe has no tensor-parallel experts yet (use tp 1)")
         stages = [range(start, min(start + layers, m.n_layer)) for start in range(0, m.n_layer, layers)]
         routed = max(sum(m.is_moe_layer(i) for i in stage) for stage in stages)
-        experts = m.moe.n_experts * 3 * d * m.expert_ffn_dim  # the routed experts of one layer
+        experts = routed_expert_parameters(m, layers=1)  # the routed experts of one layer
         moe = moe_layer_parameters(m) - experts + experts // e
         return layers * (attention + mlp + norms) + routed * (moe - mlp) + embedding + head
     return layers * (attention + mlp + norms) + embedding + head
@@ -117,10 +129,15 @@ def params_per_gpu(cfg: Config, tp: int | None = None, pp: int | None = None, ep
 #   optimizer  ZeRO 1-3: fp32 master 4 + two moments 8 (AdamW and LAMB both keep m and v),
 #              partitioned over DP, so a checkpoint holds it once; ZeRO 0: every DP rank writes
 #              its own whole copy (the moments, and a master only when the weights are bf16)
+#   experts    under expert parallelism (parallel.ep = E > 1: ZeRO-0, tp = pp = 1) the routed experts
+#              are not replicated: dp_rank e < E writes EP rank e's 1/E slice of them as
+#              model-ppPP-tpTT-epEE.safetensors (checkpoint/experts.py), dp_rank 0 the rest, and each
+#              rank's optimizer state holds the moments of its own 1/E of the experts only
 #   per rank   RNG state and JSON metadata (step, schedule, data position, parameter map): about
 #              30 KB for the tiny recipe, counted as RANK_OVERHEAD
 # Measured against committed steps of the tiny recipe (fp32 on CPU): 1 rank 10,834,630 bytes vs
-# 10,862,592 predicted (+0.3%); 2 ranks ZeRO-1 +0.5%, ZeRO-0 +0.4% (tests/megatrain/reliability/test_preflight.py).
+# 10,862,592 predicted (+0.3%); 2 ranks ZeRO-1 +0.5%, ZeRO-0 +0.4% (tests/megatrain/reliability/test_preflight.py);
+# moe-tiny-cpu at ZeRO-0, 2 ranks EP2: +0.4% in total and per rank (tests/megatrain/parallel/test_plan_checkpoint_moe.py).
 RANK_OVERHEAD = 64 * 1024
 OPTIMIZER_BYTES = 12  # fp32 master 4 + m 4 + v 4
 
@@ -143,33 +160,67 @@ def weight_bytes(cfg: Config, cuda: bool = True) -> int:
     return 2 if cfg.train.dtype == "bf16" else 4
 
 
+@dataclass(frozen=True)
+class _CheckpointTerms:
+    """What ``checkpoint_size`` and ``rank_checkpoint_bytes`` count, for one layout."""
+
+    world: int
+    dp: int
+    weights: int  # bytes per weight written (0 under ZeRO-3)
+    optimizer: int  # bytes of optimizer state per parameter a rank updates
+    whole: int  # parameters of the whole model (pp > 1 with tied embeddings: the last stage's copy too)
+    shard: int  # the most parameters one rank holds
+    expert_slice: int  # parameters of one EP rank's slice of the routed experts (0 without EP)
+
+
+def _checkpoint_terms(cfg: Config, world_size: int | None, cuda: bool) -> _CheckpointTerms:
+    p, m = cfg.parallel, cfg.model
+    world = world_size or p.world_size or p.tp * p.pp * (p.dp or 1)
+    weights = 0 if p.zero_stage >= 3 else weight_bytes(cfg, cuda)
+    # pp > 1 with tied embeddings: the last stage holds its own copy of the token embedding
+    tied_copy = m.vocab_size * m.d_model if p.pp > 1 and m.tie_embeddings else 0
+    # any stage's shard is at most the first stage's plus the last stage's head (or tied copy);
+    # with EP (tp = pp = 1) it holds the replicated weights and its 1/ep of the routed experts
+    shard = params_per_gpu(cfg) + (m.vocab_size * m.d_model // p.tp if p.pp > 1 else 0)
+    return _CheckpointTerms(
+        world=world, dp=p.data_parallel_size(world), weights=weights,
+        optimizer=OPTIMIZER_BYTES if p.zero_stage >= 1 or weights == 2 else 8,
+        whole=params_per_gpu(cfg, tp=1, pp=1) + tied_copy, shard=shard,
+        expert_slice=routed_expert_parameters(m) // p.ep if p.ep > 1 else 0)
+
+
+def rank_checkpoint_bytes(cfg: Config, rank: int, world_size: int | None = None, cuda: bool = True) -> int:
+    """The bytes ``rank`` stages for one checkpoint (an upper bound at pp > 1: the shard bound):
+    its optimizer state (ZeRO >= 1: its 1/dp of it), the model file of its (pp, tp) shard when it is
+    dp_rank 0, and under EP its slice of the routed experts when it is dp_rank e < ep."""
+    return _rank_bytes(cfg, _checkpoint_terms(cfg, world_size, cuda), rank)
+
+
+def _rank_bytes(cfg: Config, c: _CheckpointTerms, rank: int) -> int:
+    p = cfg.parallel
+    dp_rank = (rank // p.tp) % c.dp  # rank order: tp innermost, then dp (megatrain/parallel/dims.py)
+    written = (c.shard - c.expert_slice if dp_rank == 0 else 0) + (c.expert_slice if dp_rank < p.ep else 0)
+    state = math.ceil(c.shard * c.optimizer / c.dp) if p.zero_stage >= 1 else c.shard * c.optimizer
+    return written * c.weights + state + RANK_OVERHEAD
+
+
 def checkpoint_size(cfg: Config, world_size: int | None = None, ranks_per_node: int | None = None,
                     cuda: bool = True) -> CheckpointSize:
     """The size of one checkpoint of ``cfg`` on ``world_size`` ranks, ``ranks_per_node`` to a node
     (default ``parallel.gpus_per_node``); ``cuda``: what ``train.dtype: auto`` resolves to."""
-    p, m = cfg.parallel, cfg.model
-    world = world_size or p.world_size or p.tp * p.pp * (p.dp or 1)
-    dp = p.data_parallel_size(world)
-    weights = 0 if p.zero_stage >= 3 else weight_bytes(cfg, cuda)
-    optimizer = OPTIMIZER_BYTES if p.zero_stage >= 1 or weights == 2 else 8
-    # pp > 1 with tied embeddings: the last stage holds its own copy of the token embedding
-    tied_copy = m.vocab_size * m.d_model if p.pp > 1 and m.tie_embeddings else 0
-    whole = params_per_gpu(cfg, tp=1, pp=1) + tied_copy
-    total = whole * (weights + optimizer * (1 if p.zero_stage >= 1 else dp)) + world * RANK_OVERHEAD
-    # any stage's shard is at most the first stage's plus the last stage's head (or tied copy)
-    shard = params_per_gpu(cfg) + (m.vocab_size * m.d_model // p.tp if p.pp > 1 else 0)
-
-    def rank_bytes(rank: int) -> int:  # rank order: tp innermost, then dp (megatrain/parallel/dims.py)
-        writes_weights = (rank // p.tp) % dp == 0
-        state = math.ceil(shard * optimizer / dp) if p.zero_stage >= 1 else shard * optimizer
-        return (shard * weights if writes_weights else 0) + state + RANK_OVERHEAD
-
-    per_node_ranks = min(world, ranks_per_node or p.gpus_per_node)
-    nodes = [range(start, min(world, start + per_node_ranks)) for start in range(0, world, per_node_ranks)]
-    per_node = max(sum(rank_bytes(rank) for rank in node) for node in nodes)
+    p, c = cfg.parallel, _checkpoint_terms(cfg, world_size, cuda)
+    if p.zero_stage >= 1:  # partitioned over DP: one copy in all
+        state = c.whole
+    else:  # each DP rank its own; under EP that leaves out the routed experts of the other EP ranks
+        state = c.dp * (c.whole - c.expert_slice * (p.ep - 1))
+    total = c.whole * c.weights + state * c.optimizer + c.world * RANK_OVERHEAD
+    per_node_ranks = min(c.world, ranks_per_node or p.gpus_per_node)
+    nodes = [range(start, min(c.world, start + per_node_ranks)) for start in range(0, c.world, per_node_ranks)]
+    per_node = max(sum(_rank_bytes(cfg, c, rank) for rank in node) for node in nodes)
     # a node never holds more than the whole checkpoint (the shard bound overcounts at pp > 1);
     # rank 0 is a DP rank 0 (it writes weights) with the largest shard bound: the largest rank
-    return CheckpointSize(total=total, per_node=min(per_node, total), largest_rank=min(rank_bytes(0), total))
+    return CheckpointSize(total=total, per_node=min(per_node, total),
+                          largest_rank=min(_rank_bytes(cfg, c, 0), total))
 
 
 @dataclass
