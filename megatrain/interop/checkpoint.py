@@ -5,7 +5,10 @@ Export, generation and ``megatrain eval`` start here. A checkpoint step holds on
 them (``checkpoint/files.py``, ``checkpoint/state.py``). ``full_state_dict`` reads every shard
 (checking each file's size and sha256 against the manifest), renames pipeline-stage names back to
 the plain model's, and concatenates tensor-parallel slices along the dimension they were cut
-(the fused q/k/v projection was cut per block of three: ``parallel/tensor_parallel.py``).
+(the fused q/k/v projection was cut per block of three: ``parallel/tensor_parallel.py``). An
+expert-parallel step adds ``model-ppXX-tpYY-epEE.safetensors``, EP rank e's slice of the routed
+experts (``checkpoint/experts.py``): the slices are joined in EP rank order (numbers, not strings:
+ep100 comes after ep11), and a step missing one EP rank's file is refused (``IncompleteCheckpoint``).
 
 What rebuilds the model is the run record ``run.json`` (the resolved config and the shard
 version), which rank 0 writes at the start of every run into the run dir and beside the
@@ -30,7 +33,7 @@ import torch
 
 from megatrain import storage
 from megatrain.checkpoint import catalog
-from megatrain.checkpoint.files import load_safetensors, parse_step
+from megatrain.checkpoint.files import load_safetensors, model_file, parse_step
 from megatrain.checkpoint.restore import read_verified
 from megatrain.config import Config
 from megatrain.config.campaign import stage_dirs
@@ -48,11 +51,15 @@ from megatrain.errors import InputError, one_line
 log = logging.getLogger("megatrain.interop")
 
 # -epEE: an expert-parallel run's file of EP rank e's slice of the routed experts (checkpoint/experts.py)
-_MODEL_FILE = re.compile(r"^model-pp(\d+)-tp(\d+)(-ep\d+)?\.safetensors$")
+_MODEL_FILE = re.compile(r"^model-pp(\d+)-tp(\d+)(?:-ep(\d+))?\.safetensors$")
 
 
 class RunNotFound(InputError):
     """No checkpoint, or no run record to rebuild its model from; the message says where it looked."""
+
+
+class IncompleteCheckpoint(InputError):
+    """A step whose expert-parallel model files do not hold every expert (an EP rank's file missing)."""
 
 
 def write_run_record(cfg: Config, index: ShardIndex) -> None:
@@ -192,22 +199,22 @@ def full_state_dict(step_url: str, manifest: dict[str, Any], model: torch.nn.Mod
     """The whole model's tensors from every (pp, tp) model file of a committed step, named and
     shaped as ``model`` (a plain model of the run's config, possibly on the meta device) wants."""
     n_layer = len(model.blocks)
-    shards: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
-    for name in sorted({n for files in manifest["files"].values() for n in files}):  # EP slices in EP order
-        match = _MODEL_FILE.match(name)
-        if match:
-            pp, tp = int(match.group(1)), int(match.group(2))
-            stage = shards.setdefault(tp, {}).setdefault(pp, {})
-            for tensor_name, tensor in load_safetensors(read_verified(step_url, name, manifest)).items():
-                stage[tensor_name] = torch.cat([stage[tensor_name], tensor]) if tensor_name in stage else tensor
+    shards: dict[int, dict[int, dict[str, list[torch.Tensor]]]] = {}  # tp -> pp -> name -> its EP slices
+    from_ep: dict[str, tuple[int, int, int]] = {}  # plain name of an expert tensor -> (pp, tp, EP files joined)
+    for pp, tp, ep, name in model_files(step_url, manifest):  # in EP rank order: the slices join in expert order
+        stage = shards.setdefault(tp, {}).setdefault(pp, {})
+        for tensor_name, tensor in load_safetensors(read_verified(step_url, name, manifest)).items():
+            stage.setdefault(tensor_name, []).append(tensor)
+            if ep is not None:
+                from_ep[_layer_name(tensor_name, n_layer)] = (pp, tp, ep + 1)
     if not shards:
         raise RunNotFound(f"{step_url}: the manifest lists no model file")
     by_name: dict[str, list[torch.Tensor]] = {}
     for tp in sorted(shards):
         seen: dict[str, torch.Tensor] = {}
         for pp in sorted(shards[tp]):
-            for raw, tensor in shards[tp][pp].items():
-                seen.setdefault(_layer_name(raw, n_layer), tensor)  # the tied embedding: first stage's copy
+            for raw, parts in shards[tp][pp].items():  # the tied embedding: first stage's copy
+                seen.setdefault(_layer_name(raw, n_layer), parts[0] if len(parts) == 1 else torch.cat(parts))
         for name, tensor in seen.items():
             by_name.setdefault(name, []).append(tensor)
     expected = model.state_dict()
@@ -215,7 +222,32 @@ def full_state_dict(step_url: str, manifest: dict[str, Any], model: torch.nn.Mod
     if missing or extra:
         raise ValueError(f"{step_url}: checkpoint tensors do not fit the config's model: missing {missing[:3]}, "
                          f"unexpected {extra[:3]}")
+    for name, (pp, tp, ep) in from_ep.items():  # the last EP rank's file missing leaves no gap in the names
+        held, want = by_name[name][0].shape[0], expected[name].shape[0]
+        if held != want:
+            raise IncompleteCheckpoint(f"{step_url}: the {ep} expert-parallel model files of pp {pp} tp {tp} hold "
+                                       f"{held} of the {want} experts of {name}: an EP rank's file is missing")
     return {name: _merge_tp(name, by_name[name], expected[name].shape, model.cfg) for name in expected}
+
+
+def model_files(step_url: str, manifest: dict[str, Any]) -> list[tuple[int, int, int | None, str]]:
+    """The step's model files as (pp, tp, EP rank or None, name), ordered by those numbers (as
+    strings, ep100 would sort before ep11 and its experts join out of place). Raises
+    IncompleteCheckpoint when a (pp, tp) shard's EP ranks are not 0..E-1 without a gap."""
+    found = []
+    for name in {n for files in manifest["files"].values() for n in files}:
+        match = _MODEL_FILE.match(name)
+        if match:
+            pp, tp, ep = match.groups()
+            found.append((int(pp), int(tp), None if ep is None else int(ep), name))
+    found.sort(key=lambda f: (f[0], f[1], -1 if f[2] is None else f[2]))
+    for pp, tp in sorted({(f[0], f[1]) for f in found}):
+        ranks = [f[2] for f in found if (f[0], f[1]) == (pp, tp) and f[2] is not None]
+        if ranks != list(range(len(ranks))):
+            missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+            raise IncompleteCheckpoint(f"{step_url}: the expert-parallel model files of pp {pp} tp {tp} miss EP "
+                                       f"rank(s) {missing[:8]} of 0..{max(ranks)} (e.g. {model_file(pp, tp, missing[0])})")
+    return found
 
 
 def read_run_config(checkpoint: str, config: str | None = None) -> Config:
