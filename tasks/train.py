@@ -63,8 +63,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     wall-clock limit, process-group kill) lives in the engine's ``run_ranks``.
     """
     from megatrain.launch.run_token import ensure_run_token
-    from megatrain.launch.ranks import describe_root_cause, run_ranks, torchrun_command
-    from megatrain.launch.standby import StandbyLaunch
+    from megatrain.launch.ranks import describe_root_cause, run_ranks
     from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
     from megatrain.reliability.watcher import HeartbeatWatcher
@@ -98,8 +97,7 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     abandoned = abandoned_event(config_path)
     try:
         result = run_ranks(
-            StandbyLaunch(["--config", config_path], nproc_per_node) if cfg.reliability.warm_standby
-            else torchrun_command(config_path, nproc_per_node), on_line=attempt_log, watcher=watcher,
+            rank_launch(cfg, config_path, nproc_per_node), on_line=attempt_log, watcher=watcher,
             timeout_s=timeout_s, env=env, verdict_reader=verdict, on_fault=draw_who_hung,
             poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
             should_stop=should_stop(abandoned),
@@ -111,6 +109,20 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
     finally:
         watcher.close()
     return attempt_state(result, attempt, attempt_log, abandoned)
+
+
+def rank_launch(cfg, config_path: str, nproc_per_node: int):
+    """How this attempt's ranks start: from the warm standby set (reliability.warm_standby),
+    forked from the launcher's warm server (CPU ranks, reliability.fork_cpu_ranks), else torchrun."""
+    from megatrain.launch.forked import ForkLaunch, ranks_use_cpu
+    from megatrain.launch.ranks import torchrun_command
+    from megatrain.launch.standby import StandbyLaunch
+
+    if cfg.reliability.warm_standby:
+        return StandbyLaunch(["--config", config_path], nproc_per_node)
+    if cfg.reliability.fork_cpu_ranks and ranks_use_cpu(cfg.train.device):
+        return ForkLaunch(["--config", config_path], nproc_per_node)
+    return torchrun_command(config_path, nproc_per_node)
 
 
 def _failed_step(watcher, run_dir: str, last: int) -> int:

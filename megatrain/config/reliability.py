@@ -120,6 +120,12 @@ class ReliabilityConfig(_Section):
         "trained a step, so a restart skips Python/torch/DeepSpeed imports (megatrain/launch/standby.py); costs one idle "
         "set of rank processes' memory and their import CPU, at low priority, during training",
     )
+    fork_cpu_ranks: bool = Field(
+        True, description="CPU ranks of a one-node stage are forked from a warm server in the launcher that "
+        "imported torch, DeepSpeed and the trainer once (megatrain/launch/forked.py), instead of torchrun "
+        "starting fresh interpreters: each attempt, restarts included, skips 2-4 s of imports per rank; "
+        "GPU ranks are always fresh processes",
+    )
     on_node_loss: Literal["wait", "shrink"] = Field(
         "wait", description="a multi-node stage whose node fails its self-check: wait up to node_wait_s for it "
         "to pass, then fail the stage (wait), or go on without it after node_wait_s (shrink: dp shrinks, "

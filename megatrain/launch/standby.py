@@ -245,7 +245,11 @@ def _signal_session(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
-        pass
+        if proc.poll() is None:  # a forked rank in its first instant, before its setsid (forked.py)
+            try:
+                os.kill(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

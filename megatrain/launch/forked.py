@@ -1,0 +1,259 @@
+"""Forked ranks: a CPU node's ranks forked from one warm process, not each importing torch.
+
+A rank process spends its first seconds importing torch, DeepSpeed and the trainer (2-4 s of CPU
+each on this project's 2-core machines), and torchrun's agent imports torch once more before it
+starts them: a 2-rank attempt paid three imports. Here the launcher keeps one fork server
+(Python's ``multiprocessing`` forkserver) that imports all of that once, for the launcher's
+lifetime, and forks each rank of every attempt from it: an attempt then starts in a fraction of
+a second, restarts after a fault included.
+
+Each forked rank is what ``python -m megatrain.train ARGV`` would be, started as torchrun would
+start it: its own session (one ``killpg`` stops it and its children), the environment torchrun
+sets (``rank_env``) on top of the launch's, its output to the launcher line by line, and killed
+by the kernel when the fork server goes, which goes when the launcher does (the server exits at
+EOF of its pipe to the launcher, even after a SIGKILL), so no rank outlives a killed flow.
+
+Only for ranks that train on the CPU: a server that had touched CUDA could not give a forked
+child a working GPU, and a GPU rank's start is dominated by other work (``StandbyLaunch`` and
+the compile cache handle those). ``reliability.fork_cpu_ranks`` turns it off.
+
+Engine code: ``run_ranks`` (megatrain/launch/ranks.py) runs a ``ForkLaunch`` in place of a
+torchrun command; the flow's ``launch-ranks`` task picks it (tasks/train.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import forkserver, popen_forkserver, spawn, util
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen
+from pathlib import Path
+
+from megatrain.launch.standby import RankGroup, rank_env
+
+# What the server imports once: a rank's modules and what its first calls import
+# (Optimizer.__init__ imports torch._dynamo; DeepSpeed's ZeRO check its Muon module). A name that
+# does not import (an older DeepSpeed) is skipped by the server.
+PRELOAD = ["megatrain.launch.forked", "megatrain.training.rank", "megatrain.training.trainer", "torch._dynamo",
+           "deepspeed.runtime.zero.muon.muon_optimizer"]
+RANK_MODULE = "megatrain.train"  # what each rank runs, as ``python -m megatrain.train`` would
+
+_START_LOCK = threading.Lock()  # one rank at a time hands its pipe to the server
+
+
+class _RankPopen(popen_forkserver.Popen):
+    """The standard library's forkserver start, less one thing: the child does not re-run the
+    launcher's ``__main__`` (a Prefect engine, the CLI) as ``__mp_main__``, seconds of imports
+    and side effects a rank has no use for. The rest is the library's ``_launch`` as it is."""
+
+    def _launch(self, process_obj):
+        prep_data = {key: value for key, value in spawn.get_preparation_data(process_obj._name).items()
+                     if key not in ("init_main_from_name", "init_main_from_path")}
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)  # the child's sentinel of this process, as the library keeps it
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _RankProcess(ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _RankPopen(process_obj)
+
+
+def ranks_use_cpu(device: str) -> bool:
+    """Whether ranks of ``train.device`` train on the CPU ("auto" does where torch sees no GPU)."""
+    if device != "auto":
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+class ForkedRank:
+    """One forked rank, seen through the parts of ``subprocess.Popen`` the launcher uses
+    (``pid``, ``stdout``, ``poll``, ``wait``, ``returncode``): its exit code is the server's
+    report of it, negative for a signal as Popen's is."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, stdout) -> None:
+        self.process = process
+        self.pid = process.pid
+        self.stdout = stdout
+        self.stdin = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(RANK_MODULE, timeout)
+        return self.process.exitcode
+
+
+@dataclass
+class ForkLaunch:
+    """What ``run_ranks`` starts in place of a torchrun command: one node's ``nproc_per_node``
+    ranks of ``python -m megatrain.train argv``, forked from the launcher's warm server."""
+
+    argv: list[str]
+    nproc_per_node: int
+    module: str = RANK_MODULE
+
+    def start(self, env: dict[str, str] | None, cwd: str | Path | None, on_line: Callable[[str], None],
+              tail: collections.deque) -> RankGroup:
+        from megatrain.launch.ranks import free_port
+
+        base = dict(os.environ if env is None else env)
+        port = free_port()
+        tails = [collections.deque(maxlen=400) for _ in range(self.nproc_per_node)]
+        procs, pumps = [], []
+        for rank in range(self.nproc_per_node):
+            order = {"env": {**base, **rank_env(rank, self.nproc_per_node, port)}, "module": self.module,
+                     "argv": list(self.argv), "cwd": str(cwd) if cwd is not None else os.getcwd()}
+            proc = fork_rank(order)
+
+            def lines(line: str, rank_tail=tails[rank]) -> None:
+                rank_tail.append(line)
+                tail.append(line)
+                on_line(line)
+
+            pump = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+            pump.start()
+            procs.append(proc)
+            pumps.append(pump)
+        return RankGroup(procs, tails, pumps)
+
+    def prepare_next(self, env: dict[str, str] | None, cwd: str | Path | None) -> None:
+        """Nothing to prepare: the server stays warm for the next attempt."""
+
+    def release(self, env: dict[str, str] | None, cwd: str | Path | None) -> None:
+        """Nothing to release: the server serves the launcher's later launches too."""
+
+
+def fork_rank(order: dict) -> ForkedRank:
+    """Fork one process from the warm server that runs ``order["module"]`` as ``__main__`` with
+    ``order["argv"]``, ``order["env"]`` (the whole environment) in ``order["cwd"]``; its stdout
+    and stderr come back through a pipe, read as text from the result's ``stdout``."""
+    read_fd, write_fd = os.pipe()
+    with _START_LOCK:
+        writer = Connection(write_fd, readable=False)  # pickled to the server as a duplicate of the fd
+        multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first fork)
+        process = _RankProcess(target=become, args=(order, writer), daemon=False)
+        try:
+            process.start()
+        finally:
+            writer.close()  # the child holds its own copy: EOF reaches us when it exits
+    return ForkedRank(process, os.fdopen(read_fd, "r", encoding="utf-8", errors="replace"))
+
+
+def become(order: dict, writer: Connection) -> None:
+    """The forked child: become ``python -m order["module"] *order["argv"]`` and exit with its
+    code, without returning to the server's code (runs in the child only)."""
+    import runpy
+
+    from megatrain.launch.ranks import die_with_parent
+
+    os.setsid()  # its own session, as torchrun's workers and Popen(start_new_session=True) have
+    # The server hands each child its end of the launcher's "alive" pipe, so that it outlives
+    # the launcher while children run; a rank must not keep it up: the server is to exit when
+    # the launcher goes (EOF of that pipe), and the rank with it.
+    if forkserver._forkserver._forkserver_alive_fd is not None:
+        os.close(forkserver._forkserver._forkserver_alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+    die_with_parent()  # the server's exit (the launcher died) kills it
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)  # a fresh interpreter's handlers, not the server's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.dup2(writer.fileno(), 1)
+    os.dup2(writer.fileno(), 2)
+    writer.close()
+    for stream in (sys.stdout, sys.stderr):  # PYTHONUNBUFFERED, as the launch's environment asks
+        stream.reconfigure(line_buffering=True, write_through=True)
+    os.environ.clear()
+    os.environ.update(order["env"])
+    os.chdir(order["cwd"])
+    extra = [p for p in order["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:0] = [order["cwd"], *extra]  # as ``python -m`` would see them
+    if "OMP_NUM_THREADS" in order["env"]:  # read by torch when it was imported, in the server
+        import torch
+
+        torch.set_num_threads(int(order["env"]["OMP_NUM_THREADS"]))
+    sys.argv = [order["module"], *order["argv"]]
+    retitle([sys.executable, "-m", order["module"], *order["argv"]])
+    code = 0
+    try:
+        runpy.run_module(order["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        if not isinstance(exit_.code, (int, type(None))):
+            print(exit_.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  (as the interpreter would: the traceback, then exit code 1)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    _exit_like_an_interpreter(code)
+
+
+def retitle(argv: list[str]) -> bool:
+    """Make this process's command line (``ps``, /proc/PID/cmdline) read ``argv`` instead of the
+    fork server's, so that operators, their scripts and this project's process-table checks see
+    a rank as a rank: written over the kernel's argument area through /proc/self/mem, cut to the
+    server's length (a long ``-c`` command). False where that cannot be done."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49 of stat)
+        title = "\0".join(argv).encode()[: end - start - 1]
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            mem.write(title + b"\0" * (end - start - len(title)))
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _exit_like_an_interpreter(code: int) -> None:
+    """Run the atexit handlers and flush, as a process's normal exit does, then leave without
+    going back into multiprocessing's child code."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _pump(stream, on_line: Callable[[str], None]) -> None:
+    for line in iter(stream.readline, ""):
+        on_line(line.rstrip("\n"))
+    stream.close()
+
