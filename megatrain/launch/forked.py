@@ -92,10 +92,11 @@ class ForkedRank:
     (``pid``, ``stdout``, ``poll``, ``wait``, ``returncode``): its exit code is the server's
     report of it, negative for a signal as Popen's is."""
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, stdout) -> None:
+    def __init__(self, process: multiprocessing.process.BaseProcess, stdout, stderr=None) -> None:
         self.process = process
         self.pid = process.pid
         self.stdout = stdout
+        self.stderr = stderr
         self.stdin = None
 
     @property
@@ -112,6 +113,25 @@ class ForkedRank:
         if self.process.exitcode is None:
             raise subprocess.TimeoutExpired(RANK_MODULE, timeout)
         return self.process.exitcode
+
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """Read the output to its end and wait for the exit, as ``Popen.communicate`` does:
+        (stdout, stderr), stderr None where it went to stdout."""
+        found: dict[str, str] = {}
+
+        def read(name: str, stream) -> None:
+            found[name] = stream.read()
+            stream.close()
+
+        readers = [threading.Thread(target=read, args=(name, stream), daemon=True)
+                   for name, stream in (("out", self.stdout), ("err", self.stderr)) if stream is not None]
+        for reader in readers:
+            reader.start()
+        self.wait(timeout)
+        for reader in readers:
+            reader.join(10)  # EOF follows the exit unless a child of it holds the pipe
+        return found.get("out", ""), found.get("err")
 
 
 @dataclass
@@ -154,23 +174,26 @@ class ForkLaunch:
         """Nothing to release: the server serves the launcher's later launches too."""
 
 
-def fork_rank(order: dict) -> ForkedRank:
+def fork_rank(order: dict, separate_stderr: bool = False) -> ForkedRank:
     """Fork one process from the warm server that runs ``order["module"]`` as ``__main__`` with
-    ``order["argv"]``, ``order["env"]`` (the whole environment) in ``order["cwd"]``; its stdout
-    and stderr come back through a pipe, read as text from the result's ``stdout``."""
-    read_fd, write_fd = os.pipe()
+    ``order["argv"]``, ``order["env"]`` (the whole environment) in ``order["cwd"]``. Its stdout
+    and stderr come back as text through one pipe, the result's ``stdout`` (as a rank's, with
+    ``stderr=STDOUT``), or with ``separate_stderr`` through two, ``stdout`` and ``stderr``."""
+    pipes = [os.pipe() for _ in range(2 if separate_stderr else 1)]
     with _START_LOCK:
-        writer = Connection(write_fd, readable=False)  # pickled to the server as a duplicate of the fd
+        writers = [Connection(w, readable=False) for _, w in pipes]  # pickled to the server as fd duplicates
         multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first fork)
-        process = _RankProcess(target=become, args=(order, writer), daemon=False)
+        process = _RankProcess(target=become, args=(order, writers[0], writers[-1]), daemon=False)
         try:
             process.start()
         finally:
-            writer.close()  # the child holds its own copy: EOF reaches us when it exits
-    return ForkedRank(process, os.fdopen(read_fd, "r", encoding="utf-8", errors="replace"))
+            for writer in writers:
+                writer.close()  # the child holds its own copies: EOF reaches us when it exits
+    streams = [os.fdopen(r, "r", encoding="utf-8", errors="replace") for r, _ in pipes]
+    return ForkedRank(process, streams[0], streams[1] if separate_stderr else None)
 
 
-def become(order: dict, writer: Connection) -> None:
+def become(order: dict, out: Connection, err: Connection) -> None:
     """The forked child: become ``python -m order["module"] *order["argv"]`` and exit with its
     code, without returning to the server's code (runs in the child only)."""
     import runpy
@@ -188,9 +211,10 @@ def become(order: dict, writer: Connection) -> None:
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)  # a fresh interpreter's handlers, not the server's
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.dup2(writer.fileno(), 1)
-    os.dup2(writer.fileno(), 2)
-    writer.close()
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
     for stream in (sys.stdout, sys.stderr):  # PYTHONUNBUFFERED, as the launch's environment asks
         stream.reconfigure(line_buffering=True, write_through=True)
     os.environ.clear()

@@ -1,5 +1,10 @@
-"""Fixtures for the engine's tests: the real trainer in child processes (one process, or torchrun with
-gloo), and a real redis-server on a free loopback port (the Redis store, heartbeats, leases)."""
+"""Fixtures for the engine's tests: the real trainer in child processes (one process, or N gloo ranks),
+and a real redis-server on a free loopback port (the Redis store, heartbeats, leases).
+
+The trainer's processes are forked from this test worker's warm fork server, as a flow's CPU
+ranks are (megatrain/launch/forked.py): `megatrain train` as one process, ranks with torchrun's
+environment. ``launcher="torchrun"`` starts fresh interpreters under torchrun instead, for the
+tests of what torchrun itself reports."""
 
 from __future__ import annotations
 
@@ -42,6 +47,34 @@ def train_command(nproc: int, config: Path, overrides: list[str]) -> list[str]:
     ]
 
 
+def run_forked(nproc: int, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``megatrain train ARGV`` (one process: stdout and stderr apart) or ``nproc`` ranks of
+    ``megatrain.train ARGV`` (their lines together in both), forked from the warm server; the exit
+    code is the process's, or the first failed rank's (torchrun's agent would say 1)."""
+    import collections
+
+    from megatrain.launch.forked import ForkLaunch, fork_rank
+
+    if nproc == 1:
+        proc = fork_rank({"env": child_env(), "module": "megatrain.cli", "argv": ["train", *argv], "cwd": str(ROOT)},
+                         separate_stderr=True)
+        try:
+            out, err = proc.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            raise
+        return subprocess.CompletedProcess(["megatrain", "train", *argv], proc.returncode, out, err)
+    lines: list[str] = []
+    group = ForkLaunch(argv, nproc).start(child_env(), ROOT, lines.append, collections.deque(maxlen=1))
+    if group.wait(timeout) is None:
+        group.stop(grace_s=0)
+        raise subprocess.TimeoutExpired(["megatrain.train", *argv], timeout)
+    for pump in group.pumps:
+        pump.join(10)
+    output = "\n".join(lines)
+    return subprocess.CompletedProcess(["megatrain.train", *argv], group.returncode, output, output)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -51,16 +84,19 @@ def run_training(tmp_path, shard_root):
     """Run the trainer and return (metrics rows, completed process). Paths go under tmp_path."""
 
     def run(overrides: list[str], nproc: int = 1, name: str = "run", config: Path = TINY, timeout: int = 600,
-            check: bool = True):
+            check: bool = True, launcher: str = "fork"):
         run_dir = tmp_path / name
         paths = [
             f"train.run_dir={run_dir}", f"data.shard_url={shard_root}",
             f"checkpoint.staging_dir={run_dir}/staging", f"checkpoint.durable_url={run_dir}/checkpoints",
         ]
-        proc = subprocess.run(
-            train_command(nproc, config, paths + overrides), cwd=ROOT, env=child_env(),
-            capture_output=True, text=True, timeout=timeout,
-        )
+        if launcher == "torchrun":
+            proc = subprocess.run(
+                train_command(nproc, config, paths + overrides), cwd=ROOT, env=child_env(),
+                capture_output=True, text=True, timeout=timeout,
+            )
+        else:
+            proc = run_forked(nproc, ["--config", str(config), *paths, *overrides], timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
         metrics = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []

@@ -138,7 +138,7 @@ def test_a_global_batch_three_ranks_cannot_split_is_one_line_from_rank_0(run_tra
     checkpoint of 2 ranks is restored on 3): every rank finds it before any process group, rank 0
     alone says it, and each exits with EXIT_CONFIG (torchrun reports each rank's code)."""
     metrics, proc = run_training(["train.micro_batch_size=2", "train.global_batch_size=16", "train.device=cpu"],
-                                 nproc=3, check=False)
+                                 nproc=3, check=False, launcher="torchrun")
     assert proc.returncode != 0 and metrics == []
     (line,) = deterministic_lines(proc.stdout + proc.stderr)
     assert line == (f"{DETERMINISTIC_PREFIX}train.global_batch_size 16 is not divisible by train.micro_batch_size * dp "
