@@ -142,6 +142,7 @@ class ForkLaunch:
     argv: list[str]
     nproc_per_node: int
     module: str = RANK_MODULE
+    script: str | None = None  # a file to run in place of the module, as ``python FILE`` would
 
     def start(self, env: dict[str, str] | None, cwd: str | Path | None, on_line: Callable[[str], None],
               tail: collections.deque) -> RankGroup:
@@ -153,7 +154,8 @@ class ForkLaunch:
         procs, pumps = [], []
         for rank in range(self.nproc_per_node):
             order = {"env": {**base, **rank_env(rank, self.nproc_per_node, port)}, "module": self.module,
-                     "argv": list(self.argv), "cwd": str(cwd) if cwd is not None else os.getcwd()}
+                     "script": self.script, "argv": list(self.argv),
+                     "cwd": str(cwd) if cwd is not None else os.getcwd()}
             proc = fork_rank(order)
 
             def lines(line: str, rank_tail=tails[rank]) -> None:
@@ -172,6 +174,31 @@ class ForkLaunch:
 
     def release(self, env: dict[str, str] | None, cwd: str | Path | None) -> None:
         """Nothing to release: the server serves the launcher's later launches too."""
+
+
+class CollectedRun:
+    """A launch's ranks running with their output lines collected, for a caller with no
+    supervision of its own (a script, a test): start several, then ``finish`` each."""
+
+    def __init__(self, launch: ForkLaunch, env: dict[str, str] | None, cwd: str | Path | None) -> None:
+        self.lines: list[str] = []
+        self.group = launch.start(env, cwd, self.lines.append, collections.deque(maxlen=1))
+
+    def finish(self, timeout_s: float) -> tuple[int | None, str]:
+        """Wait until the ranks end (the first failure stops the rest): the exit code (the first
+        failed rank's; None after ``timeout_s``, when they are killed) and the output."""
+        code = self.group.wait(timeout_s)
+        if code is None:
+            self.group.stop(grace_s=0)
+        for pump in self.group.pumps:
+            pump.join(10)
+        return code, "\n".join(self.lines)
+
+
+def run_to_end(launch: ForkLaunch, env: dict[str, str] | None, cwd: str | Path | None,
+               timeout_s: float) -> tuple[int | None, str]:
+    """``launch`` run until it ends: (exit code, output), as ``CollectedRun.finish`` gives."""
+    return CollectedRun(launch, env, cwd).finish(timeout_s)
 
 
 def fork_rank(order: dict, separate_stderr: bool = False) -> ForkedRank:
@@ -194,7 +221,8 @@ def fork_rank(order: dict, separate_stderr: bool = False) -> ForkedRank:
 
 
 def become(order: dict, out: Connection, err: Connection) -> None:
-    """The forked child: become ``python -m order["module"] *order["argv"]`` and exit with its
+    """The forked child: become ``python -m order["module"] *order["argv"]`` (``python
+    order["script"] ...`` where one is given) and exit with its
     code, without returning to the server's code (runs in the child only)."""
     import runpy
 
@@ -220,17 +248,22 @@ def become(order: dict, out: Connection, err: Connection) -> None:
     os.environ.clear()
     os.environ.update(order["env"])
     os.chdir(order["cwd"])
+    script = order.get("script")
     extra = [p for p in order["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    sys.path[:0] = [order["cwd"], *extra]  # as ``python -m`` would see them
+    sys.path[:0] = [str(Path(script).parent) if script else order["cwd"], *extra]  # as ``python`` would see them
+    _reseed_like_a_new_process()
     if "OMP_NUM_THREADS" in order["env"]:  # read by torch when it was imported, in the server
         import torch
 
         torch.set_num_threads(int(order["env"]["OMP_NUM_THREADS"]))
-    sys.argv = [order["module"], *order["argv"]]
-    retitle([sys.executable, "-m", order["module"], *order["argv"]])
+    sys.argv = [script or order["module"], *order["argv"]]
+    retitle([sys.executable, *([script] if script else ["-m", order["module"]]), *order["argv"]])
     code = 0
     try:
-        runpy.run_module(order["module"], run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(order["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         if not isinstance(exit_.code, (int, type(None))):
@@ -258,6 +291,16 @@ def retitle(argv: list[str]) -> bool:
         return True
     except (OSError, ValueError, IndexError):
         return False
+
+
+def _reseed_like_a_new_process() -> None:
+    """Python's and NumPy's global generators from OS entropy, as in a fresh interpreter: forked
+    children would otherwise all draw the server's one stream (torch is seeded by the trainer)."""
+    import random
+
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
 
 
 def _exit_like_an_interpreter(code: int) -> None:

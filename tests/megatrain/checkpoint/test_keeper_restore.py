@@ -1,4 +1,4 @@
-"""Restore from the checkpoint keeper, with the real trainer under torchrun (2 ZeRO ranks, gloo).
+"""Restore from the checkpoint keeper, with the real trainer as 2 forked ZeRO ranks (gloo).
 
 A run with RAM checkpoints every step and a durable one every 4 steps loses rank 1 to SIGKILL
 (the kill_rank fault) at the start of step 7. The keeper outlives the ranks, so the relaunch
@@ -12,16 +12,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_keeper_node_loss import final_state as _final_state  # step 8's; test_resume's is step 6's
+from test_keeper_node_loss import (
+    final_state as _final_state,  # step 8's; test_resume's is step 6's
+)
 
 from megatrain.checkpoint import catalog
-from megatrain.checkpoint.memory import KEEPER_IDLE_ENV, KeeperClient, KeeperError, keeper_dir
+from megatrain.checkpoint.memory import (
+    KEEPER_IDLE_ENV,
+    KeeperClient,
+    KeeperError,
+    keeper_dir,
+)
+from megatrain.launch.forked import CollectedRun, ForkLaunch
 from megatrain.observe.jsonl import read_rows
 from megatrain.reliability.keeper_faults import corrupt_keeper
 
@@ -29,7 +36,7 @@ REPO = Path(__file__).resolve().parents[3]
 STEPS, INTERVAL, KILL_AT = 8, 4, 7
 
 
-def _launch(run_dir: Path, shard_url: str, kill: bool = False) -> subprocess.Popen:
+def _launch(run_dir: Path, shard_url: str, kill: bool = False) -> CollectedRun:
     overrides = [
         "model.n_layer=1", "model.dropout=0.1", f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}",
         "checkpoint.memory_interval=1", "data.max_source_bytes=300000", f"data.shard_url={shard_url}",
@@ -40,14 +47,13 @@ def _launch(run_dir: Path, shard_url: str, kill: bool = False) -> subprocess.Pop
     # MKL/OpenMP on one thread: the same arithmetic in every run (bit-exact comparison)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{KEEPER_IDLE_ENV: "120"})
     env["MEGATRAIN_FAULTS"] = json.dumps([{"kind": "kill_rank", "step": KILL_AT, "rank": 1}]) if kill else ""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "megatrain.train", "--config", "configs/tiny-cpu.yaml", *overrides]
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return CollectedRun(ForkLaunch(["--config", "configs/tiny-cpu.yaml", *overrides], 2), env, REPO)
 
 
-def _finish(proc: subprocess.Popen) -> tuple[int, str]:
-    out, _ = proc.communicate(timeout=400)
-    return proc.returncode, out
+def _finish(run: CollectedRun) -> tuple[int, str]:
+    code, out = run.finish(400)
+    assert code is not None, "timed out: " + out[-3000:]
+    return code, out
 
 
 @pytest.fixture
@@ -94,5 +100,9 @@ def test_rank_killed_restores_from_keeper_or_durable_when_corrupt_bit_exact(runs
         different = [k for k in expected if not (torch.equal(expected[k], actual[k]) if torch.is_tensor(expected[k])
                                                  else expected[k] == actual[k])]
         assert not different, f"{name}: differ after resume: {different}"
-    # every finished run shut its keeper down
-    assert not any((keeper_dir(run_dir / "staging") / "keeper.sock").exists() for run_dir in runs.values())
+    # every finished run shut its keeper down (asked at the rank's close; it removes its socket as it ends)
+    sockets = [keeper_dir(run_dir / "staging") / "keeper.sock" for run_dir in runs.values()]
+    deadline = time.monotonic() + 10
+    while any(path.exists() for path in sockets) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(path.exists() for path in sockets), sockets

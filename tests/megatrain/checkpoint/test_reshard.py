@@ -1,4 +1,4 @@
-"""Layout-independent restore, with the real trainer under torchrun (gloo, up to 4 processes).
+"""Layout-independent restore, with the real trainer as gloo ranks (up to 4 processes).
 
 A run saves at one layout after 3 steps; copies of its checkpoint are restored at other layouts,
 each training 3 more steps. Reference: one process (dp1) training the 6 steps straight, same
@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from safetensors.torch import load_file
 
 from megatrain.checkpoint import reshard
 from megatrain.checkpoint.files import rank_meta_file, step_dir_name
+from megatrain.launch.forked import ForkLaunch, run_to_end
 
 REPO = Path(__file__).resolve().parents[3]
 SAVE_STEP, STEPS, GLOBAL_BATCH = 3, 6, 8
@@ -61,12 +60,12 @@ def _train(run_dir: Path, shard_url: str, nproc: int, steps: int, *overrides: st
             f"checkpoint.interval={SAVE_STEP}", f"train.global_batch_size={GLOBAL_BATCH}", f"train.steps={steps}",
             f"checkpoint.staging_dir={run_dir}/staging", f"checkpoint.durable_url={run_dir}/durable", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RESHARD_SAMPLES=str(run_dir / "samples"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               str(Path(__file__).with_name("reshard_worker.py")), "--config", config, *args]
-    proc = subprocess.run(command, cwd=REPO, env=dict(env, PYTHONPATH=f"{REPO}:{env.get('PYTHONPATH', '')}"),
-                          capture_output=True, text=True, timeout=600)
-    (run_dir / "train.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    env = dict(env, PYTHONPATH=f"{REPO}:{env.get('PYTHONPATH', '')}")
+    # the ranks forked from this worker's warm server (as a flow's CPU ranks are), with torchrun's environment
+    launch = ForkLaunch(["--config", config, *args], nproc, script=str(Path(__file__).with_name("reshard_worker.py")))
+    code, output = run_to_end(launch, env, REPO, timeout_s=600)
+    (run_dir / "train.log").write_text(output)
+    assert code == 0, output[-8000:]
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:

@@ -1,4 +1,4 @@
-"""Bit-exact resume through a real crash, with the real trainer under torchrun.
+"""Bit-exact resume through a real crash, with the real trainer as gloo ranks (forked from the warm server, as a flow's CPU ranks are).
 
 N steps straight == N/2 steps, SIGKILL right after the N/2 checkpoint is committed, restore, N/2
 more steps: the final checkpoints of both runs hold the same tensors bit for bit (model, every
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,12 +20,13 @@ from safetensors.torch import load_file
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import step_dir_name
 from megatrain.checkpoint.manager import KILL_AFTER_COMMIT_ENV
+from megatrain.launch.forked import CollectedRun, ForkLaunch
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS, HALF = 6, 3
 
 
-def _launch(nproc: int, run_dir: Path, shard_url: str, kill_after: int | None = None) -> subprocess.Popen:
+def _launch(nproc: int, run_dir: Path, shard_url: str, kill_after: int | None = None) -> CollectedRun:
     overrides = [
         "model.n_layer=1", "model.dropout=0.1", f"train.steps={STEPS}", f"checkpoint.interval={HALF}",
         "data.max_source_bytes=300000", f"data.shard_url={shard_url}", f"train.micro_batch_size={8 // nproc}",
@@ -38,14 +37,13 @@ def _launch(nproc: int, run_dir: Path, shard_url: str, kill_after: int | None = 
     env.pop(KILL_AFTER_COMMIT_ENV, None)
     if kill_after is not None:
         env[KILL_AFTER_COMMIT_ENV] = str(kill_after)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "megatrain.train", "--config", "configs/tiny-cpu.yaml", *overrides]
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return CollectedRun(ForkLaunch(["--config", "configs/tiny-cpu.yaml", *overrides], nproc), env, REPO)
 
 
-def _finish(proc: subprocess.Popen) -> tuple[int, str]:
-    out, _ = proc.communicate(timeout=300)
-    return proc.returncode, out
+def _finish(run: CollectedRun) -> tuple[int, str]:
+    code, out = run.finish(300)
+    assert code is not None, "timed out: " + out[-3000:]
+    return code, out
 
 
 def _final_state(durable: Path) -> dict:
