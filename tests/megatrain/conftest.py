@@ -51,9 +51,7 @@ def run_forked(nproc: int, argv: list[str], timeout: float) -> subprocess.Comple
     """``megatrain train ARGV`` (one process: stdout and stderr apart) or ``nproc`` ranks of
     ``megatrain.train ARGV`` (their lines together in both), forked from the warm server; the exit
     code is the process's, or the first failed rank's (torchrun's agent would say 1)."""
-    import collections
-
-    from megatrain.launch.forked import ForkLaunch, fork_rank
+    from megatrain.launch.forked import ForkLaunch, fork_rank, run_to_end
 
     if nproc == 1:
         proc = fork_rank({"env": child_env(), "module": "megatrain.cli", "argv": ["train", *argv], "cwd": str(ROOT)},
@@ -64,15 +62,10 @@ def run_forked(nproc: int, argv: list[str], timeout: float) -> subprocess.Comple
             os.killpg(proc.pid, 9)
             raise
         return subprocess.CompletedProcess(["megatrain", "train", *argv], proc.returncode, out, err)
-    lines: list[str] = []
-    group = ForkLaunch(argv, nproc).start(child_env(), ROOT, lines.append, collections.deque(maxlen=1))
-    if group.wait(timeout) is None:
-        group.stop(grace_s=0)
-        raise subprocess.TimeoutExpired(["megatrain.train", *argv], timeout)
-    for pump in group.pumps:
-        pump.join(10)
-    output = "\n".join(lines)
-    return subprocess.CompletedProcess(["megatrain.train", *argv], group.returncode, output, output)
+    code, output = run_to_end(ForkLaunch(argv, nproc), child_env(), ROOT, timeout)
+    if code is None:
+        raise subprocess.TimeoutExpired(["megatrain.train", *argv], timeout, output)
+    return subprocess.CompletedProcess(["megatrain.train", *argv], code, output, output)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

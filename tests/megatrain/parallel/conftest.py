@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import parity_worker
 import torch
 
-import parity_worker
+from megatrain.launch.forked import ForkLaunch, run_to_end
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -25,20 +24,17 @@ def free_port() -> int:
 
 
 def run_parity(nproc: int, variants: list[dict], out_dir: Path, timeout: int = 300) -> dict[str, dict]:
-    """Run every variant in one torchrun world of ``nproc`` gloo processes; return
+    """Run every variant in one world of ``nproc`` gloo processes; return
     {variant name: results}, the per-stage files of a pipeline merged into one."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(HERE / "parity_worker.py"), "--out", str(out_dir), "--variants", json.dumps(variants),
-    ]
     out_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    launch = ForkLaunch(["--out", str(out_dir), "--variants", json.dumps(variants)], nproc,
+                        script=str(HERE / "parity_worker.py"))  # forked with torchrun's environment
+    code, output = run_to_end(launch, env, ROOT, timeout)
+    if code != 0:
+        raise AssertionError(f"the ranks failed ({code}):\n{output[-9000:]}")
     results: dict[str, dict] = {}
     for variant in variants:
         files = sorted(out_dir.glob(f"{variant['name']}.stage*.pt"))

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from megatrain.config import Config
+from megatrain.launch.forked import ForkLaunch, run_to_end
 from megatrain.model import GPT
 from megatrain.model.moe import end_step, set_aux_loss_scale
 from megatrain.optim import build_optimizer, build_scheduler
@@ -68,7 +68,10 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
 
     from megatrain.parallel.deepspeed import DeepSpeedMPU, deepspeed_config
     from megatrain.parallel.dims import ParallelDims, build_process_groups
-    from megatrain.parallel.expert_parallel import attach_expert_grad_sync, is_expert_param
+    from megatrain.parallel.expert_parallel import (
+        attach_expert_grad_sync,
+        is_expert_param,
+    )
     from megatrain.parallel.parallelize import parallelize
 
     cfg = build_config(variant, world)
@@ -157,12 +160,10 @@ def run_ranks(nproc: int, variants: list[dict], out_dir: Path) -> dict[str, dict
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               str(HERE), "--out", str(out_dir), "--variants", json.dumps(variants)]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    launch = ForkLaunch(["--out", str(out_dir), "--variants", json.dumps(variants)], nproc, script=str(HERE))
+    code, output = run_to_end(launch, env, ROOT, 300)  # forked with torchrun's environment
+    if code != 0:
+        raise AssertionError(f"the ranks failed ({code}):\n{output[-9000:]}")
     return {v["name"]: torch.load(out_dir / f"{v['name']}.pt", weights_only=True) for v in variants}
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from megatrain.checkpoint.files import step_dir_name
 from megatrain.checkpoint.manager import KILL_AFTER_COMMIT_ENV
+from megatrain.launch.forked import ForkLaunch, run_to_end
 
 REPO = Path(__file__).resolve().parents[3]
 FP8 = ["train.precision=fp8", "train.fp8.emulate=true", "reliability.anomaly.fp8_check_interval=1"]
@@ -55,17 +56,15 @@ def test_fp8_llama_trains_beside_bf16_under_zero0(run_training):
 
 
 def _steps(nproc: int, shard_url: Path, run_dir: Path, overrides: list[str], steps: int = 3) -> list[dict]:
-    """train_steps.py under torchrun: the metrics of each step (no final checkpoint: ZeRO-3)."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc-per-node", str(nproc)]
+    """train_steps.py as ``nproc`` ranks: the metrics of each step (no final checkpoint: ZeRO-3)."""
     paths = [f"data.shard_url={shard_url}", f"train.run_dir={run_dir}", f"checkpoint.staging_dir={run_dir}/staging",
              f"checkpoint.durable_url={run_dir}/durable"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([*launcher, str(Path(__file__).with_name("train_steps.py")), str(steps), "--config",
-                           "configs/tiny-cpu.yaml", *paths, *overrides], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("STEP ")]
+    launch = ForkLaunch([str(steps), "--config", "configs/tiny-cpu.yaml", *paths, *overrides], nproc,
+                        script=str(Path(__file__).with_name("train_steps.py")))  # forked, torchrun's environment
+    code, output = run_to_end(launch, env, REPO, 300)
+    assert code == 0, output[-6000:]
+    return [json.loads(line[5:]) for line in output.splitlines() if line.startswith("STEP ")]
 
 
 @pytest.mark.slow

@@ -9,11 +9,12 @@ import gzip
 import json
 import os
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+
+from megatrain.launch.forked import ForkLaunch, run_to_end
 
 pytestmark = pytest.mark.slow  # torchrun ranks: part of make test, not make check
 
@@ -55,12 +56,10 @@ def train(run_dir: Path, shards: Path, sources, nproc: int, steps: int, *extra: 
             mixture(sources), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RESHARD_SAMPLES=str(run_dir / "samples"),
                PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    command = [sys.executable, *launcher, str(WORKER), *args]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    code, output = run_to_end(ForkLaunch(args, nproc, script=str(WORKER)), env, REPO, 600)  # torchrun's environment
     if check:
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
+        assert code == 0, output[-8000:]
+    return subprocess.CompletedProcess([str(WORKER), *args], code, output, output)  # one stream: the ranks' lines
 
 
 def consumed(run_dir: Path) -> list[tuple[int, str]]:
