@@ -113,14 +113,15 @@ def launch_ranks(config_path: str, nproc_per_node: int, attempt: int, timeout_s:
 
 def rank_launch(cfg, config_path: str, nproc_per_node: int):
     """How this attempt's ranks start: from the warm standby set (reliability.warm_standby),
-    forked from the launcher's warm server (CPU ranks, reliability.fork_cpu_ranks), else torchrun."""
-    from megatrain.launch.forked import ForkLaunch, ranks_use_cpu
+    forked from the launcher's warm server (CPU ranks on a machine without a GPU,
+    reliability.fork_cpu_ranks), else torchrun."""
+    from megatrain.launch.forked import ForkLaunch, forking_suits
     from megatrain.launch.ranks import torchrun_command
     from megatrain.launch.standby import StandbyLaunch
 
     if cfg.reliability.warm_standby:
         return StandbyLaunch(["--config", config_path], nproc_per_node)
-    if cfg.reliability.fork_cpu_ranks and ranks_use_cpu(cfg.train.device):
+    if cfg.reliability.fork_cpu_ranks and forking_suits(cfg.train.device):
         return ForkLaunch(["--config", config_path], nproc_per_node)
     return torchrun_command(config_path, nproc_per_node)
 

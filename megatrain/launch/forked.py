@@ -13,9 +13,9 @@ sets (``rank_env``) on top of the launch's, its output to the launcher line by l
 by the kernel when the fork server goes, which goes when the launcher does (the server exits at
 EOF of its pipe to the launcher, even after a SIGKILL), so no rank outlives a killed flow.
 
-Only for ranks that train on the CPU: a server that had touched CUDA could not give a forked
-child a working GPU, and a GPU rank's start is dominated by other work (``StandbyLaunch`` and
-the compile cache handle those). ``reliability.fork_cpu_ranks`` turns it off.
+Only for ranks that train on the CPU of a machine without a GPU: a server that had touched CUDA
+could not give a forked child a working GPU, and a GPU rank's start is dominated by other work
+(``StandbyLaunch`` and the compile cache handle those). ``reliability.fork_cpu_ranks`` turns it off.
 
 Engine code: ``run_ranks`` (megatrain/launch/ranks.py) runs a ``ForkLaunch`` in place of a
 torchrun command; the flow's ``launch-ranks`` task picks it (tasks/train.py).
@@ -78,10 +78,13 @@ class _RankProcess(ForkServerProcess):
         return _RankPopen(process_obj)
 
 
-def ranks_use_cpu(device: str) -> bool:
-    """Whether ranks of ``train.device`` train on the CPU ("auto" does where torch sees no GPU)."""
-    if device != "auto":
-        return device == "cpu"
+def forking_suits(device: str) -> bool:
+    """Whether ranks of ``train.device`` may be forked: they train on the CPU of a machine where
+    torch sees no GPU. (On a GPU machine even CPU ranks start fresh: DeepSpeed's import in the
+    server asks CUDA for its devices, and a child of a process that initialised the driver cannot
+    use it.)"""
+    if device == "cuda":
+        return False
     import torch
 
     return not torch.cuda.is_available()
@@ -247,6 +250,9 @@ def become(order: dict, out: Connection, err: Connection) -> None:
         stream.reconfigure(line_buffering=True, write_through=True)
     os.environ.clear()
     os.environ.update(order["env"])
+    import tempfile
+
+    tempfile.tempdir = None  # found again from this environment's TMPDIR, not the server's
     os.chdir(order["cwd"])
     script = order.get("script")
     extra = [p for p in order["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
