@@ -124,7 +124,8 @@ class ReliabilityConfig(_Section):
         True, description="CPU ranks of a one-node stage are forked from a warm server in the launcher that "
         "imported torch, DeepSpeed and the trainer once (megatrain/launch/forked.py), instead of torchrun "
         "starting fresh interpreters: each attempt, restarts included, skips 2-4 s of imports per rank; "
-        "ranks on a machine with a GPU are always fresh processes",
+        "ranks on a machine with a GPU are always fresh processes; off: fresh interpreters under torchrun (what "
+        "a rank's sitecustomize or interpreter options need: a forked rank starts past them)",
     )
     on_node_loss: Literal["wait", "shrink"] = Field(
         "wait", description="a multi-node stage whose node fails its self-check: wait up to node_wait_s for it "
