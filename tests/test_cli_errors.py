@@ -28,7 +28,7 @@ from megatrain.errors import (
     EXIT_NO_MEMORY,
     EXIT_TEMPORARY,
 )
-from megatrain.launch.forked import fork_rank
+from megatrain.launch.forked import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,13 +56,7 @@ def run(args: list[str], tmp: Path, module: str = "megatrain.cli") -> subprocess
     the process a fresh interpreter would be, less its 2-4 s of imports; test_version and the bug
     row below start fresh interpreters)."""
     env = {**os.environ, "TMPDIR": str(tmp)}  # a bug's traceback file lands under tmp
-    proc = fork_rank({"env": env, "module": module, "argv": args, "cwd": str(ROOT)}, separate_stderr=True)
-    try:
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        raise
-    return subprocess.CompletedProcess([module, *args], proc.returncode, out, err)
+    return run_module(module, args, env, ROOT, timeout_s=180)
 
 
 def output_lines(result: subprocess.CompletedProcess) -> list[str]:

@@ -28,6 +28,7 @@ import io
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -110,8 +111,6 @@ class ForkedRank:
         return self.process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-
         self.process.join(timeout)
         if self.process.exitcode is None:
             raise subprocess.TimeoutExpired(RANK_MODULE, timeout)
@@ -202,6 +201,28 @@ def run_to_end(launch: ForkLaunch, env: dict[str, str] | None, cwd: str | Path |
                timeout_s: float) -> tuple[int | None, str]:
     """``launch`` run until it ends: (exit code, output), as ``CollectedRun.finish`` gives."""
     return CollectedRun(launch, env, cwd).finish(timeout_s)
+
+
+def start_module(module: str, argv: list[str], env: dict[str, str] | None = None,
+                 cwd: str | Path | None = None) -> ForkedRank:
+    """``python -m module ARGV`` forked from the warm server, started now (stdout and stderr apart):
+    a command a script or test would otherwise start as a fresh interpreter."""
+    order = {"env": dict(os.environ if env is None else env), "module": module, "argv": list(argv),
+             "cwd": str(cwd if cwd is not None else os.getcwd())}
+    return fork_rank(order, separate_stderr=True)
+
+
+def run_module(module: str, argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
+               timeout_s: float | None = None) -> subprocess.CompletedProcess:
+    """``start_module`` to its end, as ``subprocess.run(capture_output=True, text=True)`` gives it;
+    after ``timeout_s`` the process is killed and ``subprocess.TimeoutExpired`` raised."""
+    proc = start_module(module, argv, env, cwd)
+    try:
+        out, err = proc.communicate(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess([module, *argv], proc.returncode, out, err)
 
 
 def fork_rank(order: dict, separate_stderr: bool = False) -> ForkedRank:

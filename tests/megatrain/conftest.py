@@ -51,17 +51,10 @@ def run_forked(nproc: int, argv: list[str], timeout: float) -> subprocess.Comple
     """``megatrain train ARGV`` (one process: stdout and stderr apart) or ``nproc`` ranks of
     ``megatrain.train ARGV`` (their lines together in both), forked from the warm server; the exit
     code is the process's, or the first failed rank's (torchrun's agent would say 1)."""
-    from megatrain.launch.forked import ForkLaunch, fork_rank, run_to_end
+    from megatrain.launch.forked import ForkLaunch, run_module, run_to_end
 
     if nproc == 1:
-        proc = fork_rank({"env": child_env(), "module": "megatrain.cli", "argv": ["train", *argv], "cwd": str(ROOT)},
-                         separate_stderr=True)
-        try:
-            out, err = proc.communicate(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            raise
-        return subprocess.CompletedProcess(["megatrain", "train", *argv], proc.returncode, out, err)
+        return run_module("megatrain.cli", ["train", *argv], child_env(), ROOT, timeout)
     code, output = run_to_end(ForkLaunch(argv, nproc), child_env(), ROOT, timeout)
     if code is None:
         raise subprocess.TimeoutExpired(["megatrain.train", *argv], timeout, output)

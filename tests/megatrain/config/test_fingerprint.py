@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from megatrain.config.compat import schedule_fields, state_fields
 from megatrain.config import Config
+from megatrain.config.compat import schedule_fields, state_fields
 from megatrain.errors import DETERMINISTIC_PREFIX, EXIT_DETERMINISTIC
+from megatrain.launch.forked import run_module
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -49,13 +49,13 @@ def test_state_and_schedule_fields_split_the_config():
 
 
 def _train(run_dir: Path, shard_url: str, *overrides: str) -> subprocess.CompletedProcess:
-    """One process of the real trainer (no torchrun) on tiny-cpu, checkpointing every 2 steps."""
+    """One process of the real trainer (no torchrun; forked from the warm server) on tiny-cpu,
+    checkpointing every 2 steps."""
     args = ["model.n_layer=2", "data.max_source_bytes=300000", f"data.shard_url={shard_url}", "data.prefetch_batches=0",
             "optim.decay_steps=6", "train.log_interval=1000", f"train.run_dir={run_dir}", "checkpoint.interval=2",
             f"checkpoint.staging_dir={run_dir}/staging", f"checkpoint.durable_url={run_dir}/durable", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "megatrain.train", "--config", "configs/tiny-cpu.yaml", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return run_module("megatrain.train", ["--config", "configs/tiny-cpu.yaml", *args], env, REPO, timeout_s=300)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

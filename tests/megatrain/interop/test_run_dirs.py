@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from megatrain.config.campaign import load_campaign, stage_config
+from megatrain.launch.forked import run_module, start_module
 from megatrain.launch.ranks import write_run_config
 from tests.megatrain.conftest import TINY, child_env, read_metrics
 
@@ -27,21 +26,20 @@ SMALL = ["model.n_layer=1", "model.block=serial", "model.attention=full", "data.
          "data.val_fraction=0.1", "train.steps=2", "checkpoint.interval=2", "train.eval_interval=0"]
 
 
-def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "megatrain.cli", *args], cwd=cwd, env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start(args: list[str], cwd: Path):
+    """``megatrain ARGS`` in ``cwd``, forked from the warm server (a fresh interpreter less its imports)."""
+    return args, start_module("megatrain.cli", args, child_env(), cwd)
 
 
-def finish(*procs: subprocess.Popen) -> None:
-    outputs = [proc.communicate(timeout=300)[0] for proc in procs]  # all of them end before one is judged
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, f"{proc.args[3:6]} failed ({proc.returncode}):\n{out[-4000:]}"
+def finish(*started) -> None:
+    outputs = [proc.communicate(timeout=300) for _, proc in started]  # all of them end before one is judged
+    for (args, proc), (out, err) in zip(started, outputs):
+        assert proc.returncode == 0, f"{args[:3]} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
 
 
 def megatrain(cwd: Path, *args: str) -> str:
     """The command's stdout; a failure shows its output."""
-    proc = subprocess.run([sys.executable, "-m", "megatrain.cli", *args], cwd=cwd, env=child_env(),
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = run_module("megatrain.cli", list(args), child_env(), cwd, timeout_s=300)
     assert proc.returncode == 0, f"megatrain {' '.join(args)} (cwd {cwd}) exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -139,8 +137,7 @@ def test_a_campaign_dir_stands_for_its_final_stage_also_after_it_moved(ws):
 
 @pytest.mark.slow
 def test_a_folder_that_is_no_run_is_one_line_naming_it(ws):
-    proc = subprocess.run([sys.executable, "-m", "megatrain.cli", "eval", "--checkpoint", "."], cwd=ws / "elsewhere",
-                          env=child_env(), capture_output=True, text=True, timeout=120, check=False)
+    proc = run_module("megatrain.cli", ["eval", "--checkpoint", "."], child_env(), ws / "elsewhere", timeout_s=120)
     expected = ("megatrain eval: .: not a run dir (no run.json or config.yaml), nor a campaign dir (stage folders with "
                 "config.yaml), nor a checkpoint dir (step-* folders)")
     assert proc.returncode == 1 and proc.stdout == "" and proc.stderr.splitlines() == [expected], proc.stderr
