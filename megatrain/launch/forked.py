@@ -23,6 +23,7 @@ torchrun command; the flow's ``launch-ranks`` task picks it (tasks/train.py).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import io
 import multiprocessing
@@ -31,6 +32,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import forkserver, popen_forkserver, spawn, util
@@ -48,6 +50,20 @@ PRELOAD = ["megatrain.launch.forked", "megatrain.training.rank", "megatrain.trai
 RANK_MODULE = "megatrain.train"  # what each rank runs, as ``python -m megatrain.train`` would
 
 _START_LOCK = threading.Lock()  # one rank at a time hands its pipe to the server
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the ForkedRanks this launcher started
+
+
+@atexit.register
+def _kill_the_left() -> None:
+    """A launcher that exits with forked processes still running (its supervision was cut short)
+    kills them, as the kernel kills a torchrun job's with the agent; registered after
+    multiprocessing's own exit handler, so it runs first: that one would wait for them."""
+    for rank in list(_LIVE):
+        if rank.poll() is None:
+            try:
+                os.killpg(rank.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 class _RankPopen(popen_forkserver.Popen):
@@ -102,6 +118,7 @@ class ForkedRank:
         self.stdout = stdout
         self.stderr = stderr
         self.stdin = None
+        _LIVE.add(self)
 
     @property
     def returncode(self) -> int | None:
@@ -115,7 +132,6 @@ class ForkedRank:
         if self.process.exitcode is None:
             raise subprocess.TimeoutExpired(RANK_MODULE, timeout)
         return self.process.exitcode
-
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
         """Read the output to its end and wait for the exit, as ``Popen.communicate`` does:

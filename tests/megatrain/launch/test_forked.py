@@ -110,6 +110,34 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path) -> None:
         launcher.kill()
 
 
+EXITING_LAUNCHER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from megatrain.launch.forked import ForkLaunch
+    from megatrain.reliability.heartbeat import DirectorySink
+    group = ForkLaunch(sys.argv[2:], 2).start(None, None, lambda line: None, [])
+    sink = DirectorySink(Path(sys.argv[1]) / "heartbeats")
+    while len(sink.read_all(2)) < 2:
+        time.sleep(0.2)
+    print(*[proc.pid for proc in group.procs], flush=True)
+    sys.exit(0)  # supervision cut short: a normal exit, with both ranks still training
+""")
+
+
+@pytest.mark.slow
+def test_a_launcher_that_exits_with_ranks_running_kills_them(tmp_path) -> None:
+    argv = _argv(tmp_path, "train.steps=100000", "checkpoint.interval=100000")
+    done = subprocess.run([sys.executable, "-c", EXITING_LAUNCHER, str(tmp_path), *argv], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = [int(pid) for pid in done.stdout.splitlines()[-1].split()]  # (DeepSpeed's import prints before it)
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in pids), pids
+
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
