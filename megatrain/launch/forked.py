@@ -164,7 +164,7 @@ class ForkLaunch:
 
     def start(self, env: dict[str, str] | None, cwd: str | Path | None, on_line: Callable[[str], None],
               tail: collections.deque) -> RankGroup:
-        from megatrain.launch.ranks import free_port
+        from megatrain.launch.ranks import _pump, free_port
 
         base = dict(os.environ if env is None else env)
         port = free_port()
@@ -360,10 +360,4 @@ def _exit_like_an_interpreter(code: int) -> None:
             except (OSError, ValueError):
                 pass
         os._exit(code)
-
-
-def _pump(stream, on_line: Callable[[str], None]) -> None:
-    for line in iter(stream.readline, ""):
-        on_line(line.rstrip("\n"))
-    stream.close()
 

@@ -5,6 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def processes_mentioning(marker: str) -> list[int]:
     """PIDs whose command line contains ``marker`` (torchrun and its ranks carry the stage's
     config path)."""

@@ -23,14 +23,19 @@ import time
 from pathlib import Path
 
 import pytest
-from process_table import processes_mentioning
-
-from megatrain.config.campaign import load_campaign
-from megatrain.checkpoint import catalog
 from fault_matrix_common import (  # noqa: F401  (reproducible_cpu_math: autouse, pins MKL for bit-exactness)
-    STEPS, assert_bit_exact, assert_committed_intact, logs, reproducible_cpu_math, run_campaign,
+    STEPS,
+    assert_bit_exact,
+    assert_committed_intact,
+    logs,
+    reproducible_cpu_math,
+    run_campaign,
     write_campaign,
 )
+from process_table import alive, processes_mentioning
+
+from megatrain.checkpoint import catalog
+from megatrain.config.campaign import load_campaign
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP_BOUND_S = 10.0  # ranks gone within this after a stop request
@@ -64,14 +69,6 @@ def children_of(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(proc.name))
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def committed_steps(durable: str) -> list[int]:

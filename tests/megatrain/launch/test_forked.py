@@ -20,6 +20,7 @@ import pytest
 from megatrain.launch.forked import ForkLaunch
 from megatrain.launch.ranks import run_ranks, torchrun_command
 from megatrain.reliability.heartbeat import DirectorySink
+from tests.flows.process_table import alive
 
 ROOT = Path(__file__).resolve().parents[3]
 RUN = ["model.n_layer=1", "train.micro_batch_size=2", "train.global_batch_size=4", "data.max_source_bytes=200000",
@@ -103,9 +104,9 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path) -> None:
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
         deadline = time.monotonic() + 10
-        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_running(pid) for pid in pids), pids
+        assert not any(alive(pid) for pid in pids), pids
     finally:
         launcher.kill()
 
@@ -133,14 +134,6 @@ def test_a_launcher_that_exits_with_ranks_running_kills_them(tmp_path) -> None:
     pids = [int(pid) for pid in done.stdout.splitlines()[-1].split()]  # (DeepSpeed's import prints before it)
     assert len(pids) == 2
     deadline = time.monotonic() + 10
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_running(pid) for pid in pids), pids
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    assert not any(alive(pid) for pid in pids), pids
