@@ -40,7 +40,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen
 from pathlib import Path
 
-from megatrain.launch.standby import RankGroup, rank_env
+from megatrain.launch.standby import RankGroup, rank_env, rank_lines
 
 # What the server imports once: a rank's modules and what its first calls import
 # (Optimizer.__init__ imports torch._dynamo; DeepSpeed's ZeRO check its Muon module). A name that
@@ -175,13 +175,8 @@ class ForkLaunch:
                      "script": self.script, "argv": list(self.argv),
                      "cwd": str(cwd) if cwd is not None else os.getcwd()}
             proc = fork_rank(order)
-
-            def lines(line: str, rank_tail=tails[rank]) -> None:
-                rank_tail.append(line)
-                tail.append(line)
-                on_line(line)
-
-            pump = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, rank_lines(tails[rank], tail, on_line)),
+                                    daemon=True)
             pump.start()
             procs.append(proc)
             pumps.append(pump)

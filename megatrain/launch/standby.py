@@ -161,6 +161,16 @@ class RankGroup:
             pump.join(timeout=5)
 
 
+def rank_lines(rank_tail: collections.deque, tail: collections.deque,
+               on_line: Callable[[str], None]) -> Callable[[str], None]:
+    """Where one rank's output lines go: its own tail (its root cause), the job's tail, the caller."""
+    def lines(line: str) -> None:
+        rank_tail.append(line)
+        tail.append(line)
+        on_line(line)
+    return lines
+
+
 @dataclass
 class StandbyLaunch:
     """What ``run_ranks`` starts in place of a torchrun command: one node's ``nproc_per_node``
@@ -186,12 +196,7 @@ class StandbyLaunch:
             except BrokenPipeError:  # it died while waiting: the group reports its exit and output
                 pass
 
-            def lines(line: str, rank_tail=tails[rank]) -> None:
-                rank_tail.append(line)
-                tail.append(line)
-                on_line(line)
-
-            ready.attach(rank, lines)
+            ready.attach(rank, rank_lines(tails[rank], tail, on_line))
         return group
 
     def prepare_next(self, env: dict[str, str] | None, cwd: str | Path | None) -> None:
