@@ -21,7 +21,8 @@ cache hits. One rank (the first visible GPU, or the CPU with ``--device cpu``).
 after the cold start, a run with snapshots into the keeper every step (``checkpoint.memory_interval=1``)
 and no durable commit before its end is killed at the start of its step 3 (a ``kill_rank`` fault), so
 the keeper holds step 2 and the durable store step 1; the measured ``restart`` then restores step 2
-from the keeper. Every row says which tier its restore came from and its seconds (``restores.jsonl``).
+from the keeper. Before ``restart+standby`` another such run is killed at the start of step 5, and
+the standby restores step 4 from the keeper. Every row says which tier its restore came from and its seconds (``restores.jsonl``).
 
 A 1.3B checkpoint is 17 GiB and the preflight wants room for two staged and two durable ones:
 ``--staging`` (e.g. a tmpfs) and ``--durable`` put them elsewhere when the run dir's disk is small.
@@ -137,13 +138,14 @@ def measure(args: argparse.Namespace, recipe: str, root: Path) -> list[dict]:
     env = rank_env(args.device)
     rows = []
     for steps, start in enumerate(STARTS, start=1):
-        if start == "restart+standby" and (args.no_standby or args.tier == "keeper"):
+        if start == "restart+standby" and args.no_standby:
             continue
         overrides = run_overrides(args, recipe, run_dir, steps)
         if start != "cold" and args.tier == "keeper":
-            overrides = run_overrides(args, recipe, run_dir, KEEPER_STEPS) + KEEPER_OVERRIDES
-            killed_env = {**env, "MEGATRAIN_FAULTS": json.dumps([{"kind": "kill_rank", "step": KEEPER_STEPS}])}
-            start_process(recipe, overrides, killed_env, args.timeout_s, killed=True)  # leaves step 2 in the keeper
+            last = KEEPER_STEPS if start == "restart" else KEEPER_STEPS + 2  # each killed run trains on
+            overrides = run_overrides(args, recipe, run_dir, last) + KEEPER_OVERRIDES
+            killed_env = {**env, "MEGATRAIN_FAULTS": json.dumps([{"kind": "kill_rank", "step": last}])}
+            start_process(recipe, overrides, killed_env, args.timeout_s, killed=True)  # leaves last - 1 in the keeper
         runner = start_standby if start.endswith("standby") else start_process
         launched, _ = runner(recipe, overrides, env, args.timeout_s)
         startup = read_startup(run_dir)
@@ -167,7 +169,7 @@ def last_restore(run_dir: Path, since: float) -> dict | None:
     path = run_dir / "restores.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     rows = [row for row in rows if row.get("time", 0) >= since]
-    return {k: rows[-1][k] for k in ("tier", "step", "seconds")} if rows else None
+    return {k: rows[-1][k] for k in ("tier", "step", "seconds", "phases_s") if k in rows[-1]} if rows else None
 
 
 def print_row(row: dict) -> None:
@@ -175,7 +177,8 @@ def print_row(row: dict) -> None:
     cache = row["compile_cache"] or {}
     hits = f"  cache hits {cache.get('fxgraph_hits', '-')}/misses {cache.get('fxgraph_misses', '-')}" if cache else ""
     restore = row.get("restore")
-    tier = f"  restore: {restore['tier']} step {restore['step']} {restore['seconds']:.2f} s" if restore else ""
+    parts = "".join(f", {k} {v:.2f}" for k, v in (restore or {}).get("phases_s", {}).items())
+    tier = f"  restore: {restore['tier']} step {restore['step']} {restore['seconds']:.2f} s{parts}" if restore else ""
     print(f"{row['recipe']:<10} {row['start']:<16} {row['launch_to_first_step_s']:>8.2f} s  [{phases}]{hits}{tier}",
           flush=True)
 

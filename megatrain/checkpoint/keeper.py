@@ -138,7 +138,8 @@ class Keeper:
         with self.lock:
             for index, slot in enumerate(self.slots.get(rank, [])):
                 if slot is not None and slot.sealed and slot.sealed["step"] == step:
-                    return {"ok": True, "slot": index, "nbytes": slot.nbytes, **slot.sealed}, [slot.fd]
+                    return {"ok": True, "slot": index, "id": f"{self.instance}-{slot.generation}",
+                            "nbytes": slot.nbytes, **slot.sealed}, [slot.fd]
         return {"ok": False, "error": f"rank {rank}: no sealed copy of step {step}"}, []
 
     def _drop(self, rank: int, after_step: int) -> dict[str, Any]:

@@ -57,6 +57,7 @@ from megatrain.parallel.dims import ProcessGroups
 from megatrain.parallel.init import DistEnv
 
 log = logging.getLogger("megatrain.checkpoint")
+NOTABLE_STALL_S = 0.05  # a memory checkpoint that blocked the loop this long is logged at INFO
 
 # Test-only fault hook: SIGKILL every rank right after this step's checkpoint is committed (a crash,
 # not a clean exit: no finally blocks, no flushing), to prove resume from a real crash.
@@ -85,6 +86,7 @@ class Checkpointer:
             self.layout["ep"] = groups.dims.ep
         self.history: list[dict] = []  # changes of schedule or layout this run's checkpoints went through
         self.snapshotter = Snapshotter(self.ckpt.staging_dir, env.device)
+        self._memory_saves = 0
         self.memory = MemoryCheckpoints(self.ckpt.staging_dir, env.rank, env.device,
                                         Path(cfg.train.run_dir) / "logs" / "keeper.log",
                                         self._peer_settings()) if self.ckpt.memory_interval else None
@@ -121,11 +123,14 @@ class Checkpointer:
         start = time.perf_counter()
         tokenizer = self.identity.tokenizer_sha256
         durable_step = self._newest_durable_step()
+        listed = time.perf_counter()
         restored, tier = None, "durable"
         if self.memory is not None:
             found = restore_from_memory(trainer, self.memory, self.groups, self.identity, self.layout, durable_step)
             restored, tier = found if found is not None else (None, tier)
+            dropping = time.perf_counter()
             self.memory.drop_after(restored.step if restored is not None else durable_step)
+            dropped = time.perf_counter() - dropping
         if restored is None:
             restored = restore_checkpoint(trainer, self.ckpt.durable_url, self.identity, self.layout, self.groups,
                                           tokenizer_sha256=tokenizer)
@@ -137,10 +142,15 @@ class Checkpointer:
                             self.ckpt.init_from)
         # Uncommitted durable steps after the newest committed one are redone (or, past a keeper
         # restore, superseded by the next durable save): their stale markers must go either way.
+        kept = time.perf_counter()
         self._drop_abandoned_steps(min(restored.step, durable_step) if restored is not None else 0)
         if restored is None:
             return 0
-        self._record_restore(tier, restored.step, durable_step, time.perf_counter() - start)
+        phases = {}
+        if self.memory is not None and tier != "durable":  # where a keeper restore's seconds went
+            phases = {"durable_list_s": round(listed - start, 4), **self.memory.last_restore_phases,
+                      "keeper_drop_s": round(dropped, 4), "durable_cleanup_s": round(time.perf_counter() - kept, 4)}
+        self._record_restore(tier, restored.step, durable_step, time.perf_counter() - start, phases)
         self.history = restored.history
         if restored.history and restored.history[-1]["step"] == restored.step:
             log.warning("resumed step %d with changes: %s", restored.step, restored.history[-1])
@@ -157,14 +167,16 @@ class Checkpointer:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _record_restore(self, tier: str, step: int, durable_step: int, seconds: float) -> None:
+    def _record_restore(self, tier: str, step: int, durable_step: int, seconds: float,
+                        phases: dict[str, float]) -> None:
         """Say which tier a restore came from and what it cost: the log, and a row for the report."""
-        log.info("restored step %d from the %s tier in %.3f s (newest durable step %d)", step, tier, seconds,
-                 durable_step)
+        log.info("restored step %d from the %s tier in %.3f s (newest durable step %d)%s", step, tier, seconds,
+                 durable_step, "".join(f", {name} {value:.3f}" for name, value in phases.items()))
         if self.groups.rank == 0:
             with open_append(Path(self.cfg.train.run_dir) / "restores.jsonl") as out:
                 out.write(json.dumps({"time": time.time(), "tier": tier, "step": step, "durable_step": durable_step,
-                                      "seconds": round(seconds, 4), "world_size": self.env.world_size}) + "\n")
+                                      "seconds": round(seconds, 4), "world_size": self.env.world_size,
+                                      **({"phases_s": phases} if phases else {})}) + "\n")
 
     def _drop_abandoned_steps(self, resumed: int) -> None:
         """Uncommitted steps after the one resumed from were left by an attempt that died before
@@ -224,9 +236,15 @@ class Checkpointer:
         shared memory (the loop waits for that copy only); None when the keeper failed."""
         timing = self.memory.save(self._rank_snapshot(trainer))
         if timing is not None:
-            log.info("memory checkpoint step %d: loop blocked %.3f s (waiting for the previous seal %.3f s, "
-                     "copy %.3f s%s)", trainer.step, timing.blocked_s, timing.wait_s, timing.copy_s,
-                     ", slot mapped" if timing.allocated else "")
+            # Saves every few steps: a line each (every rank) was most of what a chaos run's flow and
+            # Prefect server handled, on the cores the ranks train on. A stall worth reading, a new
+            # slot mapping and every 100th save still say so at INFO.
+            self._memory_saves += 1
+            notable = timing.allocated or timing.blocked_s >= NOTABLE_STALL_S or self._memory_saves % 100 == 1
+            log.log(logging.INFO if notable else logging.DEBUG,
+                    "memory checkpoint step %d: loop blocked %.3f s (waiting for the previous seal %.3f s, "
+                    "copy %.3f s%s)", trainer.step, timing.blocked_s, timing.wait_s, timing.copy_s,
+                    ", slot mapped" if timing.allocated else "")
         return timing
 
     def save(self, trainer: Any) -> SnapshotTiming:

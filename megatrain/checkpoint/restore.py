@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,20 +357,43 @@ def newest_restorable_step(durable_url: str) -> int | None:
 
 
 def apply_rank_state(trainer: Any, rank_state: RankState, groups: ProcessGroups, full: bool = True,
-                     schedule_changed: bool = False) -> None:
+                     schedule_changed: bool = False, seconds: dict[str, float] | None = None) -> None:
     """Put what a rank read back in place. ``full=False`` (a new campaign stage): model weights and
     optimizer tensors only; the stage keeps its own LR schedule, hyper-parameters, step count,
     data position and seeds. ``schedule_changed``: keep this run's LR schedule and hyper-parameters
-    (only the step count of the schedule comes from the checkpoint)."""
+    (only the step count of the schedule comes from the checkpoint). ``seconds``: gets each part's time."""
     engine, meta = trainer.engine, rank_state.meta
+    clock = _PartClock(seconds, engine.module)
     if rank_state.model is not None:
         state.load_model_tensors(engine.module, live_names(rank_state.model, meta, engine.module),
                                  names=experts.names_read(engine.module, groups))
     experts.broadcast_weights(engine.module, groups)
+    clock.lap("model")
     state.load_optimizer_state(engine.optimizer, rank_state.tensors, meta["optimizer"],
                                hyperparameters=full and not schedule_changed)
+    clock.lap("optimizer")
     if full:
         _apply_run_state(trainer, meta, schedule_changed, (rank_state.tensors, meta["rng"]))
+        clock.lap("run_state")
+
+
+class _PartClock:
+    """Seconds per part of a restore into ``seconds`` (nothing when None); on a GPU each lap waits
+    for the part's copies, so the time is the part's own."""
+
+    def __init__(self, seconds: dict[str, float] | None, module: Any):
+        self.seconds, self.start = seconds, time.perf_counter()
+        param = next(module.parameters(), None)
+        self.cuda = param is not None and param.is_cuda
+
+    def lap(self, part: str) -> None:
+        if self.seconds is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[f"{part}_s"] = round(now - self.start, 4)
+        self.start = now
 
 
 def _apply_run_state(trainer: Any, meta: dict[str, Any], schedule_changed: bool, rng: tuple | None) -> None:

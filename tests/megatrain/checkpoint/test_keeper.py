@@ -82,3 +82,26 @@ def test_keeper_survives_the_putting_process_and_refuses_a_corrupt_copy(staging)
         time.sleep(0.05)
     assert not (keeper_dir(staging) / "keeper.sock").exists()
     assert MemoryCheckpoints(staging, 1, torch.device("cpu"), staging / "k.log").held_steps() == []  # gone with it
+
+
+def test_a_restored_slot_is_mapped_once(staging):
+    """The mapping a restore reads becomes the slot's mapping: the save that later rewrites that
+    slot maps nothing (unmapping an 18 GB mapping at the end of a restore cost time on the GPU)."""
+    from megatrain.checkpoint.snapshot import RankSnapshot
+
+    def save(memory: MemoryCheckpoints, step: int):
+        tensors = {"w": torch.full((1000,), float(step))}
+        timing = memory.save(RankSnapshot(step=step, rank=0, tensor_files={"rank-00000.safetensors": tensors},
+                                          json_files={"rank-00000.json": {"step": step}}))
+        memory.wait()
+        return timing
+
+    first = MemoryCheckpoints(staging, 0, torch.device("cpu"), staging / "k.log")
+    assert save(first, 1).allocated and save(first, 2).allocated
+    first.close()
+    restarted = MemoryCheckpoints(staging, 0, torch.device("cpu"), staging / "k.log")
+    files, _ = restarted.fetch(2)
+    assert torch.equal(files["rank-00000.safetensors"]["w"], torch.full((1000,), 2.0))
+    assert save(restarted, 3).allocated  # into step 1's slot: not mapped by this process yet
+    assert not save(restarted, 4).allocated  # into step 2's slot: mapped by the restore
+    restarted.close(shutdown=True)
