@@ -183,6 +183,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=float, default=180.0, help="--ettr: mean seconds between faults")
     parser.add_argument("--ckpt-interval", type=int, default=20, help="--ettr: checkpoint interval (steps)")
     parser.add_argument("--seed", type=int, default=0, help="--ettr: fault draw")
+    parser.add_argument("--recipe", default="configs/tiny-cpu.yaml",
+                        help="--ettr: the stage's recipe (the default one is shrunk to ~0.07 s steps on CPU)")
+    parser.add_argument("--nproc", type=int, default=2, help="--ettr: ranks")
     parser.add_argument("--step-s", type=float, default=None,
                         help="--ettr: step time that turns minutes into steps (default: a probe run measures it); "
                              "the same value, seed and minutes give two runs the same steps and fault schedule")

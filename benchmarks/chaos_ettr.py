@@ -3,7 +3,7 @@ flow, with a random fault about every ``--every`` seconds, and where the lost ti
 
     python benchmarks/chaos.py --ettr [--minutes 30] [--every 180] [--seed 0] [--out runs/chaos]
 
-One stage of the tiny recipe on 2 gloo ranks, long enough for ``--minutes`` of fault-free
+One stage of the tiny recipe on 2 gloo ranks (or ``--recipe`` on ``--nproc`` ranks: a GPU run), long enough for ``--minutes`` of fault-free
 training (the step time is measured first by a short probe run), Redis for heartbeats and
 rendezvous (a supervisor restarts it 1.5 s after it dies, as Kubernetes would), checkpoints every
 ``--ckpt-interval`` steps. Faults are drawn at random (kill_rank, hang_rank, nan_loss,
@@ -47,9 +47,17 @@ from megatrain.observe.log_records import TimedLogRecords
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("kill_rank", "hang_rank", "nan_loss", "storage_outage", "kill_redis")
-BASE = ["train.device=cpu", "model.n_layer=1", "data.max_source_bytes=400000", "train.micro_batch_size=8",
-        "train.global_batch_size=16", "train.log_interval=50", "reliability.heartbeat_interval_s=1",
-        "reliability.heartbeat_timeout_s=15", "reliability.max_restarts=50", "reliability.max_rollbacks=50"]
+TINY = "configs/tiny-cpu.yaml"  # the default recipe, shrunk by TINY_OVERRIDES to steps of ~0.07 s on 2 CPU ranks
+TINY_OVERRIDES = ["train.device=cpu", "model.n_layer=1", "data.max_source_bytes=400000", "train.micro_batch_size=8",
+                  "train.global_batch_size=16"]
+BASE = ["train.log_interval=50", "reliability.heartbeat_interval_s=1", "reliability.heartbeat_timeout_s=15",
+        "reliability.max_restarts=50", "reliability.max_rollbacks=50"]
+
+
+def recipe_overrides(args) -> list[str]:
+    """What every run of the harness adds to the recipe: the tiny recipe's shrinking, then BASE,
+    then ``--set`` (e.g. a GPU run: ``--recipe configs/gpt-125m.yaml --nproc 1 --set train.device=cuda``)."""
+    return [*(TINY_OVERRIDES if args.recipe == TINY else []), *BASE, *args.set]
 
 
 class RestartingRedis:
@@ -128,12 +136,12 @@ class CpuSampler:
         return {kind: round(seconds, 1) for kind, seconds in sorted(self.by_kind.items())}
 
 
-def probe_step_time(out: Path) -> float:
-    """Median step time of 2 ranks on this recipe (a short torchrun run, steps 3..12)."""
+def probe_step_time(out: Path, args) -> float:
+    """Median step time of the campaign's ranks on its recipe (a short torchrun run, steps 3..12)."""
     run_dir = out / "probe"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(29000 + random.randrange(900)), "-m", "megatrain.train", "--config",
-               "configs/tiny-cpu.yaml", *BASE, "train.steps=12", f"train.run_dir={run_dir}",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-addr",
+               "127.0.0.1", "--master-port", str(29000 + random.randrange(900)), "-m", "megatrain.train", "--config",
+               args.recipe, *recipe_overrides(args), "train.steps=12", f"train.run_dir={run_dir}",
                f"checkpoint.staging_dir={run_dir}/staging", f"checkpoint.durable_url={run_dir}/durable",
                "checkpoint.interval=1000"]
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -346,16 +354,16 @@ def run_ettr(args, out: Path) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     rng = random.Random(args.seed)
-    step_s = args.step_s or probe_step_time(out)
+    step_s = args.step_s or probe_step_time(out, args)
     steps = int(args.minutes * 60 / step_s)
     redis = RestartingRedis(out)
     faults = plan_faults(rng, args.minutes, args.every, step_s, redis.pidfile)
     print(f"engine {engine_commit()}; step time {step_s:.3f} s/step -> {steps} steps for {args.minutes:g} min; faults: "
           + ", ".join(f"{f['kind']}@{f['step']}" for f in faults), flush=True)
-    doc = {"id": f"ettr-{int(time.time())}", "recipe": str(ROOT / "configs/tiny-cpu.yaml"), "nproc_per_node": 2,
+    doc = {"id": f"ettr-{int(time.time())}", "recipe": str(ROOT / args.recipe), "nproc_per_node": args.nproc,
            "root_dir": str(out / "campaigns"), "self_check": False,
-           "overrides": [*BASE, f"checkpoint.interval={args.ckpt_interval}", f"reliability.redis_url={redis.url}",
-                         *args.set],
+           "overrides": [*recipe_overrides(args), f"checkpoint.interval={args.ckpt_interval}",
+                         f"reliability.redis_url={redis.url}"],
            "stages": [{"name": "chaos", "steps": steps, "overrides": ["reliability.faults=" + json.dumps(faults)]}]}
     path = out / "campaign.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
