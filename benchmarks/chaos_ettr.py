@@ -47,6 +47,7 @@ from megatrain.observe.log_records import TimedLogRecords
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("kill_rank", "hang_rank", "nan_loss", "storage_outage", "kill_redis")
+RIDDEN_THROUGH = ("fired-storage_outage", "fired-kill_redis")  # faults no attempt ends for
 TINY = "configs/tiny-cpu.yaml"  # the default recipe, shrunk by TINY_OVERRIDES to steps of ~0.07 s on 2 CPU ranks
 TINY_OVERRIDES = ["train.device=cpu", "model.n_layer=1", "data.max_source_bytes=400000", "train.micro_batch_size=8",
                   "train.global_batch_size=16"]
@@ -235,7 +236,9 @@ def breakdown(attempts: list[dict], launches: list[float], ends: list[tuple[floa
     def detection(i: int) -> float:  # fault fired -> attempt i ended (0 for a clean end or a false alarm)
         if ends[i][1] == "completed":
             return 0.0
-        before = [t for t, _ in fired if launches[i] <= t <= ends[i][0]]
+        # only a fault that ends an attempt: a storage outage or a Redis kill is ridden through, and an
+        # attempt that then ends in a loss spike of its own was not waiting on it
+        before = [t for t, name in fired if launches[i] <= t <= ends[i][0] and not name.startswith(RIDDEN_THROUGH)]
         return ends[i][0] - max(before) if before else 0.0
 
     lost = {"detection+teardown": 0.0, "between attempts": 0.0, "launch -> first step (restarts)": 0.0,

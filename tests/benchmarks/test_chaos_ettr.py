@@ -81,3 +81,14 @@ def test_a_slow_step_is_lost_time_by_the_median_but_productive_at_its_measured_t
     assert result["ettr"] == pytest.approx(4 * 1.0 / 9)  # 4 steps at the median 1 s
     assert result["lost_s"]["slow steps (above the median)"] == pytest.approx(2.0)
     assert result["ettr_measured_steps"] == pytest.approx(6.0 / 9)  # the slow step's 3 s count
+
+
+def test_a_fault_ridden_through_is_not_the_cause_of_a_later_end(tmp_path) -> None:
+    """A storage outage fires in attempt 1, which later ends in a loss spike of its own: detection
+    is 0 (was: from the outage's firing to the end, and the loop's row below zero to match)."""
+    attempts = attempts_from_metrics(write_metrics(tmp_path / "metrics.jsonl", True))
+    ends = [(108.0, "anomaly", 8.0), (120.0, "completed", 10.0)]
+    result = breakdown(attempts, LAUNCHES, ends, [(101.5, "fired-storage_outage-1.json")], STEP_LINES,
+                       t_start=95.0, t_end=121.0)
+    assert result["lost_s"]["detection+teardown"] == 0.0
+    assert result["lost_s"]["loop outside the step timer (checkpoint saves, logging)"] >= 0.0
