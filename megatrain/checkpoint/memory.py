@@ -18,9 +18,10 @@ read back and checked (sha256 of every chunk and of the JSON, written by the sam
 layout); if any rank finds a problem, all ranks try the next older common step, then give up
 (the caller restores from the durable store). On a GPU with room for a second copy of the state,
 the bytes go to the device in chunks while every chunk's sha256 runs on the host's cores
-(device_stage.py), and restore's copies are device to device. Tiers, in order: a rank reads its step from its own
-keeper, else from a peer node's keeper that holds a replica of it (keeper_peer.py; a lost node's
-ranks have only that), and the restore says ``peer`` when any rank used one. ZeRO partitions,
+(device_stage.py), and restore's copies are device to device. Tiers, in order: a rank reads its
+step from its own keeper, else from a peer node's keeper that holds a replica of it
+(keeper_peer.py; a lost node's ranks have only that), and the restore says ``peer`` when any rank
+used one. ZeRO partitions,
 RNG, the LR schedule and the data position come back through ``restore.apply_rank_state``, as from a durable checkpoint.
 """
 

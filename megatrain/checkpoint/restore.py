@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from megatrain.checkpoint.files import (
     sha256_stream,
 )
 from megatrain.checkpoint.names import live_names
+from megatrain.observe.laps import Laps
 from megatrain.parallel.dims import ProcessGroups
 
 log = logging.getLogger("megatrain.checkpoint")
@@ -363,7 +363,8 @@ def apply_rank_state(trainer: Any, rank_state: RankState, groups: ProcessGroups,
     data position and seeds. ``schedule_changed``: keep this run's LR schedule and hyper-parameters
     (only the step count of the schedule comes from the checkpoint). ``seconds``: gets each part's time."""
     engine, meta = trainer.engine, rank_state.meta
-    clock = _PartClock(seconds, engine.module)
+    param = next(engine.module.parameters(), None)
+    clock = Laps(seconds, cuda=param is not None and param.is_cuda)
     if rank_state.model is not None:
         state.load_model_tensors(engine.module, live_names(rank_state.model, meta, engine.module),
                                  names=experts.names_read(engine.module, groups))
@@ -375,25 +376,6 @@ def apply_rank_state(trainer: Any, rank_state: RankState, groups: ProcessGroups,
     if full:
         _apply_run_state(trainer, meta, schedule_changed, (rank_state.tensors, meta["rng"]))
         clock.lap("run_state")
-
-
-class _PartClock:
-    """Seconds per part of a restore into ``seconds`` (nothing when None); on a GPU each lap waits
-    for the part's copies, so the time is the part's own."""
-
-    def __init__(self, seconds: dict[str, float] | None, module: Any):
-        self.seconds, self.start = seconds, time.perf_counter()
-        param = next(module.parameters(), None)
-        self.cuda = param is not None and param.is_cuda
-
-    def lap(self, part: str) -> None:
-        if self.seconds is None:
-            return
-        if self.cuda:
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.seconds[f"{part}_s"] = round(now - self.start, 4)
-        self.start = now
 
 
 def _apply_run_state(trainer: Any, meta: dict[str, Any], schedule_changed: bool, rng: tuple | None) -> None:
