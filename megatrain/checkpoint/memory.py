@@ -93,8 +93,14 @@ def _nbytes(entry: list) -> int:
 
 
 def _view(buffer: torch.Tensor, entry: list) -> torch.Tensor:
-    _, _, dtype, shape, offset = entry
-    return buffer[offset:offset + _nbytes(entry)].view(_dtype(dtype)).view(shape)
+    """The tensor an entry names. The entries are the keeper's records, outside the checksums: one
+    that points past the copy is a ValueError (the restore takes the next tier), not a crash that
+    every restart would repeat."""
+    _, name, dtype, shape, offset = entry
+    nbytes = _nbytes(entry)
+    if not isinstance(offset, int) or offset < 0 or offset + nbytes > buffer.numel():
+        raise ValueError(f"keeper entry {name!r}: bytes {offset}..+{nbytes} outside the copy of {buffer.numel()}")
+    return buffer[offset:offset + nbytes].view(_dtype(dtype)).view(shape)
 
 
 class MemoryCheckpoints:

@@ -105,3 +105,16 @@ def test_a_restored_slot_is_mapped_once(staging):
     assert save(restarted, 3).allocated  # into step 1's slot: not mapped by this process yet
     assert not save(restarted, 4).allocated  # into step 2's slot: mapped by the restore
     restarted.close(shutdown=True)
+
+
+def test_an_entry_outside_the_copy_is_refused_not_a_crash():
+    """A keeper record whose offset points past the copy (records are not under the checksums) is a
+    ValueError, which read_newest turns into 'use the next tier'; a view past the end was a
+    RuntimeError that crashed every restart the same way."""
+    from megatrain.checkpoint.memory import _view
+
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    assert _view(buffer, ["f", "w", "torch.float32", [4], 48]).shape == (4,)
+    for offset in (52, 64, -4):
+        with pytest.raises(ValueError, match="outside the copy"):
+            _view(buffer, ["f", "w", "torch.float32", [4], offset])
