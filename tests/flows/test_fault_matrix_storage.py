@@ -166,7 +166,11 @@ def test_manifest_with_a_traversal_name(reference, workdir, shard_root, logs):
         manifest = json.loads(manifest_path.read_text())
         manifest["files"]["rank-00000"][hostile] = record
         manifest_path.write_text(json.dumps(manifest))
-        flag.write_text("tampered")
+        # written whole, then renamed: the fault polls for the flag and must never find it
+        # created but still empty (CI once did: "empty file, nothing to corrupt", one more attempt)
+        staging = flag.with_suffix(".partial")
+        staging.write_text("tampered")
+        os.replace(staging, flag)
 
     tamperer = threading.Thread(target=tamper, daemon=True)
     tamperer.start()
