@@ -38,6 +38,11 @@ class AnomalyConfig(_Section):
                                        "expert) must last to be an anomaly: one bad batch is not a collapse")
     dead_experts: bool = Field(True, description="moe: an anomaly when an expert gets no token for "
                                "router_collapse_steps steps in a row")
+    router_warmup_steps: int | None = Field(
+        None, ge=0, description="moe: no router verdicts (and no streaks counted) up to this step; None = the "
+        "LR warm-up, optim.warmup_steps. A fresh router is skewed (correlated hidden states at init: the "
+        "worst layer's max/mean load was 6.5 at step 1 of moe-gpu-2b) and experts can sit idle for tens of "
+        "steps while the balancing loss or bias takes hold; that is not a collapse to roll back")
 
 
 class FaultConfig(_Section):

@@ -13,7 +13,9 @@ the very outliers they should expose. Anomalous values never enter the window.
 A router is judged by streaks, not single steps (``RouterHealth``): one expert serving more than
 ``router_collapse_share`` of a layer's tokens, or an expert with no token at all, for
 ``router_collapse_steps`` steps in a row. The shares are summed over the data-parallel ranks
-(``megatrain/model/moe.py`` ``end_step``), so every rank reaches the same verdict.
+(``megatrain/model/moe.py`` ``end_step``), so every rank reaches the same verdict. The checks start
+after the router's warm-up (``router_warmup_steps``, by default the LR warm-up): a freshly
+initialised router is skewed and leaves experts idle until the balancing takes hold.
 """
 
 from __future__ import annotations
@@ -98,12 +100,14 @@ class AnomalyDetector:
     window: the loss falls fast early on and a short window has no stable spread.
     """
 
-    def __init__(self, cfg: AnomalyConfig, moe_top_k: int | None = None) -> None:
-        """``moe_top_k``: the MoE model's top_k, which turns the router checks on (None: off)."""
+    def __init__(self, cfg: AnomalyConfig, moe_top_k: int | None = None, lr_warmup_steps: int = 0) -> None:
+        """``moe_top_k``: the MoE model's top_k, which turns the router checks on (None: off);
+        ``lr_warmup_steps``: the router checks' start when ``cfg.router_warmup_steps`` is None."""
         self.cfg = cfg
         self.losses = RobustWindow(cfg.loss_window)
         self.grad_norms = RobustWindow(cfg.loss_window)
-        self.routers = RouterHealth(cfg, moe_top_k) if moe_top_k else None
+        after = lr_warmup_steps if cfg.router_warmup_steps is None else cfg.router_warmup_steps
+        self.routers = RouterHealth(cfg, moe_top_k, after) if moe_top_k else None
 
     def observe(self, step: int, loss: float, grad_norm: float | None = None,
                 fp8: dict[str, float] | None = None, moe: dict | None = None) -> Verdict | None:
@@ -184,12 +188,14 @@ class RouterHealth:
     is. A streak restarts in a relaunched attempt: after a rollback the router must collapse for
     the full count again before the next verdict."""
 
-    def __init__(self, cfg: AnomalyConfig, top_k: int) -> None:
-        self.cfg, self.top_k = cfg, top_k
+    def __init__(self, cfg: AnomalyConfig, top_k: int, after_step: int = 0) -> None:
+        self.cfg, self.top_k, self.after_step = cfg, top_k, after_step
         self.hot: dict[tuple[str, int], int] = {}
         self.dead: dict[tuple[str, int], int] = {}
 
     def observe(self, step: int, moe: dict) -> Verdict | None:
+        if step <= self.after_step:  # the router's warm-up: skew and idle experts are expected
+            return None
         cfg, need = self.cfg, self.cfg.router_collapse_steps
         found: Verdict | None = None
         for layer, health in sorted(moe.get("layers", {}).items(), key=lambda item: int(item[0])):

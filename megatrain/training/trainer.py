@@ -153,7 +153,8 @@ class Trainer:
         self.heartbeat.beat(step=self.step, phase="data")
         # the router checks need every MoE layer's shares on every rank: a pipeline stage sees only its own
         moe_checked = cfg.model.mlp == "moe" and self.groups.dims.pp == 1
-        self.anomaly = AnomalyDetector(cfg.reliability.anomaly, cfg.model.moe.top_k if moe_checked else None)
+        self.anomaly = AnomalyDetector(cfg.reliability.anomaly, cfg.model.moe.top_k if moe_checked else None,
+                                       lr_warmup_steps=cfg.optim.warmup_steps)
         self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir, model=self.engine.module,
                                                 staging_dir=cfg.checkpoint.staging_dir)
         self.stragglers = StragglerMonitor(env.world_size)

@@ -80,10 +80,12 @@ def test_moe_campaign_recovers_from_a_kill_and_a_nan_with_an_expert_load_map_per
 @pytest.mark.slow
 def test_a_planted_router_collapse_rolls_the_stage_back_and_the_report_names_it(prefect_api, tmp_path, shard_root):
     """From step 3 every token of the routed layer goes to experts 0 and 1 (fault collapse_router,
-    one attempt only); 2 steps of that is a collapse here, so the verdict comes at step 4, before
-    step 4 is saved: the flow restores step 2, skips the window and trains to step 8."""
+    one attempt only); 2 steps of that is a collapse here, and the checks start at step 1 (not after
+    the recipe's 5 warm-up steps), so the verdict comes at step 4, before step 4 is saved: the flow
+    restores step 2, skips the window and trains to step 8."""
     path = write_campaign(tmp_path, "moe-collapse", shard_url=shard_root, faults=[{"kind": "collapse_router", "step": 3}],
-                          overrides=[*ONE_ROUTED_LAYER, "reliability.anomaly.router_collapse_steps=2"])
+                          overrides=[*ONE_ROUTED_LAYER, "reliability.anomaly.router_collapse_steps=2",
+                                     "reliability.anomaly.router_warmup_steps=0"])
     doc = yaml.safe_load(path.read_text())
     doc["recipe"] = str(ROOT / "configs/moe-tiny-cpu.yaml")
     path.write_text(yaml.safe_dump(doc, sort_keys=False))

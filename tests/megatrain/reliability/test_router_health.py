@@ -124,3 +124,16 @@ def test_the_planted_fault_collapses_the_real_routers_from_its_step_on(tmp_path)
 def test_collapse_router_on_a_dense_model_is_refused():
     with pytest.raises(ValueError, match="no MoE router"):
         collapse_routers(torch.nn.Linear(2, 2))
+
+
+def test_no_router_verdict_during_the_routers_warm_up_then_the_full_streak():
+    """A fresh router is skewed and leaves experts idle (moe-gpu-2b on an H200: experts with no
+    token for 20 steps from step 1, max/mean load 6.5 at init); the checks start after the LR
+    warm-up unless ``router_warmup_steps`` says otherwise, and a streak counts from there."""
+    rows = [health(COLLAPSED)] * 40
+    cfg = AnomalyConfig(router_collapse_steps=5)
+    verdict = run(AnomalyDetector(cfg, moe_top_k=2, lr_warmup_steps=30), rows)
+    assert verdict is not None and verdict.step == 35  # steps 31..35: the first full streak after step 30
+    assert run(AnomalyDetector(cfg, moe_top_k=2, lr_warmup_steps=40), rows) is None
+    explicit = AnomalyConfig(router_collapse_steps=5, router_warmup_steps=0)
+    assert run(AnomalyDetector(explicit, moe_top_k=2, lr_warmup_steps=30), rows).step == 5
