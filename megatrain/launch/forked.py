@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen
 from pathlib import Path
 
+from megatrain.launch.process_exit import exit_after_handlers
 from megatrain.launch.standby import RankGroup, rank_env, rank_lines
 
 # What the server imports once: a rank's modules and what its first calls import
@@ -311,7 +312,7 @@ def become(order: dict, out: Connection, err: Connection) -> None:
 
         traceback.print_exc()
         code = 1
-    _exit_like_an_interpreter(code)
+    exit_after_handlers(code, join_threads=False)  # not back into multiprocessing's child code
 
 
 def retitle(argv: list[str]) -> bool:
@@ -339,20 +340,3 @@ def _reseed_like_a_new_process() -> None:
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-
-
-def _exit_like_an_interpreter(code: int) -> None:
-    """Run the atexit handlers and flush, as a process's normal exit does, then leave without
-    going back into multiprocessing's child code."""
-    import atexit
-
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resum
     try:
         wait_for(lambda: 2 in committed_steps(durable), 300, "step 2 committed")
         printed = len(flow.output.splitlines())
-        pressed = time.monotonic()
+        pressed, pressed_at = time.monotonic(), datetime.now().strftime("%H:%M:%S.%f")[:-3]
         os.killpg(flow.proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: flow, server and all
         code = flow.wait(60)
         stopped_s = time.monotonic() - pressed
@@ -43,7 +44,9 @@ def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resum
         flow.kill()
     after = flow.output.splitlines()[printed:]
     assert code == 130, flow.output[-3000:]
-    assert stopped_s < STOP_LIMIT_S, f"{stopped_s:.1f} s from Ctrl-C to the exit:\n" + "\n".join(after)
+    first_log = (run_dir / "logs" / "attempt-1.log").read_text()
+    assert stopped_s < STOP_LIMIT_S, (f"{stopped_s:.1f} s from Ctrl-C ({pressed_at}) to the exit:\n" + "\n".join(after)
+                                      + "\nthe attempt's log ends:\n" + first_log[-3000:])
     assert len(after) <= MAX_LINES and "Traceback" not in flow.output, "\n".join(after)
     assert not any("ConnectError" in line or "Error logging to API" in line for line in after), "\n".join(after)
     last = after[-1]
@@ -51,7 +54,6 @@ def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resum
     assert "stopped (SIGINT)" in last and f"resumes from {max(steps)}" in last and STEPS not in steps, last
     resume = shlex.split(last.split("Resume: ", 1)[1])
     assert resume[:3] == ["python", "-m", "flows.pretrain"], last
-    first_log = (run_dir / "logs" / "attempt-1.log").read_text()
 
     # the printed command resumes the campaign; its attempt writes a log of its own
     out = subprocess.run([sys.executable, *resume[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -61,4 +63,4 @@ def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resum
     assert (run_dir / "logs" / "attempt-1.log").read_text() == first_log  # nothing appended to it
     resumed = (run_dir / "logs" / "attempt-2.log").read_text()
     assert f"step {max(steps) + 1}/{STEPS}" in resumed and "step 1/" not in resumed
-    print(f"Ctrl-C to exit: {stopped_s:.1f} s, {len(after)} lines; committed {steps}; resumed to {STEPS}")
+    print(f"Ctrl-C ({pressed_at}) to exit: {stopped_s:.1f} s, {len(after)} lines; committed {steps}; resumed to {STEPS}")
