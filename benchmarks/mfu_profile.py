@@ -39,18 +39,26 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch: int) -> dict[str, Any]:
-    """GPU time by kernel and by kind over one profiled optimizer step; the GEMM rate counts the
-    6N matmul FLOPs of the step (the blocks' four projections and the LM head)."""
+def kernel_totals(prof) -> tuple[dict[str, float], dict[str, int]]:
+    """GPU milliseconds and launches per kernel name in a profile: the CUDA events that are
+    kernels, not the GPU-side ranges of annotations (``record_function``, torch.compile's
+    ``## ... ##``, the profiler's steps). Kernel names may hold ``#`` (``{lambda(int)#1}``)."""
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
             continue
-        if "#" in event.name or event.name.startswith(("ProfilerStep", "Optimizer.")):
-            continue  # GPU-side ranges of record_function annotations, not kernels
+        if event.name.startswith(("##", "ProfilerStep", "Optimizer.")):
+            continue
         totals[event.name] += event.time_range.elapsed_us() / 1e3
         counts[event.name] += 1
+    return totals, counts
+
+
+def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch: int) -> dict[str, Any]:
+    """GPU time by kernel and by kind over one profiled optimizer step; the GEMM rate counts the
+    6N matmul FLOPs of the step (the blocks' four projections and the LM head)."""
+    totals, counts = kernel_totals(prof)
     gpu_ms = sum(totals.values())
     by_kind: dict[str, float] = defaultdict(float)
     for name, ms in totals.items():

@@ -34,6 +34,9 @@ class KernelConfig(_Section):
     # count, three batched matmuls; grouped = torch._grouped_mm over the token segments (Hopper,
     # bf16); auto = grouped on a CUDA device that has it, padded elsewhere.
     experts: Literal["reference", "padded", "grouped", "auto"] = "auto"
+    # The MoE permutation (tokens to the experts' rows and back, megatrain/kernels/moe_permute.py):
+    # reference = index ops; fused = Triton gathers, forward and backward (no atomics).
+    moe_permute: Literal["reference", "fused", "auto"] = "auto"
 
 
 class RopeScaling(_Section):

@@ -1,0 +1,52 @@
+"""The MoE permutation: tokens to the experts' rows and back (``model/moe.py``'s dispatch and
+combine). N tokens each choose k experts, N k slots; slot s is token s // k's (s % k)-th choice;
+``order`` [N k] lists the slots grouped by expert (the experts' row r is slot order[r]).
+
+    permute    rows[r] = x[order[r] // k]                               x [N, d] -> [N k, d]
+    unpermute  out[n]  = sum_j w[n, j] y[row of slot n k + j]           y [N k, d] -> [N, d]
+
+The reference is plain index ops (index_copy back to slot order, a weighted sum; autograd's
+backward of the gather is an index_put with accumulate). The Triton pair
+(``moe_permute_triton.py``) makes every pass, forward and backward, a gather that writes each
+output row once, with fp32 sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain.kernels import resolve
+
+
+def permute_reference(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    return x[order // k]  # [N k, d]
+
+
+def unpermute_reference(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    n, k = weights.shape
+    slots = torch.empty_like(y).index_copy(0, order, y)  # [N k, d] slot order (no atomics: deterministic)
+    return (slots.view(n, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)  # [N, d]
+
+
+def row_of_slot(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of ``order``: slot -> its row in expert order."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def permute(x: torch.Tensor, order: torch.Tensor, k: int, impl: str = "auto") -> torch.Tensor:
+    """x [N, d] -> [N k, d], rows grouped by expert."""
+    # fused inside compiled blocks too: inductor's index_put backward adds rows with atomics
+    if resolve(impl, x, under_compile=None) == "fused":
+        from megatrain.kernels.moe_permute_triton import dispatch_fused
+
+        return dispatch_fused(x, order, row_of_slot(order), k)
+    return permute_reference(x, order, k)
+
+
+def unpermute(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """y [N k, d] in expert order, weights [N, k] -> [N, d]: the weighted sum of each token's rows."""
+    if resolve(impl, y, under_compile=None) == "fused":
+        from megatrain.kernels.moe_permute_triton import combine_fused
+
+        return combine_fused(y, weights, order, row_of_slot(order))
+    return unpermute_reference(y, weights, order)
