@@ -33,6 +33,8 @@ class OverlapConfig(_Section):
     dp_prefetch: bool = Field(True, description="prefetch the first data-parallel all-gather")
     tp_chunks: int = Field(1, ge=1, description="TP all-gather/reduce-scatter chunks pipelined with GEMMs (1 = off: on 2 NVLinked H200s 2 chunks were 7.6% slower)")
     pp_decouple_send_recv: bool = True
+    ep_shared_expert: bool = Field(True, description="expert parallelism: the shared expert computed while the "
+                                   "routed rows travel to their experts' ranks, forward and backward")
 
 
 class InitConfig(_Section):

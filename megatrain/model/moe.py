@@ -8,8 +8,9 @@ summed with the router's weights. Dropless: no capacity factor, no token is drop
 - scores s = softmax(x W_r^T) or sigmoid(x W_r^T) (fp32); the choice adds the aux-free bias b
   (DeepSeek-V3: steers which experts are chosen, never the weights); w = the chosen scores,
   renormalised to sum to 1 when ``norm_topk_prob``.
-- ``dispatch`` / ``combine`` are the permutation: the seam where expert parallelism puts its
-  all-to-all (tokens to the ranks holding their experts and back). Expert ids are global.
+- ``dispatch`` (sort the slots by expert, gather the rows) and ``unpermute`` (back to the tokens,
+  weighted sum; both moves in ``kernels/moe_permute.py``) are the seam where expert parallelism
+  puts its all-to-all (tokens to the ranks holding their experts and back). Expert ids are global.
 - Load balance: ``aux_loss`` adds coef * E * sum_i f_i P_i (f_i: share of the routed slots that
   went to expert i, no gradient; P_i: mean score of i) and the z-loss coef * mean(logsumexp^2).
   These penalties never reach the trainer's loss value: ``AddAuxGrad`` passes the layer's output
@@ -39,6 +40,7 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from megatrain.config import ModelConfig
+from megatrain.kernels.moe_permute import permute, unpermute
 from megatrain.model.mlp import SwiGLU
 from megatrain.model.moe_experts import Experts
 
@@ -70,20 +72,14 @@ class Router(nn.Module):
         return Routing(logits, probs, experts, weights)
 
 
-def dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int,
+             impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, d], experts [N, k] -> (rows [N k, d] grouped by expert, counts [E], order [N k]):
     slot j = token j // k's (j % k)-th choice; rows[i] is slot order[i]. No host sync."""
     flat = experts.flatten()  # [N k]
     order = flat.argsort(stable=True)  # [N k]
     counts = torch.zeros(n_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    return x[order // experts.shape[1]], counts, order
-
-
-def combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """y [N k, d] in expert order, weights [N, k] -> [N, d]: back to slot order, weighted sum."""
-    n, k = weights.shape
-    slots = torch.empty_like(y).index_copy(0, order, y)  # [N k, d] (no atomics: deterministic)
-    return (slots.view(n, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+    return permute(x, order, experts.shape[1], impl), counts, order
 
 
 class AddAuxGrad(torch.autograd.Function):
@@ -107,6 +103,7 @@ class MoE(nn.Module):
         m = cfg.moe
         self.layer, self.n_experts, self.cfg = layer, m.n_experts, m
         self.router = Router(cfg)
+        self.permute_impl = cfg.kernels.moe_permute
         self.experts = Experts(m.n_experts, cfg.d_model, cfg.expert_ffn_dim, cfg.kernels.experts, cfg.kernels.swiglu)
         shared = cfg.model_copy(update={"d_ff": m.n_shared_experts * cfg.expert_ffn_dim, "bias": False})
         self.shared = SwiGLU(shared) if m.n_shared_experts else None
@@ -125,17 +122,19 @@ class MoE(nn.Module):
         with record_function("moe.router"):
             routing = self.router(h)
         with record_function("moe.dispatch"):
-            rows, counts, order = dispatch(h, routing.experts, self.n_experts)  # [N k, d], [E], [N k]
+            rows, counts, order = dispatch(h, routing.experts, self.n_experts, self.permute_impl)  # [N k, d], [E], [N k]
+        shared = None
         if self.exchange is None:
             y = self._run_experts(rows, counts)
         else:
             with record_function("moe.exchange"):  # the all-to-all there and back around the experts
-                y = self.exchange(rows, counts, self._run_experts)
+                # the shared expert needs no exchange: it runs while the rows travel
+                beside = (lambda: self._run_shared(h)) if self.shared is not None else None
+                y, shared = self.exchange(rows, counts, self._run_experts, beside)
         with record_function("moe.combine"):
-            out = combine(y, routing.weights, order).to(x.dtype)  # [N, d]
+            out = unpermute(y, routing.weights, order, self.permute_impl).to(x.dtype)  # [N, d] weighted sum
         if self.shared is not None:
-            with record_function("moe.shared"):
-                out = out + self.shared(h)
+            out = out + (shared if shared is not None else self._run_shared(h))
         out = out.view_as(x)
         if self.training:
             with record_function("moe.balance"):
@@ -145,6 +144,10 @@ class MoE(nn.Module):
                     out = AddAuxGrad.apply(out, penalty, self.aux_loss_scale)
                 self._record(routing, counts, aux, z)
         return out
+
+    def _run_shared(self, h: torch.Tensor) -> torch.Tensor:
+        with record_function("moe.shared"):
+            return self.shared(h)
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         with record_function("moe.experts"):

@@ -12,7 +12,12 @@ rows for EP rank r are one contiguous run, and ``ExpertExchange`` (``MoE.exchang
    the backward sends the gradients back with the splits swapped);
 3. the received rows ([source rank][local expert]) are regrouped by local expert, the local
    experts run (any ``Experts`` path), the outputs are put back in the received order;
-4. a second all-to-all returns them; ``moe.combine`` weights and sums them as without EP.
+4. a second all-to-all returns them; ``unpermute`` (``kernels/moe_permute.py``) weights and sums
+   them as without EP.
+
+A shared expert (``model.moe.n_shared_experts``) needs no exchange: it runs while the rows of step 2
+travel, and in the backward while their gradients travel back (``StartAllToAll`` /
+``FinishAllToAll``; ``parallel.overlap.ep_shared_expert``).
 
 Gradients (``attach_expert_grad_sync``): an expert's gradient on a rank already sums the tokens
 of the whole EP group. DeepSpeed must not average it over the DP group, whose ranks hold
@@ -43,6 +48,7 @@ What composes (validated in ``config/schema.py``):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,6 +63,13 @@ EXPERT_PARAM = "expert_parallel"  # attribute set on the expert shards (True)
 EXPERT_SLICE = "expert_slice"  # (first global expert id, experts of the whole layer) of an expert shard
 
 
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, async_op: bool = False):
+    """``all_to_all_single`` of rows into a new buffer: (the buffer, the work handle if ``async_op``)."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
+    return out, work
+
+
 class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` on rows: rank i sends ``in_splits[j]`` rows to rank j and receives
     ``out_splits[j]`` from it. The backward is the same exchange with the splits swapped."""
@@ -64,39 +77,87 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return _exchange(x, out_splits, in_splits, group)[0]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+        return _exchange(grad, in_splits, out_splits, ctx.group)[0], None, None, None
+
+
+class _InFlight:
+    """An all-to-all started by ``StartAllToAll`` and finished by ``FinishAllToAll``: its work
+    handle in the forward, the gradient's exchange and buffer in the backward."""
+
+    work = None
+    grad = None
+
+
+class StartAllToAll(torch.autograd.Function):
+    """``AllToAll`` started without waiting (``async_op``): the returned rows are valid only after
+    ``FinishAllToAll``; what runs between the two overlaps the exchange. In the backward the order
+    turns around: ``FinishAllToAll.backward`` starts the gradient's exchange, autograd runs the
+    nodes recorded between the two (later nodes first), and this one waits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, flight: _InFlight):
+        ctx.flight = flight
+        out, flight.work = _exchange(x, out_splits, in_splits, group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, _passed_through: torch.Tensor):
+        ctx.flight.work.wait()
+        grad, ctx.flight.grad, ctx.flight.work = ctx.flight.grad, None, None
+        return grad, None, None, None, None
+
+
+class FinishAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, out_splits: list[int], in_splits: list[int], group, flight: _InFlight):
+        ctx.splits, ctx.group, ctx.flight = (out_splits, in_splits), group, flight
+        flight.work.wait()
+        flight.work = None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        ctx.flight.grad, ctx.flight.work = _exchange(grad, in_splits, out_splits, ctx.group, async_op=True)
+        return grad, None, None, None, None  # StartAllToAll.backward returns the exchanged one once it arrived
 
 
 class ExpertExchange:
     """``MoE.exchange`` under expert parallelism: rows sorted by global expert -> the outputs of
-    their experts, computed on the ranks that hold them (steps 1-4 of the module docstring)."""
+    their experts, computed on the ranks that hold them (steps 1-4 of the module docstring).
+    ``beside`` (the shared expert) runs while the rows travel, and its gradient while theirs do,
+    when ``overlap`` (``parallel.overlap.ep_shared_expert``)."""
 
-    def __init__(self, group, ep: int, n_experts: int):
-        self.group, self.ep, self.local = group, ep, n_experts // ep
+    def __init__(self, group, ep: int, n_experts: int, overlap: bool = True):
+        self.group, self.ep, self.local, self.overlap = group, ep, n_experts // ep, overlap
 
-    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: Experts,
+                 beside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         send = counts.view(self.ep, self.local)  # [peer, its local expert]: rows this rank sends
         recv = torch.empty_like(send)  # [peer, my local expert]: rows each peer sends me
         dist.all_to_all_single(recv, send.contiguous(), group=self.group)
         both = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # one host sync for both split lists
         in_splits, out_splits = both[0], both[1]
-        x = AllToAll.apply(rows, out_splits, in_splits, self.group)  # [sum(out_splits), d]
+        if beside is not None and self.overlap:
+            flight = _InFlight()
+            x = StartAllToAll.apply(rows, out_splits, in_splits, self.group, flight)
+            beside_out = beside()
+            x = FinishAllToAll.apply(x, out_splits, in_splits, self.group, flight)  # [sum(out_splits), d]
+        else:
+            x = AllToAll.apply(rows, out_splits, in_splits, self.group)
+            beside_out = beside() if beside is not None else None
         local_ids = torch.arange(self.local, device=rows.device).repeat(self.ep)  # each (peer, expert) run's expert
         expert_of_row = torch.repeat_interleave(local_ids, recv.flatten())
         order = expert_of_row.argsort(stable=True)  # received order -> grouped by local expert
         y = experts(x[order], recv.sum(0))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return AllToAll.apply(y[inverse], in_splits, out_splits, self.group)  # back to the senders
+        return AllToAll.apply(y[inverse], in_splits, out_splits, self.group), beside_out  # back to the senders
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -109,7 +170,7 @@ def expert_slice(param: torch.Tensor) -> tuple[int, int] | None:
     return getattr(param, EXPERT_SLICE, None)
 
 
-def apply_expert_parallel(model: nn.Module, groups: ProcessGroups) -> None:
+def apply_expert_parallel(model: nn.Module, groups: ProcessGroups, overlap: bool = True) -> None:
     """Keep this EP rank's slice of every MoE layer's experts (the model was built whole, so the
     slice has the weights one process would hold for those experts) and route through the
     all-to-all. Call after materialization, before precision and activation checkpointing."""
@@ -131,7 +192,7 @@ def apply_expert_parallel(model: nn.Module, groups: ProcessGroups) -> None:
             shard.ds_optim_param = True
             setattr(experts, name, shard)
         experts.first = first
-        layer.exchange = ExpertExchange(groups.ep_group, ep, n)
+        layer.exchange = ExpertExchange(groups.ep_group, ep, n, overlap)
 
 
 def _stash(param: torch.Tensor) -> None:

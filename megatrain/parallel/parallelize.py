@@ -66,7 +66,7 @@ def parallelize(model: GPT, cfg: Config, groups: ProcessGroups, materialize: Cal
     if groups.dims.ep > 1:  # this rank's slice of the experts, tokens exchanged by all-to-all
         from megatrain.parallel.expert_parallel import apply_expert_parallel
 
-        apply_expert_parallel(model, groups)
+        apply_expert_parallel(model, groups, overlap=cfg.parallel.overlap.ep_shared_expert)
     apply_precision(model, cfg)
     if groups.dims.pp > 1:
         from megatrain.parallel.pipeline import build_pipeline_module

@@ -224,8 +224,18 @@ def check(run: dict, ref: dict, ep: int) -> None:
 
 @pytest.mark.slow
 def test_ep2_matches_one_process(tmp_path, reference):
-    run = run_ranks(2, [{"name": "ep2", "set": {"parallel.ep": 2}}], tmp_path)["ep2"]
-    check(run, reference, ep=2)
+    """With the shared expert computed while the rows travel (the default), after them, and under
+    activation checkpointing (whose recompute in the backward exchanges the rows again)."""
+    runs = run_ranks(2, [{"name": "ep2", "set": {"parallel.ep": 2}},
+                         {"name": "ep2-serial", "set": {"parallel.ep": 2, "parallel.overlap": {"ep_shared_expert": False}}},
+                         {"name": "ep2-recompute", "set": {"parallel.ep": 2, "model.activation_checkpointing": True}}],
+                     tmp_path)
+    check(runs["ep2"], reference, ep=2)
+    check(runs["ep2-serial"], reference, ep=2)
+    recompute = runs["ep2-recompute"]
+    for key in ("grads", "weights", "local"):  # the checkpointed block wraps the block: blocks.0.block.*
+        recompute[key] = {name.replace(".block.", "."): value for name, value in recompute[key].items()}
+    check(recompute, reference, ep=2)
 
 
 @pytest.mark.slow
