@@ -207,6 +207,7 @@ class HeartbeatWatcher:
         self._last.update(fresh)
         result = WatchResult(checked_at=now, records=dict(self._last), notes=notes)
         stall_limit = self._stall_limit()
+        stalled_steps: set[int] = set()  # steps the stall rule found stuck on some rank
         for rank in range(self.world_size):
             record = self._last.get(rank)
             if record is None:
@@ -236,11 +237,32 @@ class HeartbeatWatcher:
             stuck_s = now - max(record.step_since, record.phase_since)
             if not warming_up and stall_limit is not None and stuck_s > stall_limit:
                 result.hung.append(rank)
+                stalled_steps.add(record.step)
                 result.notes.append(f"rank {rank}: step {record.step + 1} stuck {stuck_s:.1f} s in {record.phase}, "
                                     f"over the stall limit {stall_limit:.1f} s (before the {self.timeout_s:g} s timeout)")
+        if stalled_steps:
+            self._add_stuck_peers(result, now, stall_limit, stalled_steps)
         self._tell_frozen_from_waiting(result)
         self._find_slow(fresh, result)
         return result
+
+    @staticmethod
+    def _add_stuck_peers(result: WatchResult, now: float, stall_limit: float, steps: set[int]) -> None:
+        """A step is one collective: when the stall rule finds a rank stuck in it, the peers stuck
+        mid-step in the same step (for over half the limit: not merely slower) hang with it. Which
+        of them crosses the limit first is a matter of milliseconds (the rank that hangs in its
+        forward and the peer that waits for it in the backward's all-reduce stopped within one
+        step of each other), so a verdict that named only the first would as often name the rank
+        that waits as the one that holds it up; their stacks tell the two apart."""
+        for rank, record in sorted(result.records.items()):
+            if rank in result.hung or rank in result.dead or record.step not in steps:
+                continue
+            stuck_s = now - max(record.step_since, record.phase_since)
+            if record.phase in STEP_PHASES and stuck_s > stall_limit / 2:
+                result.hung.append(rank)
+                result.notes.append(f"rank {rank}: step {record.step + 1} stuck {stuck_s:.1f} s in {record.phase}, "
+                                    f"with a peer over the stall limit {stall_limit:.1f} s: the step hangs as one")
+        result.hung.sort()
 
     @staticmethod
     def _tell_frozen_from_waiting(result: WatchResult) -> None:

@@ -115,6 +115,24 @@ def test_a_frozen_step_of_short_steps_is_hung_long_before_the_timeout() -> None:
     assert _stall_case({0: "optimizer", 1: "backward"}, frozen_s=11.0, steps_s=[0.5, 0.5])[0] == [0, 1]
 
 
+def test_a_peer_stuck_in_the_same_step_just_under_the_limit_hangs_with_the_rank_over_it() -> None:
+    """CI once saw the waiting rank cross the limit a few milliseconds before the rank that hung:
+    the verdict named only the waiter. Every rank stuck mid-step in that step is hung with it."""
+    sink = _FlakySink()
+    now = time.time()
+    steps = [0.1, 0.1, 0.1]  # the limit is the 5 s floor
+    for rank, phase, stuck in [(0, "backward", 5.05), (1, "forward", 4.99), (2, "forward", 1.0)]:
+        sink.publish(HeartbeatRecord(rank, step=4, phase=phase, timestamp=now, step_since=now - stuck,
+                                     phase_since=now - stuck, first_step_done=True, recent_step_s=steps))
+    sink.publish(HeartbeatRecord(3, step=3, phase="forward", timestamp=now, step_since=now - 4.9,
+                                 phase_since=now - 4.9, first_step_done=True, recent_step_s=steps))
+    result = HeartbeatWatcher(sink, world_size=4, timeout_s=60.0, since=0, stall_factor=20.0, stall_min_s=5.0).check()
+    # rank 2 only just entered its phase (not stuck half the limit), rank 3 is in another step
+    assert result.hung == [0, 1]
+    assert "rank 0: step 5 stuck 5.1 s in backward, over the stall limit 5.0 s" in result.notes[0]
+    assert "rank 1: step 5 stuck 5.0 s in forward, with a peer over the stall limit 5.0 s" in result.notes[1]
+
+
 def test_the_stall_counts_from_the_last_phase_change_not_from_a_long_save_before_the_step() -> None:
     # step 40 ended 20 s ago, then a 19 s save or evaluation; the ranks are 1 s into the next step
     assert _stall_case({0: "forward", 1: "backward"}, frozen_s=20.0, in_phase_s=1.0)[0] == []
