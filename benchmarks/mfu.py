@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                     if fits("moe profile", 90) else None)
 
         run_moe(bench, args, recipe, only, baseline, megatrain_row, moe_profile_cfg, env, data)
+        if "kernels" in only and fits("trainer profile", 90):  # the compiled step by kernel, GPU idle included
+            mb = int((args.default_mbs or str(recipe_mb)).split(",")[0])
+            run_profile(bench, build_config(args, run_dirs("profile"), common, mb, 4 * mb), env, data, micro_batches=4)
         bench.report["table"] = print_table(bench) + "\n" + moe_table(bench)
         bench.report["summary"] = summarize_moe(bench, on_cuda=device.type == "cuda")
         return finish(bench, data)

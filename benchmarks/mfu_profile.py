@@ -39,20 +39,36 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def kernel_totals(prof) -> tuple[dict[str, float], dict[str, int]]:
-    """GPU milliseconds and launches per kernel name in a profile: the CUDA events that are
-    kernels, not the GPU-side ranges of annotations (``record_function``, torch.compile's
-    ``## ... ##``, the profiler's steps). Kernel names may hold ``#`` (``{lambda(int)#1}``)."""
-    totals: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
+def kernel_events(prof):
+    """The CUDA events of a profile that are kernels (and copies), not the GPU-side ranges of
+    annotations (``record_function``, torch.compile's ``## ... ##``, the profiler's steps).
+    Kernel names may hold ``#`` (``{lambda(int)#1}``)."""
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
             continue
-        if event.name.startswith(("##", "ProfilerStep", "Optimizer.")):
-            continue
+        if not event.name.startswith(("##", "ProfilerStep", "Optimizer.")):
+            yield event
+
+
+def kernel_totals(prof) -> tuple[dict[str, float], dict[str, int]]:
+    """GPU milliseconds and launches per kernel name in a profile."""
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for event in kernel_events(prof):
         totals[event.name] += event.time_range.elapsed_us() / 1e3
         counts[event.name] += 1
     return totals, counts
+
+
+def busy_ms(prof) -> float:
+    """Milliseconds in which at least one kernel ran (the union of the kernels' intervals, which
+    overlap across streams): the profiled window minus this is GPU idle, waiting on the host."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernel_events(prof)):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e3
 
 
 def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch: int) -> dict[str, Any]:
@@ -72,7 +88,8 @@ def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch
     gemm_ms = by_kind.get("gemm (cuBLAS)", 0.0) + by_kind.get("gemm (inductor template)", 0.0)
     return {
         "config": {"micro_batch": micro_batch, "micro_batches": micro_batches},
-        "wall_ms": wall_ms, "gpu_kernel_ms": gpu_ms, "gpu_idle_ms": wall_ms - gpu_ms,
+        # kernels of several streams overlap: the idle time is the wall time their union leaves
+        "wall_ms": wall_ms, "gpu_kernel_ms": gpu_ms, "gpu_idle_ms": wall_ms - busy_ms(prof),
         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "gemm_tflops": gemm_flops / gemm_ms / 1e9 if gemm_ms else None,
         "top_kernels": [{"name": n[:140], "ms": ms, "calls": counts[n], "kind": kind_of(n),

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mfu_profile import kernel_totals  # noqa: E402
+from mfu_profile import busy_ms, kernel_totals  # noqa: E402
 
 # kernel name -> part of the step (first match wins)
 PARTS = [("grouped GEMMs", ("GroupProblemShape", "prepare_grouped_gemm", "_grouped_mm")),  # CUTLASS; Inductor's
@@ -47,7 +47,8 @@ def part_of(kernel: str) -> str:
     return next((part for part, keys in PARTS if any(k in kernel for k in keys)), "other")
 
 
-def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "default", steps: int = 10) -> dict:
+def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "default", steps: int = 10,
+            trace: str | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from megatrain.config.load import load_config
@@ -67,9 +68,13 @@ def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "def
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    graph_breaks = sum(counters["graph_break"].values())  # each one splits a block's graph in two
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -79,6 +84,8 @@ def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "def
         for _ in range(2):
             step()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     totals, counts = kernel_totals(prof)
     kernels = {name: {"ms": ms / 2, "calls": counts[name] // 2} for name, ms in totals.items()}  # per step
     parts: dict[str, float] = collections.defaultdict(float)
@@ -91,7 +98,8 @@ def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "def
     torch.cuda.reset_peak_memory_stats()
     return {"overrides": overrides, "compile_mode": compile_mode, "step_ms": step_s * 1e3,
             "tokens_per_s": mb * cfg.model.seq_len / step_s,
-            "peak_gib": peak, "gpu_ms": sum(parts.values()), "parts_ms": dict(parts),
+            "peak_gib": peak, "gpu_ms": sum(parts.values()), "gpu_busy_ms": busy_ms(prof) / 2,
+            "graph_breaks": graph_breaks, "parts_ms": dict(parts),
             "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
@@ -104,20 +112,29 @@ def main() -> None:
                              "varies torch.compile's mode (default, max-autotune, ...)")
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every variant")
     parser.add_argument("--out", default="runs/moe-profile.json")
+    parser.add_argument("--trace", default=None, help="PREFIX: each variant's chrome trace to PREFIX-<i>.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_profile.py needs a CUDA GPU (the grouped GEMMs and the Triton kernels run there)")
     key, values = args.ab.split("=", 1)
+
+    def trace(i: int) -> str | None:
+        return f"{args.trace}-{i}.json" if args.trace else None
+
     device = torch.cuda.get_device_name()
     if key == COMPILE_MODE:  # torch.compile's mode, not a config field
-        rows = [measure(args.config, args.set, args.mb, compile_mode=v) for v in values.split(",")]
+        rows = [measure(args.config, args.set, args.mb, compile_mode=v, trace=trace(i))
+                for i, v in enumerate(values.split(","))]
     else:
-        rows = [measure(args.config, [*args.set, f"{key}={v}"], args.mb) for v in values.split(",")]
+        rows = [measure(args.config, [*args.set, f"{key}={v}"], args.mb, trace=trace(i))
+                for i, v in enumerate(values.split(","))]
     parts = list(dict.fromkeys(p for r in rows for p in r["parts_ms"]))
     print(f"{args.config}, micro-batch {args.mb}, {device}: ms per step (GPU time by part)")
     print(f"{key:<34}" + "".join(f"{v:>14}" for v in values.split(",")))
     for label, get in [("step (wall)", lambda r: r["step_ms"]), ("tokens/s", lambda r: r["tokens_per_s"]),
                        ("GPU kernel time", lambda r: r["gpu_ms"]),
+                       ("GPU busy (kernels' union)", lambda r: r["gpu_busy_ms"]),
+                       ("graph breaks (compile)", lambda r: r["graph_breaks"]),
                        *((f"  {p}", (lambda p: lambda r: r["parts_ms"].get(p, 0.0))(p)) for p in parts)]:
         print(f"{label:<34}" + "".join(f"{get(r):>14,.1f}" for r in rows))
     for r in rows:

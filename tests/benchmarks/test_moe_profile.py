@@ -67,3 +67,24 @@ def test_kernel_totals_counts_kernels_with_lambdas_and_leaves_annotations_out():
         event("ProfilerStep#1", 8000), event(lam, 4000, device=cpu)])
     totals, counts = kernel_totals(prof)
     assert totals == {lam: 1.5, "_gather_rows_kernel": 2.0} and counts == {lam: 2, "_gather_rows_kernel": 1}
+
+
+def test_busy_time_is_the_union_of_the_kernels_intervals():
+    """mfu_profile.busy_ms: kernels on two streams overlap (counted once), a gap between kernels is
+    idle, and an annotation's range (which spans its kernels) is not a kernel."""
+    from types import SimpleNamespace
+
+    from mfu_profile import busy_ms
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def event(name, start_us, end_us, annotation=False):
+        return SimpleNamespace(name=name, device_type=cuda, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start_us, end=end_us))
+
+    prof = SimpleNamespace(events=lambda: [
+        event("gemm", 0, 1000), event("nccl_allreduce", 500, 1500),  # overlapping streams: 0-1500
+        event("small", 1200, 1300),  # inside the span above
+        event("after_a_gap", 3000, 3500),  # 1500-3000 idle
+        event("moe.router", 0, 3500, annotation=True), event("## Call CompiledFxGraph f0 ##", 0, 3500)])
+    assert busy_ms(prof) == pytest.approx(2.0)
