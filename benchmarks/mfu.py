@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--source-bytes", type=int, default=None, help="corpus bytes to shard")
     parser.add_argument("--only", default="ceilings,baseline,default,ab,profile,ablation,extras",
                         help="which parts to run, comma list (also: zero1, the extras' ZeRO-1 row alone; "
-                             "bound, the model's GEMMs + attention alone, see bound.py; fp8, fp8_rows.py's rows)")
+                             "bound, the model's GEMMs + attention alone, see bound.py; fp8, fp8_rows.py's rows; "
+                             "kernels, an MoE recipe's compiled trainer step by kernel)")
     parser.add_argument("--fp8-variants", default="", help="fp8_rows.py: comma list of extra megatrain FP8 rows "
                         "(e.g. rowwise, keep-ends, mb8)")
     parser.add_argument("--variants", default="", help=f"comma list of A/B rows of the default: {', '.join(VARIANTS)}")
