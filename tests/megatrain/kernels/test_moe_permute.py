@@ -9,7 +9,14 @@ import os
 import pytest
 import torch
 
-from megatrain.kernels.moe_permute import permute, permute_reference, row_of_slot, unpermute, unpermute_reference
+from megatrain.kernels.moe_permute import (
+    group_order,
+    permute,
+    permute_reference,
+    row_of_slot,
+    unpermute,
+    unpermute_reference,
+)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -118,3 +125,12 @@ def test_moe_layer_with_the_fused_permutation_matches_the_reference():
         grads[impl] = (out, x.grad, *(p.grad for p in layer.parameters()))
     for ref, fused in zip(grads["reference"], grads["fused"]):
         torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_groups", [8, 256, 257, 40000])
+def test_group_order_is_the_stable_argsort_of_the_wide_ids(n_groups):
+    """The narrowed keys (uint8 up to 256 groups, then int16, then int32) sort exactly as the int64
+    ids: the same stable order, ties kept in slot order."""
+    ids = torch.randint(0, n_groups, (5000,), generator=torch.Generator().manual_seed(n_groups))
+    ids[:10] = n_groups - 1  # the largest id is where a too-narrow key would wrap
+    assert torch.equal(group_order(ids, n_groups), ids.argsort(stable=True))
