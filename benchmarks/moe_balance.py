@@ -37,9 +37,13 @@ def windows(rows: list[dict], size: int) -> list[dict]:
             continue
         worst = [r["moe"]["max_over_mean"] for r in chunk]
         mean = [statistics.mean(layer["max_over_mean"] for layer in r["moe"]["layers"].values()) for r in chunk]
+        # each layer's median over the window: is one layer the outlier (the first layer routes by
+        # token identity alone), or are they all short of balance?
+        per_layer = {name: round(statistics.median(r["moe"]["layers"][name]["max_over_mean"] for r in chunk), 3)
+                     for name in chunk[0]["moe"]["layers"]}
         out.append({"steps": [start + 1, start + size], "worst_layer_median": round(statistics.median(worst), 3),
                     "worst_layer_max": round(max(worst), 3), "layer_mean_median": round(statistics.median(mean), 3),
-                    "loss_last": round(chunk[-1]["loss"], 4),
+                    "layer_medians": per_layer, "loss_last": round(chunk[-1]["loss"], 4),
                     "step_s_median": round(statistics.median(r["step_time_s"] for r in chunk), 4)})
     return out
 
@@ -87,16 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     if len(names) != len(args.metrics):
         parser.error(f"{len(names)} names for {len(args.metrics)} files")
     report = {}
-    print("| run | steps | worst layer max/mean (median) | worst (max) | layer mean | loss |")
-    print("|---|---|---|---|---|---|")
+    print("| run | steps | worst layer max/mean (median) | worst (max) | layer mean | highest layer median | loss |")
+    print("|---|---|---|---|---|---|---|")
     for name, path in zip(names, args.metrics):
         rows = [row for row in read_rows(Path(path), parser) if row.get("moe")]
         if not rows:
             parser.error(f"{path}: no MoE rows (model.mlp=moe writes a 'moe' entry per step)")
         report[name] = windows(pooled(rows, args.pool) if args.pool > 1 else rows, args.window)
         for w in report[name]:
+            top = max(w["layer_medians"], key=w["layer_medians"].get)
             print(f"| {name} | {w['steps'][0]}-{w['steps'][1]} | {w['worst_layer_median']:.3f} | "
-                  f"{w['worst_layer_max']:.3f} | {w['layer_mean_median']:.3f} | {w['loss_last']:.3f} |")
+                  f"{w['worst_layer_max']:.3f} | {w['layer_mean_median']:.3f} | "
+                  f"layer {top}: {w['layer_medians'][top]:.3f} | {w['loss_last']:.3f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"written: {args.out}")

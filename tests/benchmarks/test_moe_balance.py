@@ -21,8 +21,9 @@ def test_windows_take_the_median_of_the_worst_layer_and_of_the_layer_mean():
     first, second = moe_balance.windows(rows, 3)
     assert first["steps"] == [1, 3] and first["worst_layer_median"] == 4.0 and first["worst_layer_max"] == 5.0
     assert first["layer_mean_median"] == 3.0  # per step (2, 3, 3), median 3
+    assert first["layer_medians"] == {"0": 4.0, "1": 1.0}  # layer 0 is the outlier
     assert second == {"steps": [4, 6], "worst_layer_median": 1.5, "worst_layer_max": 1.5, "layer_mean_median": 1.3,
-                      "loss_last": 1.0, "step_s_median": 0.5}
+                      "layer_medians": {"0": 1.5, "1": 1.1}, "loss_last": 1.0, "step_s_median": 0.5}
 
 
 def test_the_command_writes_json_and_refuses_a_dense_run(tmp_path, capsys):

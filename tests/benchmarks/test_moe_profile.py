@@ -32,8 +32,9 @@ def test_the_recorded_profiles_parts_are_its_kernels_by_part_of():
     recorded parts do not follow fails here)."""
     report = json.loads((ROOT / "benchmarks/moe-profile-h100.json").read_text())
     reference, fused = report["variants"]
-    autotuned = json.loads((ROOT / "benchmarks/moe-profile-autotune-h100.json").read_text())["variants"]
-    for row in (reference, fused, *autotuned):
+    others = [row for name in ("moe-profile-autotune-h100.json", "moe-profile-h200.json", "moe-profile-modes-h200.json")
+              for row in json.loads((ROOT / "benchmarks" / name).read_text())["variants"]]
+    for row in (reference, fused, *others):
         by_part = {}
         for name, kernel in row["kernels"].items():
             by_part[moe_profile.part_of(name)] = by_part.get(moe_profile.part_of(name), 0.0) + kernel["ms"]
