@@ -4,7 +4,9 @@ choice in the same process (issue 32):
     python benchmarks/moe_profile.py --config configs/moe-gpu-2b.yaml --mb 8 \
         --ab model.kernels.moe_permute=reference,fused --out moe-profile.json
 
-``--ab compile.mode=default,max-autotune`` varies torch.compile's mode instead of a config field.
+``--ab compile.mode=default,max-autotune`` varies torch.compile's mode instead of a config field;
+``--ab train.precision=bf16,fp8 --set train.fp8.experts=true`` runs the FP8 linears and expert GEMMs
+beside bf16.
 Per variant: the model built from the recipe in bf16 with compiled blocks, fused AdamW, random
 tokens, one optimizer step per micro-batch (a plain loop: no DeepSpeed, no data, no accumulation,
 so the optimizer's share is larger than in the trainer's 512-sequence steps); step time over 10
@@ -30,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mfu_profile import busy_ms, kernel_totals  # noqa: E402
 
 # kernel name -> part of the step (first match wins)
-PARTS = [("grouped GEMMs", ("GroupProblemShape", "prepare_grouped_gemm", "_grouped_mm")),  # CUTLASS; Inductor's
+PARTS = [("FP8 casts", ("triton_red_fused__scaled", "triton_per_fused__scaled", "triton_poi_fused__scaled")),  # Inductor's
+         ("grouped GEMMs", ("GroupProblemShape", "prepare_grouped_gemm", "_grouped_mm")),  # CUTLASS; Inductor's
          ("MoE permutation", ("_gather_rows", "_gather_sum", "_combine_bwd", "index_put", "index_copy",
                               "index_select", "_unsafe_view_add_mul_sum", "scatter_add_squeeze_sum",
                               "add_index_mul")),
@@ -53,11 +56,13 @@ def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "def
 
     from megatrain.config.load import load_config
     from megatrain.model.gpt import GPT
+    from megatrain.precision import apply_precision
 
     cfg = load_config(config, [f"train.micro_batch_size={mb}", "train.device=cuda", *overrides])
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GPT(cfg.model).to(torch.bfloat16)
+    apply_precision(model, cfg)  # train.precision=fp8: FP8 linears (and expert GEMMs: train.fp8.experts)
     for block in model.blocks:
         block.compile(mode=None if compile_mode == "default" else compile_mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

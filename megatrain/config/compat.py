@@ -26,7 +26,7 @@ from megatrain.config.schema import Config
 _LATER_KNOBS: dict[str, tuple[str, ...]] = {
     "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp", "moe"),
     "model.kernels": ("rmsnorm", "swiglu", "rope", "experts", "moe_permute"),
-    "train.fp8": ("casts",),  # an implementation choice, like model.kernels: the same e4m3 values
+    "train.fp8": ("casts", "experts"),  # casts: an implementation choice, like model.kernels: the same e4m3 values
     "data": ("mixture", "on_exhausted", "on_bad_source", "unit_bytes"),
     "optim": ("decay_fraction",),
     "parallel": ("ep",),  # expert parallelism: 1 for every run before it

@@ -59,6 +59,17 @@ def experts_grouped(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, pro
     return torch._grouped_mm(swiglu(h, act_impl), proj.transpose(-2, -1), offs=offsets)  # [M, d]
 
 
+def experts_fp8(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor,
+                act_impl: str = "reference", emulate: bool = False) -> torch.Tensor:
+    """``experts_grouped`` with both projections as FP8 grouped GEMMs (``kernels/fp8_grouped.py``;
+    ``emulate``: the FP8 round trip on any device)."""
+    from megatrain.kernels.fp8_grouped import grouped_mm_fp8
+
+    offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E] end of each segment
+    h = grouped_mm_fp8(x, fc.transpose(-2, -1), offsets, emulate)  # [M, 2ff]
+    return grouped_mm_fp8(swiglu(h, act_impl), proj.transpose(-2, -1), offsets, emulate)  # [M, d]
+
+
 EXPERT_PATHS = {"reference": experts_reference, "padded": experts_padded, "grouped": experts_grouped}
 
 
@@ -81,6 +92,7 @@ class Experts(nn.Module):
         self.fc = nn.Parameter(torch.empty(n_experts, 2 * d_ff, d_model))  # [E, 2ff, d] gate rows, then up rows
         self.proj = nn.Parameter(torch.empty(n_experts, d_model, d_ff))  # [E, d, ff]
         self.impl, self.act_impl, self.first = impl, act_impl, first
+        self.fp8: str | None = None  # set by precision.apply_precision: "scaled" (FP8 GEMMs) or "emulate"
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         """As the dense MLP: fc N(0, std); proj writes into the residual stream, N(0, residual_std)."""
@@ -89,9 +101,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # [M, d], [E] -> [M, d]
         x = x.to(self.fc.dtype)
+        if self.fp8:
+            return experts_fp8(x, counts, self.fc, self.proj, self.act_impl, emulate=self.fp8 == "emulate")
         return EXPERT_PATHS[resolve_experts_impl(self.impl, x)](x, counts, self.fc, self.proj, self.act_impl)
 
     def extra_repr(self) -> str:
         e, two_ff, d = self.fc.shape
-        return f"experts={e}, d_model={d}, d_ff={two_ff // 2}, first={self.first}, impl={self.impl}"
+        fp8 = f", fp8={self.fp8}" if self.fp8 else ""
+        return f"experts={e}, d_model={d}, d_ff={two_ff // 2}, first={self.first}, impl={self.impl}{fp8}"
 

@@ -1,7 +1,8 @@
 """FP8 training of the transformer blocks' linears through torchao's float8 (``train.precision: fp8``).
 
 What converts (``fp8_plan``): every ``nn.Linear`` under ``model.blocks`` (attention qkv/proj, MLP
-fc/proj, whatever the family names them), except block 0 / the last block when
+fc/proj, whatever the family names them) but an MoE router's gate, and with ``train.fp8.experts``
+the MoE expert banks (FP8 grouped GEMMs, ``kernels/fp8_grouped.py``), except block 0 / the last block when
 ``train.fp8.keep_first_block`` / ``keep_last_block`` say so, and linears whose features are not
 multiples of 16 (``torch._scaled_mm`` needs that). What never converts: the embeddings and the LM
 head (outside ``blocks``; the head reads the tied embedding matrix), the norms and attention.
@@ -89,21 +90,36 @@ def _block_index(fqn: str) -> int | None:
 
 
 def fp8_plan(model: nn.Module, cfg: Config) -> dict[str, str]:
-    """Every linear of the model -> "fp8", or the reason it stays in high precision."""
+    """Every linear and every MoE expert bank of the model -> "fp8", or the reason it stays in
+    high precision. A router's gate stays: its scores choose the experts, and a choice flipped by
+    rounding moves a whole token (DeepSeek-V3 keeps it in high precision too)."""
+    from megatrain.model.moe import Router
+    from megatrain.model.moe_experts import Experts
+
     n_layer = cfg.model.n_layer
+    gates = {f"{fqn}.gate" for fqn, module in model.named_modules() if isinstance(module, Router)}
     plan = {}
     for fqn, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear):
+            features, gemm = (module.in_features, module.out_features), "_scaled_mm"
+        elif isinstance(module, Experts):
+            e, two_ff, d = module.fc.shape
+            features, gemm = (d, two_ff // 2, two_ff), "_scaled_grouped_mm"  # the two GEMMs' K and N
+        else:
             continue
         block = _block_index(fqn)
         if block is None:
             plan[fqn] = "kept: outside the transformer blocks (embeddings / LM head)"
+        elif fqn in gates:
+            plan[fqn] = "kept: MoE router (its scores choose the experts)"
+        elif isinstance(module, Experts) and not cfg.train.fp8.experts:
+            plan[fqn] = "kept: MoE experts (train.fp8.experts is off)"
         elif block == 0 and cfg.train.fp8.keep_first_block:
             plan[fqn] = "kept: first block (train.fp8.keep_first_block)"
         elif block == n_layer - 1 and cfg.train.fp8.keep_last_block:
             plan[fqn] = "kept: last block (train.fp8.keep_last_block)"
-        elif module.in_features % 16 or module.out_features % 16:
-            plan[fqn] = f"kept: {module.in_features}x{module.out_features} is not a multiple of 16 (_scaled_mm)"
+        elif any(f % 16 for f in features):
+            plan[fqn] = f"kept: {'x'.join(map(str, features))} is not a multiple of 16 ({gemm})"
         else:
             plan[fqn] = "fp8"
     return plan
@@ -124,15 +140,19 @@ def apply_precision(model: nn.Module, cfg: Config) -> nn.Module:
     float8 = _torchao_float8()
     plan = fp8_plan(model, cfg)
     float8.convert_to_float8_training(
-        model, config=float8_linear_config(cfg.train.fp8), module_filter_fn=lambda _m, fqn: plan.get(fqn) == "fp8",
+        model, config=float8_linear_config(cfg.train.fp8),
+        module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and plan.get(fqn) == "fp8",
     )
+    for fqn, module in model.named_modules():  # MoE experts: FP8 grouped GEMMs (kernels/fp8_grouped.py)
+        if plan.get(fqn) == "fp8" and not isinstance(module, nn.Linear):
+            module.fp8 = "emulate" if cfg.train.fp8.emulate else "scaled"
     from megatrain.precision.fp8_casts import route_casts, route_through_converted  # torchao at its top
 
     route_through_converted(model, float8.Float8Linear)
     route_casts(model, cfg.train.fp8.casts, float8.Float8Linear)  # train.fp8.casts: who casts the activations
     converted = [fqn for fqn, how in plan.items() if how == "fp8"]
-    log.info("fp8 (%s, casts %s): %d linears converted, %d kept in high precision", cfg.train.fp8.recipe,
-             cfg.train.fp8.casts, len(converted), len(plan) - len(converted))
+    log.info("fp8 (%s, casts %s): %d linears and expert banks converted, %d kept in high precision",
+             cfg.train.fp8.recipe, cfg.train.fp8.casts, len(converted), len(plan) - len(converted))
     if not cfg.model.compile and not cfg.train.fp8.emulate:
         log.warning("train.precision=fp8 without model.compile: torchao's casts run as separate kernels in eager "
                     "mode, which is usually slower than bf16")

@@ -189,9 +189,9 @@ class Trainer:
         p = self.cfg.parallel
         dims = ParallelDims(dp=p.data_parallel_size(self.env.world_size), tp=p.tp, pp=p.pp, ep=p.ep)
         dims.validate(self.env.world_size, p.gpus_per_node, self.cfg.model.n_head, self.cfg.model.n_layer)
-        if self.cfg.model.mlp == "moe" and (p.tp > 1 or self.cfg.train.precision == "fp8"):
-            raise ConfigError(f"model.mlp=moe: not yet with parallel.tp={p.tp} > 1 or train.precision=fp8 "
-                              "(the experts have no tensor-parallel or FP8 form); use tp 1 and bf16")
+        if self.cfg.model.mlp == "moe" and p.tp > 1:
+            raise ConfigError(f"model.mlp=moe: not yet with parallel.tp={p.tp} > 1 (the experts have no "
+                              "tensor-parallel form); use tp 1 and parallel.ep to spread the experts")
         return build_process_groups(dims, self.env.rank, p.init.groups)
 
     def _build_engine(self, model: torch.nn.Module):

@@ -21,6 +21,7 @@ import moe_profile  # noqa: E402
     ("_swiglu_bwd_kernel", "SwiGLU"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
     ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>", "routing (top-k, sort)"),
+    ("triton_red_fused__scaled_grouped_mm__to_copy_abs_amax_clamp_clamp_min_clone_exp2_floor", "FP8 casts"),
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "other"),
 ])
 def test_kernels_fall_in_their_part(kernel, part):
@@ -32,7 +33,8 @@ def test_the_recorded_profiles_parts_are_its_kernels_by_part_of():
     recorded parts do not follow fails here)."""
     report = json.loads((ROOT / "benchmarks/moe-profile-h100.json").read_text())
     reference, fused = report["variants"]
-    others = [row for name in ("moe-profile-autotune-h100.json", "moe-profile-h200.json", "moe-profile-modes-h200.json")
+    others = [row for name in ("moe-profile-autotune-h100.json", "moe-profile-h200.json", "moe-profile-modes-h200.json",
+                                 "moe-profile-fp8-h200.json")
               for row in json.loads((ROOT / "benchmarks" / name).read_text())["variants"]]
     for row in (reference, fused, *others):
         by_part = {}

@@ -55,6 +55,21 @@ def test_fp8_llama_trains_beside_bf16_under_zero0(run_training):
     assert _losses(fp8) != _losses(bf16) and all(m["fp8"]["fp8_nonfinite"] == 0 for m in fp8)
 
 
+@pytest.mark.slow
+def test_fp8_moe_trains_beside_high_precision(run_training):
+    """moe-tiny-cpu through the trainer: the dense linears in torchao's emulated FP8, the expert
+    banks through the FP8 grouped GEMMs' emulation (kernels/fp8_grouped.py), the routers kept."""
+    moe = REPO / "configs" / "moe-tiny-cpu.yaml"
+    common = ["data.max_source_bytes=300000", "checkpoint.interval=1000", "train.steps=3", "data.prefetch_batches=0"]
+    high, _ = run_training(common, name="moe-high", config=moe)
+    fp8, _ = run_training(common + FP8 + ["train.fp8.experts=true"], name="moe-fp8", config=moe)
+    assert len(fp8) == len(high) == 3
+    for a, b in zip(fp8, high):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2)
+    assert _losses(fp8) != _losses(high) and all(m["fp8"]["fp8_nonfinite"] == 0 for m in fp8)
+    assert all(m["moe"]["max_over_mean"] > 0 for m in fp8)  # the routers' health is still measured
+
+
 def _steps(nproc: int, shard_url: Path, run_dir: Path, overrides: list[str], steps: int = 3) -> list[dict]:
     """train_steps.py as ``nproc`` ranks: the metrics of each step (no final checkpoint: ZeRO-3)."""
     paths = [f"data.shard_url={shard_url}", f"train.run_dir={run_dir}", f"checkpoint.staging_dir={run_dir}/staging",
