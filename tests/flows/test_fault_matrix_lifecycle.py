@@ -34,6 +34,7 @@ from fault_matrix_common import (  # noqa: F401  (reproducible_cpu_math: autouse
 )
 from process_table import alive, processes_mentioning
 
+from megatrain import storage
 from megatrain.checkpoint import catalog
 from megatrain.config.campaign import load_campaign
 
@@ -72,6 +73,10 @@ def children_of(pid: int) -> list[int]:
 
 
 def committed_steps(durable: str) -> list[int]:
+    """The committed steps so far; none while the durable folder is not there yet (a poll can come
+    before the first upload creates it: CI once failed on a StorageError 'not found' here)."""
+    if not storage.exists(durable):
+        return []
     return [info.step for info in catalog.committed(durable)]
 
 
