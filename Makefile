@@ -53,12 +53,13 @@ image:
 
 # The whole suite (the README's command; CI runs it): every test but the GPU ones, whole test
 # modules on JOBS workers (2: this project's CI machines have 2 cores; the multi-process tests
-# already fill them, so more workers only slow those down).
+# already fill them, so more workers only slow those down). It ends with the 25 slowest tests:
+# what to look at first when the suite outgrows its ~12 minutes.
 JOBS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(JOBS) --dist loadfile
 
 test: $(STAMP) services
-	$(PYTEST) -m "not gpu"
+	$(PYTEST) -m "not gpu" --durations=25
 
 # The inner loop (under 3 minutes on 2 cores): the unit tests and one end-to-end flow (marked
 # `check`); the multi-process and end-to-end tests (`slow`) wait for make test.
