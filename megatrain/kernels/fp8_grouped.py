@@ -15,7 +15,8 @@ of two and the reference below reproduces the operands bit for bit.
 
 ``grouped_mm_fp8_reference`` is the plain version the tests hold the fast one to: the same
 quantized operands, dequantized and multiplied per expert in fp32. With ``train.fp8.emulate``
-(a CPU run) the experts use it in the forward and its autograd in the backward.
+(a CPU run) the experts take ``grouped_mm_emulated``: the same round trip of both operands, a
+per-expert GEMM in their dtype, and a straight-through backward (as torchao's emulation does).
 """
 
 from __future__ import annotations
