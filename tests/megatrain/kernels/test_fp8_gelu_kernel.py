@@ -89,6 +89,7 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reas
 
 @pytest.mark.gpu  # needs Triton, which the GPU image has and the CPU install does not
 @interpreted
+@pytest.mark.interpreter
 @pytest.mark.parametrize("bias", [True, False])
 def test_fused_matches_reference_bit_for_bit_interpreted(bias):
     pytest.importorskip("triton")

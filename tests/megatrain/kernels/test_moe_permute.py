@@ -98,6 +98,7 @@ def test_fused_matches_reference_forward_and_gradients(n, k, n_experts, d, skew,
 
 
 @pytest.mark.gpu  # with the GPU tests: it needs Triton, which CPU machines lack
+@pytest.mark.interpreter
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter: TRITON_INTERPRET=1")
 @pytest.mark.parametrize("n,k,n_experts,d,skew", CASES[:2])
 def test_fused_in_the_triton_interpreter(n, k, n_experts, d, skew):

@@ -1,0 +1,111 @@
+"""The experts' first projection, three passes against one fused Triton kernel (issue 32's lever):
+
+    python benchmarks/moe_gemm.py --out runs/moe-gemm.json
+
+- three passes (what the model runs): the dispatch gather (``kernels/moe_permute``, Triton), the
+  CUTLASS grouped GEMM (``torch._grouped_mm``) and SwiGLU (``kernels/swiglu``, Triton);
+- fused (``kernels/moe_gemm_triton``): the gather in the GEMM's loads and SwiGLU in its epilogue,
+  at each of a few tile shapes.
+
+moe-gpu-2b's layer by default (16,384 tokens, top-8 of 64 experts, d 1024, width 640, bf16, the
+experts chosen uniformly at random). Forward only: the fused kernel exists for the forward so far.
+Per row: the median of ``--iters`` timed calls (CUDA events) after a warm-up, the GEMM's TFLOP/s
+(2 M d 2 ff / time), and the largest difference from the three passes' output. Prints a table and
+writes the JSON; both rows run in this one process on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
+
+TILES = [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 32, 4, 4), (64, 64, 64, 4, 3)]
+
+
+def gemm_tflops(rows: int, d: int, ff: int, ms: float) -> float:
+    """The first projection's FLOPs (gate and up: 2 x rows x d x 2 ff) per second, in TFLOP/s."""
+    return 2 * rows * d * 2 * ff / (ms * 1e-3) / 1e12
+
+
+def time_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--d", type=int, default=1024)
+    parser.add_argument("--ff", type=int, default=640)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default="runs/moe-gemm.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_gemm.py needs a CUDA GPU (CUTLASS's grouped GEMM and the Triton kernels run there)")
+    from megatrain.kernels.moe_gemm import gathered_swiglu_mm
+    from megatrain.kernels.moe_permute import group_order, permute
+    from megatrain.kernels.swiglu import swiglu
+
+    torch.manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(args.tokens, args.d, device=dev, dtype=bf16)
+    fc = torch.randn(args.experts, 2 * args.ff, args.d, device=dev, dtype=bf16) / args.d**0.5
+    choice = torch.randint(0, args.experts, (args.tokens * args.top_k,), device=dev)
+    order = group_order(choice, args.experts)
+    counts = torch.bincount(choice, minlength=args.experts)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    row_src, m = order // args.top_k, order.numel()
+
+    def three_passes():
+        rows = permute(x, order, args.top_k, "fused")
+        return swiglu(torch._grouped_mm(rows, fc.transpose(-2, -1), offs=offsets), "fused")
+
+    want = three_passes()
+    rows_out = [{"name": "three passes (gather, CUTLASS grouped GEMM, SwiGLU)", "ms": time_ms(three_passes, args.iters)}]
+    for bm, bn, bk, warps, stages in TILES:
+        def fused(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages):
+            return gathered_swiglu_mm(x, row_src, counts, fc, bm, bn, bk, warps, stages)[0]
+
+        row = {"name": f"fused {bm}x{bn}x{bk}, {warps} warps, {stages} stages"}
+        try:
+            row["max_abs_diff"] = (fused().float() - want.float()).abs().max().item()
+            row["ms"] = time_ms(fused, args.iters)
+        except Exception as exc:  # noqa: BLE001 - a tile shape this GPU cannot run (shared memory)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        rows_out.append(row)
+    device = torch.cuda.get_device_name()
+    print(f"{device}: {args.tokens} tokens, top-{args.top_k} of {args.experts}, d {args.d}, width {args.ff} (bf16)")
+    for row in rows_out:
+        if "ms" in row:
+            row["gemm_tflops"] = gemm_tflops(m, args.d, args.ff, row["ms"])
+            print(f"  {row['name']:<55} {row['ms']:8.3f} ms {row['gemm_tflops']:7.1f} TFLOP/s"
+                  + (f"  max |diff| {row['max_abs_diff']:.3g}" if "max_abs_diff" in row else ""))
+        else:
+            print(f"  {row['name']:<55} {row['error']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"device": device, "torch": torch.__version__, "args": vars(args),
+                                          "rows": rows_out}, indent=1))
+    print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""Triton: the experts' first grouped GEMM with the row gather in its loads and SwiGLU in its
+epilogue (``moe_gemm.py`` has the reference and the why).
+
+One program computes a [BLOCK_M, BLOCK_N] tile of ``act`` for one expert: BLOCK_M of the expert's
+rows, whose A rows it loads from ``x`` through ``row_src``, and BLOCK_N gate columns with the
+BLOCK_N up columns of the same outputs (two accumulators over the same A tile), so the SwiGLU of
+the tile needs nothing from another program. It also writes both halves of ``h`` for SwiGLU's
+backward. Accumulation in fp32; outputs in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gathered_swiglu_mm_kernel(
+    X, ROW_SRC, TILE_EXPERT, TILE_ROW, SEG_END, W, ACT, H,
+    n_experts, D: tl.constexpr, FF: tl.constexpr,  # the model's widths: one compile per model
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(TILE_EXPERT + tile)
+    if e >= n_experts:  # a spare tile of the fixed grid
+        return
+    row0 = tl.load(TILE_ROW + tile)
+    end = tl.load(SEG_END + e)
+    rows = row0 + tl.arange(0, BLOCK_M)  # [BM] expert-ordered rows
+    row_ok = rows < end
+    src = tl.load(ROW_SRC + rows, mask=row_ok, other=0).to(tl.int64)  # their tokens
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns (of ff)
+    col_ok = cols < FF
+    ks = tl.arange(0, BLOCK_K)
+    w_e = W + e.to(tl.int64) * (2 * FF) * D  # fc[e]: [2 ff, d], gate rows then up rows
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_ok = (k0 + ks) < D
+        a = tl.load(X + src[:, None] * D + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        gate_w = tl.load(w_e + cols[None, :].to(tl.int64) * D + (k0 + ks)[:, None], mask=w_mask, other=0.0)
+        up_w = tl.load(w_e + (FF + cols[None, :]).to(tl.int64) * D + (k0 + ks)[:, None], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, gate_w, acc_gate)  # [BM, BK] @ [BK, BN]
+        acc_up = tl.dot(a, up_w, acc_up)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    tl.store(ACT + rows64 * FF + cols[None, :], act.to(ACT.dtype.element_ty), mask=out_mask)
+    tl.store(H + rows64 * (2 * FF) + cols[None, :], acc_gate.to(H.dtype.element_ty), mask=out_mask)
+    tl.store(H + rows64 * (2 * FF) + FF + cols[None, :], acc_up.to(H.dtype.element_ty), mask=out_mask)
+
+
+def gathered_swiglu_mm_triton(x: torch.Tensor, row_src: torch.Tensor, tile_expert: torch.Tensor,
+                              tile_row: torch.Tensor, seg_end: torch.Tensor, fc: torch.Tensor, block_m: int,
+                              block_n: int, block_k: int, num_warps: int,
+                              num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, d], row_src [M], the tiles of ``moe_gemm.segment_tiles`` (made with ``block_m``),
+    seg_end [E] int32, fc [E, 2 ff, d] -> (act [M, ff], h [M, 2 ff])."""
+    n_experts, two_ff, d = fc.shape
+    ff, m = two_ff // 2, row_src.numel()
+    act = torch.empty(m, ff, dtype=x.dtype, device=x.device)
+    h = torch.empty(m, two_ff, dtype=x.dtype, device=x.device)
+    grid = (tile_expert.numel(), triton.cdiv(ff, block_n))
+    _gathered_swiglu_mm_kernel[grid](x.contiguous(), row_src.contiguous(), tile_expert, tile_row, seg_end,
+                                     fc.contiguous(), act, h, n_experts, D=d, FF=ff, BLOCK_M=block_m,
+                                     BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return act, h
