@@ -1,4 +1,5 @@
-"""The experts' first projection, three passes against one fused Triton kernel (issue 32's lever):
+"""The experts' first projection, three passes against one fused Triton kernel, and its weight
+gradient, CUTLASS on the gathered copy against the gather inside the GEMM (issue 32's lever):
 
     python benchmarks/moe_gemm.py --out runs/moe-gemm.json
 
@@ -8,7 +9,8 @@
   at each of a few tile shapes.
 
 moe-gpu-2b's layer by default (16,384 tokens, top-8 of 64 experts, d 1024, width 640, bf16, the
-experts chosen uniformly at random). Forward only: the fused kernel exists for the forward so far.
+experts chosen uniformly at random). The weight gradient's baseline is the grouped GEMM alone: the
+gathered copy it reads is kept from the forward today, which the fused pair would no longer write.
 Per row: the median of ``--iters`` timed calls (CUDA events) after a warm-up, the GEMM's TFLOP/s
 (2 M d 2 ff / time), and the largest difference from the three passes' output. Prints a table and
 writes the JSON; both rows run in this one process on one GPU.
@@ -27,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 
 TILES = [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 32, 4, 4), (64, 64, 64, 4, 3)]
+WGRAD_TILES = [(128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 3)]
 
 
 def gemm_tflops(rows: int, d: int, ff: int, ms: float) -> float:
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_gemm.py needs a CUDA GPU (CUTLASS's grouped GEMM and the Triton kernels run there)")
-    from megatrain.kernels.moe_gemm import gathered_swiglu_mm
+    from megatrain.kernels.moe_gemm import gathered_swiglu_mm, gathered_wgrad
     from megatrain.kernels.moe_permute import group_order, permute
     from megatrain.kernels.swiglu import swiglu
 
@@ -78,6 +81,26 @@ def main(argv: list[str] | None = None) -> int:
         rows = permute(x, order, args.top_k, "fused")
         return swiglu(torch._grouped_mm(rows, fc.transpose(-2, -1), offs=offsets), "fused")
 
+    dh = torch.randn(m, 2 * args.ff, device=dev, dtype=bf16)
+    rows_kept = permute(x, order, args.top_k, "fused")  # the copy today's forward keeps for this
+
+    def cutlass_wgrad():
+        return torch._grouped_mm(rows_kept.transpose(-2, -1), dh, offs=offsets)  # [E, d, 2 ff]
+
+    want_wgrad = cutlass_wgrad().transpose(-2, -1)
+    wgrad_rows = [{"name": "weight gradient: CUTLASS grouped GEMM on the kept copy", "ms": time_ms(cutlass_wgrad, args.iters)}]
+    for bn, bk, br, warps, stages in WGRAD_TILES:
+        def fused_wgrad(bn=bn, bk=bk, br=br, warps=warps, stages=stages):
+            return gathered_wgrad(x, row_src, counts, dh, bn, bk, br, warps, stages)
+
+        row = {"name": f"weight gradient fused {bn}x{bk}, rows {br}, {warps} warps, {stages} stages"}
+        try:
+            row["max_abs_diff"] = (fused_wgrad().float() - want_wgrad.float()).abs().max().item()
+            row["ms"] = time_ms(fused_wgrad, args.iters)
+        except Exception as exc:  # noqa: BLE001 - a tile shape this GPU cannot run (shared memory)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        wgrad_rows.append(row)
+
     want = three_passes()
     rows_out = [{"name": "three passes (gather, CUTLASS grouped GEMM, SwiGLU)", "ms": time_ms(three_passes, args.iters)}]
     for bm, bn, bk, warps, stages in TILES:
@@ -91,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - a tile shape this GPU cannot run (shared memory)
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows_out.append(row)
+    rows_out += wgrad_rows
     device = torch.cuda.get_device_name()
     print(f"{device}: {args.tokens} tokens, top-{args.top_k} of {args.experts}, d {args.d}, width {args.ff} (bf16)")
     for row in rows_out:

@@ -35,6 +35,19 @@ def gathered_swiglu_mm_reference(x: torch.Tensor, row_src: torch.Tensor, counts:
     return (F.silu(gate) * up).to(x.dtype), h.to(x.dtype)
 
 
+def gathered_wgrad_reference(x: torch.Tensor, row_src: torch.Tensor, counts: torch.Tensor,
+                             dh: torch.Tensor) -> torch.Tensor:
+    """The first projection's weight gradient, the rows gathered as the forward gathered them:
+    dfc[e] = sum over expert e's rows r of dh[r]^T x[row_src[r]] -> [E, 2 ff, d] (fp32 sums)."""
+    rows = x[row_src].float()  # [M, d]
+    out = torch.zeros(counts.numel(), dh.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        out[e] = dh[start:start + n].float().T @ rows[start:start + n]
+        start += n
+    return out.to(x.dtype)
+
+
 def segment_tiles(counts: torch.Tensor, n_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every expert's row segment cut into ``block_m`` tiles, on the device (no host sync):
     (expert of each tile, first row of each tile), ``cdiv(n_rows, block_m) + E`` tiles, enough for
@@ -63,3 +76,15 @@ def gathered_swiglu_mm(x: torch.Tensor, row_src: torch.Tensor, counts: torch.Ten
     seg_end = torch.cumsum(counts, 0).to(torch.int32)
     return gathered_swiglu_mm_triton(x, row_src, tile_expert, tile_row, seg_end, fc, block_m, block_n, block_k,
                                      num_warps, num_stages)
+
+
+def gathered_wgrad(x: torch.Tensor, row_src: torch.Tensor, counts: torch.Tensor, dh: torch.Tensor,
+                   block_n: int = 128, block_k: int = 128, block_r: int = 32, num_warps: int = 8,
+                   num_stages: int = 3) -> torch.Tensor:
+    """The fused weight gradient (Triton), ``gathered_wgrad_reference``'s contract: the rows are
+    read from ``x`` through ``row_src``, so the forward need not keep a gathered copy for it."""
+    from megatrain.kernels.moe_gemm_triton import gathered_wgrad_triton
+
+    seg_end = torch.cumsum(counts, 0).to(torch.int32)
+    return gathered_wgrad_triton(x, row_src, seg_end - counts.to(torch.int32), seg_end, dh, block_n, block_k,
+                                 block_r, num_warps, num_stages)

@@ -1,5 +1,6 @@
 """Triton: the experts' first grouped GEMM with the row gather in its loads and SwiGLU in its
-epilogue (``moe_gemm.py`` has the reference and the why).
+epilogue, and its weight gradient reading the rows through the same gather (``moe_gemm.py`` has
+the references and the why).
 
 One program computes a [BLOCK_M, BLOCK_N] tile of ``act`` for one expert: BLOCK_M of the expert's
 rows, whose A rows it loads from ``x`` through ``row_src``, and BLOCK_N gate columns with the
@@ -9,6 +10,8 @@ backward. Accumulation in fp32; outputs in x's dtype.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -67,3 +70,55 @@ def gathered_swiglu_mm_triton(x: torch.Tensor, row_src: torch.Tensor, tile_exper
                                      fc.contiguous(), act, h, n_experts, D=d, FF=ff, BLOCK_M=block_m,
                                      BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return act, h
+
+
+@triton.jit
+def _wgrad_rows(X, ROW_SRC, DH, acc, r0, end, ns, ks, n_ok, k_ok,
+                D: tl.constexpr, TWO_FF: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc [BN, BK] += dh[r0:r0+BR, n-tile]^T x[row_src[r0:r0+BR], k-tile], rows past ``end`` masked."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    r_ok = rows < end
+    src = tl.load(ROW_SRC + rows, mask=r_ok, other=0).to(tl.int64)
+    g = tl.load(DH + rows.to(tl.int64)[None, :] * TWO_FF + ns[:, None], mask=n_ok[:, None] & r_ok[None, :],
+                other=0.0)  # [BN, BR]: dh's tile, transposed by its addressing
+    a = tl.load(X + src[:, None] * D + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BR, BK]
+    return tl.dot(g, a, acc)
+
+
+@triton.jit
+def _gathered_wgrad_kernel(X, ROW_SRC, SEG_START, SEG_END, DH, DW,
+                           D: tl.constexpr, TWO_FF: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                           INTERPRETED: tl.constexpr):
+    """dw[e, n-tile, k-tile] = sum over expert e's rows of dh[r, n-tile]^T x[row_src[r], k-tile]."""
+    e, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = tl.load(SEG_START + e), tl.load(SEG_END + e)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok, k_ok = ns < TWO_FF, ks < D
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if INTERPRETED:  # the interpreter cannot take a loaded value as a range bound; a while loop it can
+        r0 = start
+        while r0 < end:
+            acc = _wgrad_rows(X, ROW_SRC, DH, acc, r0, end, ns, ks, n_ok, k_ok, D, TWO_FF, BLOCK_R)
+            r0 += BLOCK_R
+    else:  # compiled: a for loop, which Triton software-pipelines (num_stages)
+        for r0 in range(start, end, BLOCK_R):  # the expert's rows: the reduction
+            acc = _wgrad_rows(X, ROW_SRC, DH, acc, r0, end, ns, ks, n_ok, k_ok, D, TWO_FF, BLOCK_R)
+    out = DW + e.to(tl.int64) * TWO_FF * D
+    tl.store(out + ns[:, None].to(tl.int64) * D + ks[None, :], acc.to(DW.dtype.element_ty),
+             mask=n_ok[:, None] & k_ok[None, :])
+
+
+def gathered_wgrad_triton(x: torch.Tensor, row_src: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor,
+                          dh: torch.Tensor, block_n: int, block_k: int, block_r: int, num_warps: int,
+                          num_stages: int) -> torch.Tensor:
+    """x [N, d], row_src [M], seg_start/seg_end [E] int32, dh [M, 2 ff] -> dfc [E, 2 ff, d]."""
+    n_experts, (m, two_ff), d = seg_end.numel(), dh.shape, x.shape[1]
+    dw = torch.empty(n_experts, two_ff, d, dtype=x.dtype, device=x.device)
+    grid = (n_experts, triton.cdiv(two_ff, block_n), triton.cdiv(d, block_k))
+    _gathered_wgrad_kernel[grid](x.contiguous(), row_src.contiguous(), seg_start, seg_end, dh.contiguous(), dw,
+                                 D=d, TWO_FF=two_ff, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+                                 INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+                                 num_warps=num_warps, num_stages=num_stages)
+    return dw
