@@ -98,8 +98,8 @@ def test_staging_disk_full(reference, workdir, shard_root, logs, mount_tmpfs):
 @pytest.mark.slow
 def test_durable_disk_full_then_a_staged_marker_with_a_traversal_name(reference, workdir, shard_root, logs, mount_tmpfs):
     """Durable storage (a small disk) fills after two commits: the upload of step 6 is refused
-    with the path and bytes, the flow fails, steps 2 and 4 still verify and steps 6 and 8 stay
-    staged, bit-exact with the reference. A rerun then meets a staged marker that lists a name
+    with the path and bytes, the flow fails, steps 2 and 4 still verify and step 6 (and 8, where
+    the rank got there first) stays staged, bit-exact with the reference. A rerun then meets a staged marker that lists a name
     leading out of the staging dir (with the real checksum of the file it points at): refused,
     nothing copied anywhere, nothing committed."""
     ref = reference(1)
@@ -117,13 +117,16 @@ def test_durable_disk_full_then_a_staged_marker_with_a_traversal_name(reference,
         assert_committed_intact(durable, expected=[2, 4])
         assert_bit_exact(durable, ref, steps=[4])
         assert [p.name for p in Path(durable).rglob("*") if ".tmp" in p.name] == []
-        for staged_step in (6, 8):  # not lost: still staged, and what the reference committed
-            assert (staging / step_dir_name(staged_step) / rank_marker(0)).exists()
+        # not lost: the refused step 6 is still staged, and step 8 too where the rank got there before
+        # the flow stopped it (a matter of timing: CI once saw the refusal come during step 7)
+        staged = [n for n in (6, 8) if (staging / step_dir_name(n) / rank_marker(0)).exists()]
+        assert staged[:1] == [6], staged
+        for staged_step in staged:  # what the reference committed
             want, got = checkpoint_tensors(ref, staged_step), checkpoint_tensors(str(staging), staged_step)
             assert want.keys() == got.keys() and all(bool((want[k] == got[k]).all()) for k in want)
         failed_row("durable_full", "disk space check before upload", t_start, t_detect,
                "tmpfs of 2.5 checkpoints as durable_url; 2, 4 committed, 6 refused, flow Failed; "
-                   "bit-exact: committed 4, staged 6 and 8", bit_exact=True)
+                   f"bit-exact: committed 4, staged {' and '.join(map(str, staged))}", bit_exact=True)
 
         # The same campaign again, space back, but staged step 6's marker now lists a hostile name.
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
