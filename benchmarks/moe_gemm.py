@@ -51,6 +51,18 @@ def time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def fused_row(name: str, want: torch.Tensor, iters: int, fn) -> dict:
+    """One fused kernel's row: its largest difference from ``want`` and its time, or the error of
+    a tile shape this GPU cannot run (shared memory)."""
+    row = {"name": name}
+    try:
+        row["max_abs_diff"] = (fn().float() - want.float()).abs().max().item()
+        row["ms"] = time_ms(fn, iters)
+    except Exception as exc:  # noqa: BLE001 - recorded in the row; the other shapes still run
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -87,34 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     def cutlass_wgrad():
         return torch._grouped_mm(rows_kept.transpose(-2, -1), dh, offs=offsets)  # [E, d, 2 ff]
 
-    want_wgrad = cutlass_wgrad().transpose(-2, -1)
-    wgrad_rows = [{"name": "weight gradient: CUTLASS grouped GEMM on the kept copy", "ms": time_ms(cutlass_wgrad, args.iters)}]
-    for bn, bk, br, warps, stages in WGRAD_TILES:
-        def fused_wgrad(bn=bn, bk=bk, br=br, warps=warps, stages=stages):
-            return gathered_wgrad(x, row_src, counts, dh, bn, bk, br, warps, stages)
-
-        row = {"name": f"weight gradient fused {bn}x{bk}, rows {br}, {warps} warps, {stages} stages"}
-        try:
-            row["max_abs_diff"] = (fused_wgrad().float() - want_wgrad.float()).abs().max().item()
-            row["ms"] = time_ms(fused_wgrad, args.iters)
-        except Exception as exc:  # noqa: BLE001 - a tile shape this GPU cannot run (shared memory)
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        wgrad_rows.append(row)
-
-    want = three_passes()
     rows_out = [{"name": "three passes (gather, CUTLASS grouped GEMM, SwiGLU)", "ms": time_ms(three_passes, args.iters)}]
+    want = three_passes()
     for bm, bn, bk, warps, stages in TILES:
-        def fused(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages):
-            return gathered_swiglu_mm(x, row_src, counts, fc, bm, bn, bk, warps, stages)[0]
-
-        row = {"name": f"fused {bm}x{bn}x{bk}, {warps} warps, {stages} stages"}
-        try:
-            row["max_abs_diff"] = (fused().float() - want.float()).abs().max().item()
-            row["ms"] = time_ms(fused, args.iters)
-        except Exception as exc:  # noqa: BLE001 - a tile shape this GPU cannot run (shared memory)
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        rows_out.append(row)
-    rows_out += wgrad_rows
+        rows_out.append(fused_row(f"fused {bm}x{bn}x{bk}, {warps} warps, {stages} stages", want, args.iters,
+                                  lambda t=(bm, bn, bk, warps, stages): gathered_swiglu_mm(x, row_src, counts, fc, *t)[0]))
+    rows_out.append({"name": "weight gradient: CUTLASS grouped GEMM on the kept copy",
+                     "ms": time_ms(cutlass_wgrad, args.iters)})
+    want_wgrad = cutlass_wgrad().transpose(-2, -1)
+    for bn, bk, br, warps, stages in WGRAD_TILES:
+        rows_out.append(fused_row(f"weight gradient fused {bn}x{bk}, rows {br}, {warps} warps, {stages} stages",
+                                  want_wgrad, args.iters,
+                                  lambda t=(bn, bk, br, warps, stages): gathered_wgrad(x, row_src, counts, dh, *t)))
     device = torch.cuda.get_device_name()
     print(f"{device}: {args.tokens} tokens, top-{args.top_k} of {args.experts}, d {args.d}, width {args.ff} (bf16)")
     for row in rows_out:

@@ -20,3 +20,12 @@ def test_the_rate_counts_gate_and_up_of_every_routed_row():
 def test_without_a_gpu_the_command_says_so(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         moe_gemm.main(["--out", str(tmp_path / "g.json")])
+
+
+def test_a_tile_shape_that_cannot_run_is_a_row_with_its_error_not_a_stop():
+    def out_of_shared_memory():
+        raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+
+    row = moe_gemm.fused_row("fused 256x256x128", torch.zeros(2), 3, out_of_shared_memory)
+    assert row == {"name": "fused 256x256x128",
+                   "error": "RuntimeError: out of resource: shared memory, Required: 262144, Hardware limit: 232448"}
