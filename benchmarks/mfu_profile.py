@@ -71,6 +71,35 @@ def busy_ms(prof) -> float:
     return busy / 1e3
 
 
+def kernels_by_phase(prof) -> dict[str, dict[str, float]]:
+    """GPU milliseconds per kernel name in each phase of the trainer's step: a kernel belongs to the
+    ``megatrain.<phase>`` range (``Trainer.phase``) open when it was launched. The backward's kernels
+    are launched by the autograd engine's thread while the main thread waits inside its backward
+    range, so the launch time alone decides. Kernels and launches are matched by CUPTI correlation
+    id, on the runtime calls only (a CPU op's own id is another counter that collides with it)."""
+    CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = list(prof.profiler.kineto_results.events())
+    ranges = [(e.start_ns(), e.end_ns(), e.name().removeprefix("megatrain."))
+              for e in events if e.device_type() == CPU and e.name().startswith("megatrain.")]
+    launched_at = {e.correlation_id(): e.start_ns() for e in events
+                   if e.device_type() == CPU and e.name().startswith("cu") and not e.is_user_annotation()}
+    phases: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e in events:
+        if e.device_type() != CUDA or e.is_user_annotation() or e.name().startswith(("##", "ProfilerStep", "Optimizer.")):
+            continue
+        t = launched_at.get(e.correlation_id())
+        phase = next((name for lo, hi, name in ranges if t is not None and lo <= t <= hi), "other")
+        phases[phase][e.name()] += e.duration_ns() / 1e6
+    return phases
+
+
+def phase_summary(prof, top: int = 40, per: int = 1) -> dict[str, Any]:
+    """Per phase: its kernels' total GPU time and its ``top`` kernels (full names), divided by ``per``."""
+    return {phase: {"kernel_ms": sum(names.values()) / per,
+                    "top": [{"name": n, "ms": ms / per} for n, ms in sorted(names.items(), key=lambda kv: -kv[1])[:top]]}
+            for phase, names in kernels_by_phase(prof).items()}
+
+
 def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch: int) -> dict[str, Any]:
     """GPU time by kernel and by kind over one profiled optimizer step; the GEMM rate counts the
     6N matmul FLOPs of the step (the blocks' four projections and the LM head)."""
@@ -91,11 +120,37 @@ def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch
         # kernels of several streams overlap: the idle time is the wall time their union leaves
         "wall_ms": wall_ms, "gpu_kernel_ms": gpu_ms, "gpu_idle_ms": wall_ms - busy_ms(prof),
         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "phases": phase_summary(prof),
         "gemm_tflops": gemm_flops / gemm_ms / 1e9 if gemm_ms else None,
         "top_kernels": [{"name": n[:140], "ms": ms, "calls": counts[n], "kind": kind_of(n),
                          "share": ms / gpu_ms if gpu_ms else None}
                         for n, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:30]],
     }
+
+
+def forward_probe(trainer, cfg) -> dict[str, Any]:
+    """One no-grad forward of the next batch, under the profiler, through the trainer's module
+    and through a fresh eager model of the same recipe: the same GEMM, attention and loss kernels,
+    so a kernel that is slower in the trainer is slower for the trainer's state (its weights,
+    their routing, the process), not for its code. Milliseconds per kernel name, top 15 each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatrain.model.gpt import GPT
+
+    inputs, targets = next(trainer.batches)
+    fresh = GPT(cfg.model).to(device=inputs.device, dtype=torch.bfloat16)
+    out: dict[str, Any] = {}
+    for name, module in (("trainer module", trainer.engine.module), ("fresh eager model", fresh)):
+        with torch.no_grad():
+            module(inputs, targets)  # warm-up: lazy inits, autotuned kernels
+            sync(inputs.device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                module(inputs, targets)
+                sync(inputs.device)
+        totals, _ = kernel_totals(prof)
+        out[name] = dict(sorted(totals.items(), key=lambda kv: -kv[1])[:15])
+    del fresh
+    return out
 
 
 def export_trace(prof, path: Path) -> None:
@@ -130,6 +185,9 @@ def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int, compile_
             wall_ms = (time.perf_counter() - t) * 1e3
         prof_report = summarize_profile(prof, wall_ms, cfg, micro_batches, cfg.train.micro_batch_size)
         prof_report["step_ms_trainer"] = metric.step_time_s * 1e3
+        prof_report["forward_probe"] = forward_probe(trainer, cfg)
+        if metric.moe:  # routing skew lengthens the grouped GEMMs: the profiled step's, per layer
+            prof_report["moe_max_over_mean"] = {k: v["max_over_mean"] for k, v in metric.moe["layers"].items()}
         prof_report["compile_options"] = compile_options
         bench.report[report_key] = prof_report
         if bench.args.trace and device.type == "cuda":

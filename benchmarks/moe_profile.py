@@ -5,6 +5,9 @@ choice in the same process (issue 32):
         --ab model.kernels.moe_permute=reference,fused --out moe-profile.json
 
 ``--ab compile.mode=default,max-autotune`` varies torch.compile's mode instead of a config field;
+``--ab tokens=random,text --tokens-from DIR`` feeds uniform random tokens or the text of the first
+shard under DIR (real text routes very unevenly at initialisation: the same token goes to the same
+experts);
 ``--ab train.precision=bf16,fp8 --set train.fp8.experts=true`` runs the FP8 linears and expert GEMMs
 beside bf16.
 Per variant: the model built from the recipe in bf16 with compiled blocks, fused AdamW, random
@@ -29,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mfu_profile import busy_ms, kernel_totals  # noqa: E402
+from mfu_profile import busy_ms, kernel_totals, phase_summary  # noqa: E402
 
 # kernel name -> part of the step (first match wins)
 PARTS = [("FP8 casts", ("triton_red_fused__scaled", "triton_per_fused__scaled", "triton_poi_fused__scaled")),  # Inductor's
@@ -44,6 +47,26 @@ PARTS = [("FP8 casts", ("triton_red_fused__scaled", "triton_per_fused__scaled", 
 
 
 COMPILE_MODE = "compile.mode"  # --ab compile.mode=default,max-autotune: torch.compile's mode per variant
+TOKENS = "tokens"  # --ab tokens=random,text: the batch's tokens per variant
+
+
+def text_tokens(folder: str, mb: int, seq_len: int) -> torch.Tensor:
+    """[mb, seq_len + 1] token windows from the shards under ``folder`` (shard_format.py), in name order."""
+    import io
+    import tarfile
+
+    import numpy as np
+
+    windows: list[np.ndarray] = []
+    for shard in sorted(Path(folder).rglob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                if member.name.endswith(".tokens.npy") and len(windows) < mb:
+                    array = np.load(io.BytesIO(tar.extractfile(member).read()))
+                    windows.extend(array.reshape(-1, array.shape[-1]))
+    if len(windows) < mb or windows[0].shape[0] != seq_len + 1:
+        raise SystemExit(f"{folder}: needs {mb} windows of {seq_len + 1} tokens")
+    return torch.from_numpy(np.stack(windows[:mb]).astype(np.int64))
 
 
 def part_of(kernel: str) -> str:
@@ -51,11 +74,12 @@ def part_of(kernel: str) -> str:
 
 
 def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "default", steps: int = 10,
-            trace: str | None = None) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+            trace: str | None = None, tokens_from: str | None = None) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from megatrain.config.load import load_config
     from megatrain.model.gpt import GPT
+    from megatrain.model.moe import end_step
     from megatrain.precision import apply_precision
 
     cfg = load_config(config, [f"train.micro_batch_size={mb}", "train.device=cuda", *overrides])
@@ -66,12 +90,20 @@ def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "def
     for block in model.blocks:
         block.compile(mode=None if compile_mode == "default" else compile_mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    idx, targets = (torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len), device="cuda") for _ in range(2))
+    if tokens_from:
+        windows = text_tokens(tokens_from, mb, cfg.model.seq_len).cuda()
+        idx, targets = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    else:
+        idx, targets = (torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len), device="cuda") for _ in range(2))
 
-    def step() -> None:
-        model(idx, targets).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step() -> None:  # the trainer's phase names (mfu_profile.kernels_by_phase splits by them)
+        with record_function("megatrain.forward"):
+            loss = model(idx, targets)
+        with record_function("megatrain.backward"):
+            loss.backward()
+        with record_function("megatrain.optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     from torch._dynamo.utils import counters
 
@@ -85,7 +117,7 @@ def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "def
         step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - start) / steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             step()
         torch.cuda.synchronize()
@@ -97,14 +129,17 @@ def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "def
     for name, kernel in kernels.items():
         parts[part_of(name)] += kernel["ms"]
     peak = torch.cuda.max_memory_allocated() / 2**30
+    balance = end_step(model)  # the routing skew over the measured steps, per layer
     del model, opt
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    return {"overrides": overrides, "compile_mode": compile_mode, "step_ms": step_s * 1e3,
+    return {"overrides": overrides, "compile_mode": compile_mode, "tokens": "text" if tokens_from else "random",
+            "step_ms": step_s * 1e3,
             "tokens_per_s": mb * cfg.model.seq_len / step_s,
             "peak_gib": peak, "gpu_ms": sum(parts.values()), "gpu_busy_ms": busy_ms(prof) / 2,
-            "graph_breaks": graph_breaks, "parts_ms": dict(parts),
+            "graph_breaks": graph_breaks, "parts_ms": dict(parts), "phases": phase_summary(prof, per=2),
+            "moe_max_over_mean": {k: v["max_over_mean"] for k, v in balance["layers"].items()} if balance else None,
             "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
@@ -118,6 +153,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every variant")
     parser.add_argument("--out", default="runs/moe-profile.json")
     parser.add_argument("--trace", default=None, help="PREFIX: each variant's chrome trace to PREFIX-<i>.json")
+    parser.add_argument("--tokens-from", default=None, help="a shard folder: --ab tokens=random,text reads text there")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_profile.py needs a CUDA GPU (the grouped GEMMs and the Triton kernels run there)")
@@ -130,6 +166,11 @@ def main() -> None:
     if key == COMPILE_MODE:  # torch.compile's mode, not a config field
         rows = [measure(args.config, args.set, args.mb, compile_mode=v, trace=trace(i))
                 for i, v in enumerate(values.split(","))]
+    elif key == TOKENS:
+        if not args.tokens_from:
+            raise SystemExit("--ab tokens=... needs --tokens-from SHARD_FOLDER")
+        rows = [measure(args.config, args.set, args.mb, trace=trace(i),
+                        tokens_from=args.tokens_from if v == "text" else None) for i, v in enumerate(values.split(","))]
     else:
         rows = [measure(args.config, [*args.set, f"{key}={v}"], args.mb, trace=trace(i))
                 for i, v in enumerate(values.split(","))]
@@ -143,7 +184,8 @@ def main() -> None:
                        *((f"  {p}", (lambda p: lambda r: r["parts_ms"].get(p, 0.0))(p)) for p in parts)]:
         print(f"{label:<34}" + "".join(f"{get(r):>14,.1f}" for r in rows))
     for r in rows:
-        print(f"top kernels, {r['overrides'][-1] if key != COMPILE_MODE else r['compile_mode']}:")
+        label = r["compile_mode"] if key == COMPILE_MODE else r["tokens"] if key == TOKENS else r["overrides"][-1]
+        print(f"top kernels, {label}:")
         for name, k in list(r["kernels"].items())[:12]:
             print(f"  {k['ms']:8.3f} ms {k['calls']:4d}x  {part_of(name):<22} {name[:90]}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megatrain.checkpoint.manager import Checkpointer
 from megatrain.checkpoint.state import check_checkpointable
@@ -238,9 +239,10 @@ class Trainer:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time a phase of the step and tell the heartbeat which phase this rank is in."""
+        """Time a phase of the step and tell the heartbeat which phase this rank is in. The
+        profiler sees it as ``megatrain.<name>`` (``benchmarks/mfu_profile.py`` splits kernels by it)."""
         self.heartbeat.beat(phase="collective" if name == "comm" else name)
-        with self.timers.phase(name):
+        with self.timers.phase(name), record_function(f"megatrain.{name}"):
             yield
 
     def train_step(self) -> StepMetrics:

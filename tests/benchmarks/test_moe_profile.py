@@ -91,3 +91,78 @@ def test_busy_time_is_the_union_of_the_kernels_intervals():
         event("after_a_gap", 3000, 3500),  # 1500-3000 idle
         event("moe.router", 0, 3500, annotation=True), event("## Call CompiledFxGraph f0 ##", 0, 3500)])
     assert busy_ms(prof) == pytest.approx(2.0)
+
+
+def test_kernels_go_to_the_phase_open_at_their_launch_matched_by_the_runtime_calls_id():
+    """mfu_profile.kernels_by_phase / phase_summary: each kernel lands in the ``megatrain.<phase>``
+    range open when its cu* launch ran (correlation id), a CPU op sharing that id is not a launch,
+    an annotation is not a kernel, and milliseconds add up per kernel name."""
+    from types import SimpleNamespace
+
+    from mfu_profile import kernels_by_phase, phase_summary
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, corr=0, start=0, end=0, ns=0, annotation=False):
+        return SimpleNamespace(name=lambda: name, device_type=lambda: device, correlation_id=lambda: corr,
+                               start_ns=lambda: start, end_ns=lambda: end, duration_ns=lambda: ns,
+                               is_user_annotation=lambda: annotation)
+
+    bwd = "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9x" + "x" * 200  # > 140 chars
+    events = [
+        event("megatrain.forward", cpu, start=0, end=100, annotation=True),
+        event("megatrain.backward", cpu, start=200, end=400, annotation=True),
+        event("cudaLaunchKernel", cpu, corr=1, start=10),
+        event("gemm_fwd", cuda, corr=1, ns=2_000_000),
+        # the autograd engine's thread launches while the main thread waits in the backward range
+        event("cuLaunchKernel", cpu, corr=2, start=250),
+        # a CPU op numbered by its own counter: listed after the launch it would overwrite, in forward
+        event("aten::mm", cpu, corr=2, start=50),
+        event(bwd, cuda, corr=2, ns=3_000_000),
+        event("cudaLaunchKernel", cpu, corr=3, start=300),
+        event(bwd, cuda, corr=3, ns=1_000_000),
+        event("aten::mm", cpu, corr=4, start=50),  # its id's kernel has no launch: not forward's
+        event("orphan_kernel", cuda, corr=4, ns=500_000),
+        event("cudaLaunchKernel", cpu, corr=5, start=150),  # between the two ranges
+        event("between_kernel", cuda, corr=5, ns=250_000),
+        event("megatrain.forward", cuda, corr=1, ns=9_000_000, annotation=True),  # the range on the GPU's row
+    ]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    phases = {phase: dict(names) for phase, names in kernels_by_phase(prof).items()}
+    assert phases == {"forward": {"gemm_fwd": 2.0}, "backward": {bwd: 4.0},
+                      "other": {"orphan_kernel": 0.5, "between_kernel": 0.25}}
+    # per=2: two profiled steps give one step's milliseconds; top keeps full names, largest first
+    assert phase_summary(prof, per=2) == {
+        "forward": {"kernel_ms": 1.0, "top": [{"name": "gemm_fwd", "ms": 1.0}]},
+        "backward": {"kernel_ms": 2.0, "top": [{"name": bwd, "ms": 2.0}]},
+        "other": {"kernel_ms": 0.375, "top": [{"name": "orphan_kernel", "ms": 0.25},
+                                               {"name": "between_kernel", "ms": 0.125}]}}
+
+
+def test_text_tokens_takes_windows_across_shards_in_name_order_and_refuses_too_few_or_the_wrong_width(tmp_path):
+    """moe_profile.text_tokens on shards written by shard_format.write_shard: the first ``mb``
+    windows of the shards under the folder (in subfolders too) in name order, as int64, and a
+    SystemExit naming the folder for too few windows or another seq_len."""
+    import re
+
+    import numpy as np
+
+    from megatrain.data.shard_format import write_shard
+
+    seq_len = 4
+    folder = tmp_path / "train"
+    folder.mkdir()
+    first = (np.arange(3 * (seq_len + 1)).reshape(3, seq_len + 1) + 1000).astype(np.uint16)
+    second = (np.arange(3 * (seq_len + 1)).reshape(3, seq_len + 1) + 70000).astype(np.uint32)  # > uint16
+    # the later name written first: the order is the names', not the writes'
+    write_shard(str(folder / "shard-000001.tar"), second, 3)
+    write_shard(str(folder / "shard-000000.tar"), first, 0)
+
+    tokens = moe_profile.text_tokens(str(tmp_path), 5, seq_len)
+    assert tokens.dtype == torch.int64 and tokens.shape == (5, seq_len + 1)
+    assert torch.equal(tokens, torch.from_numpy(np.concatenate([first, second[:2]]).astype(np.int64)))
+
+    with pytest.raises(SystemExit, match=re.escape(f"{tmp_path}: needs 7 windows of {seq_len + 1} tokens")):
+        moe_profile.text_tokens(str(tmp_path), 7, seq_len)  # 6 windows in all
+    with pytest.raises(SystemExit, match=re.escape(f"{tmp_path}: needs 2 windows of 9 tokens")):
+        moe_profile.text_tokens(str(tmp_path), 2, 8)

@@ -101,6 +101,10 @@ def test_fused_matches_the_reference_in_the_interpreter():
     _compare("cpu", torch.float32, n_tokens=40, k=2, n_experts=4, d=48, ff=40, block_m=16, block_n=16, block_k=16)
     _wgrad_compare("cpu", torch.float32, n_tokens=40, k=2, n_experts=4, d=48, ff=40, block_n=16, block_k=16,
                    block_r=16)
+    # widths the tiles divide: the kernels' unmasked main loops
+    _compare("cpu", torch.float32, n_tokens=24, k=2, n_experts=3, d=32, ff=16, block_m=16, block_n=16, block_k=16)
+    _wgrad_compare("cpu", torch.float32, n_tokens=24, k=2, n_experts=3, d=32, ff=16, block_n=16, block_k=16,
+                   block_r=16)
 
 
 @pytest.mark.gpu
