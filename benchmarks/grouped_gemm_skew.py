@@ -18,24 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+from bound import time_ms  # benchmarks/bound.py
 
 
-def time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def cuda_ms(fn, iters: int) -> float:
+    """The median of ``iters`` CUDA-event timings of ``fn`` after 3 warm-up calls (``bound.time_ms``)."""
+    return time_ms(fn, torch.device("cuda"), iters, warmup=3)
 
 
 def offset_tensor(shape: tuple[int, ...], offset_bytes: int) -> torch.Tensor:
@@ -80,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 "proj weight grad": lambda: torch._grouped_mm(dy.t(), act, offs=offs),
             }
             row = {"zipf_exponent": exponent, "max_over_mean": (counts.max() / counts.float().mean()).item(),
-                   "weight_offset_bytes": offset, "ms": {name: time_ms(fn, args.iters) for name, fn in gemms.items()}}
+                   "weight_offset_bytes": offset, "ms": {name: cuda_ms(fn, args.iters) for name, fn in gemms.items()}}
             row["total_ms"] = sum(row["ms"].values())
             results.append(row)
     device = torch.cuda.get_device_name()

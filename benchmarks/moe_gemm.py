@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
+from bound import time_ms  # noqa: E402  (benchmarks/bound.py)
 
 TILES = [(128, 64, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 32, 4, 4),
          (64, 128, 64, 4, 4)]
@@ -34,23 +34,14 @@ WGRAD_TILES = [(128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4),
                (128, 64, 64, 4, 3)]
 
 
+def cuda_ms(fn, iters: int) -> float:
+    """The median of ``iters`` CUDA-event timings of ``fn`` after 3 warm-up calls (``bound.time_ms``)."""
+    return time_ms(fn, torch.device("cuda"), iters, warmup=3)
+
+
 def gemm_tflops(rows: int, d: int, ff: int, ms: float) -> float:
     """The first projection's FLOPs (gate and up: 2 x rows x d x 2 ff) per second, in TFLOP/s."""
     return 2 * rows * d * 2 * ff / (ms * 1e-3) / 1e12
-
-
-def time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def fused_row(name: str, want: torch.Tensor, iters: int, fn) -> dict:
@@ -59,7 +50,7 @@ def fused_row(name: str, want: torch.Tensor, iters: int, fn) -> dict:
     row = {"name": name}
     try:
         row["max_abs_diff"] = (fn().float() - want.float()).abs().max().item()
-        row["ms"] = time_ms(fn, iters)
+        row["ms"] = cuda_ms(fn, iters)
     except Exception as exc:  # noqa: BLE001 - recorded in the row; the other shapes still run
         row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return row
@@ -102,17 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         return torch._grouped_mm(rows_kept.transpose(-2, -1), dh, offs=offsets)  # [E, d, 2 ff]
 
     h_kept = torch._grouped_mm(rows_kept, fc.transpose(-2, -1), offs=offsets)
-    rows_out = [{"name": "three passes (gather, CUTLASS grouped GEMM, SwiGLU)", "ms": time_ms(three_passes, args.iters)},
-                {"name": "  of which the gather", "ms": time_ms(lambda: permute(x, order, args.top_k, "fused"), args.iters)},
-                {"name": "  of which the grouped GEMM", "ms": time_ms(
+    rows_out = [{"name": "three passes (gather, CUTLASS grouped GEMM, SwiGLU)", "ms": cuda_ms(three_passes, args.iters)},
+                {"name": "  of which the gather", "ms": cuda_ms(lambda: permute(x, order, args.top_k, "fused"), args.iters)},
+                {"name": "  of which the grouped GEMM", "ms": cuda_ms(
                     lambda: torch._grouped_mm(rows_kept, fc.transpose(-2, -1), offs=offsets), args.iters)},
-                {"name": "  of which SwiGLU", "ms": time_ms(lambda: swiglu(h_kept, "fused"), args.iters)}]
+                {"name": "  of which SwiGLU", "ms": cuda_ms(lambda: swiglu(h_kept, "fused"), args.iters)}]
     want = three_passes()
     for bm, bn, bk, warps, stages in TILES:
         rows_out.append(fused_row(f"fused {bm}x{bn}x{bk}, {warps} warps, {stages} stages", want, args.iters,
                                   lambda t=(bm, bn, bk, warps, stages): gathered_swiglu_mm(x, row_src, counts, fc, *t)[0]))
     rows_out.append({"name": "weight gradient: CUTLASS grouped GEMM on the kept copy",
-                     "ms": time_ms(cutlass_wgrad, args.iters)})
+                     "ms": cuda_ms(cutlass_wgrad, args.iters)})
     want_wgrad = cutlass_wgrad().transpose(-2, -1)
     for bn, bk, br, warps, stages in WGRAD_TILES:
         rows_out.append(fused_row(f"weight gradient fused {bn}x{bk}, rows {br}, {warps} warps, {stages} stages",
