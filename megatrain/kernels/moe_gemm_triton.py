@@ -96,9 +96,10 @@ def gathered_swiglu_mm_triton(x: torch.Tensor, row_src: torch.Tensor, tile_exper
 @triton.jit
 def _wgrad_rows(X, ROW_SRC, DH, acc, r0, end, ns, ks, D: tl.constexpr, TWO_FF: tl.constexpr,
                 BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    """acc [BN, BK] += dh[r0:r0+BR, n-tile]^T x[row_src[r0:r0+BR], k-tile]. ``ns`` and ``ks`` are
-    clamped into the matrices (their results are not stored); a MASKED chunk (the segment's tail)
-    zeroes dh's rows past ``end``, the only mask the sum needs."""
+    """acc [BN, BK] += dh[r0:r0+BR, n-tile]^T x[row_src[r0:r0+BR], k-tile]. ``ns`` and ``ks`` lie
+    inside the matrices (clamped by the caller where the tiles do not divide them; those results
+    are not stored); a MASKED chunk (the segment's tail) zeroes dh's rows past ``end``, the only
+    mask the sum needs."""
     rows = r0 + tl.arange(0, BLOCK_R)
     if MASKED:
         r_ok = rows < end
