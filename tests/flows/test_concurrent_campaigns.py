@@ -44,11 +44,7 @@ def test_two_campaigns_at_once_each_run_their_own_temporary_server(tmp_path, sha
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     path = tiny_campaign(tmp_path, shard_root)
-    # the corpus sharded once for both (by a run with a Prefect home of its own: the two runs
-    # below then start on the state a first run finds, none)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "warm-up-prefect"))
-    assert FlowProcess(path, None, tmp_path / "warm-up.log", args=["id=warm-up"]).wait(600) == 0
-    monkeypatch.delenv("PREFECT_HOME")
+    shard_in_process(path)  # the corpus sharded once for both: their shard-data tasks find it done
     runs = [FlowProcess(path, None, tmp_path / f"{cid}.log", args=[f"id={cid}"]) for cid in ("a", "b")]
     try:
         codes = [run.wait(600) for run in runs]
@@ -64,6 +60,17 @@ def test_two_campaigns_at_once_each_run_their_own_temporary_server(tmp_path, sha
     assert not (home / ".prefect" / "prefect.db").exists()  # each run's server kept its own state
     for run in runs:  # and removed it after the run
         assert not list(Path(tempfile.gettempdir()).glob(f"megatrain-prefect-run-{socket.gethostname()}-{run.proc.pid}-*"))
+
+
+def shard_in_process(path: Path) -> None:
+    """What the campaign's shard-data task does for its one stage (flows/shard_data.py), here,
+    without a flow or a Prefect server."""
+    from megatrain.config.campaign import load_campaign, stage_config
+    from megatrain.data.shard import component_configs, mixture_tokenizer, shard_corpus
+
+    cfg = stage_config(load_campaign(path), 0)
+    for data in component_configs(mixture_tokenizer(cfg.data, cfg.model.vocab_size)):
+        shard_corpus(data, cfg.seq_len, cfg.model.vocab_size)
 
 
 def server_environment(tmp_path: Path, **env: str) -> dict:
