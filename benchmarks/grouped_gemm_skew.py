@@ -17,16 +17,9 @@ writes the JSON; one process, one GPU.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
-from bound import time_ms  # benchmarks/bound.py
-
-
-def cuda_ms(fn, iters: int) -> float:
-    """The median of ``iters`` CUDA-event timings of ``fn`` after 3 warm-up calls (``bound.time_ms``)."""
-    return time_ms(fn, torch.device("cuda"), iters, warmup=3)
+from moe_gemm import add_layer_arguments, cuda_ms, write_report  # benchmarks/moe_gemm.py: the same layer, timed alike
 
 
 def offset_tensor(shape: tuple[int, ...], offset_bytes: int) -> torch.Tensor:
@@ -40,12 +33,7 @@ def offset_tensor(shape: tuple[int, ...], offset_bytes: int) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--d", type=int, default=1024)
-    parser.add_argument("--ff", type=int, default=640)
-    parser.add_argument("--iters", type=int, default=20)
+    add_layer_arguments(parser, tokens=32768)  # micro-batch 16
     parser.add_argument("--out", default="runs/grouped-gemm-skew.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -81,10 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in results:
         print(f"{row['max_over_mean']:9.2f} {row['weight_offset_bytes']:6d}B "
               + "".join(f"{row['ms'][name]:17.3f}" for name in names) + f"{row['total_ms']:9.3f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": device, "torch": torch.__version__, "args": vars(args),
-                                          "rows": results}, indent=1))
-    print(f"JSON: {args.out}")
+    write_report(args, results)
     return 0
 
 

@@ -39,6 +39,25 @@ def cuda_ms(fn, iters: int) -> float:
     return time_ms(fn, torch.device("cuda"), iters, warmup=3)
 
 
+def add_layer_arguments(parser: argparse.ArgumentParser, tokens: int) -> None:
+    """moe-gpu-2b's MoE layer shape (``tokens`` routed top-8 of 64 experts, d 1024, width 640) and
+    the timed calls per row: the options both layer benchmarks share (this and grouped_gemm_skew)."""
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--d", type=int, default=1024)
+    parser.add_argument("--ff", type=int, default=640)
+    parser.add_argument("--iters", type=int, default=20)
+
+
+def write_report(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The JSON both layer benchmarks write: the GPU, torch, the options and the rows."""
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                          "args": vars(args), "rows": rows}, indent=1))
+    print(f"JSON: {args.out}")
+
+
 def gemm_tflops(rows: int, d: int, ff: int, ms: float) -> float:
     """The first projection's FLOPs (gate and up: 2 x rows x d x 2 ff) per second, in TFLOP/s."""
     return 2 * rows * d * 2 * ff / (ms * 1e-3) / 1e12
@@ -58,12 +77,7 @@ def fused_row(name: str, want: torch.Tensor, iters: int, fn) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--d", type=int, default=1024)
-    parser.add_argument("--ff", type=int, default=640)
-    parser.add_argument("--iters", type=int, default=20)
+    add_layer_arguments(parser, tokens=16384)
     parser.add_argument("--out", default="runs/moe-gemm.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -118,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"  max |diff| {row['max_abs_diff']:.3g}" if "max_abs_diff" in row else ""))
         else:
             print(f"  {row['name']:<55} {row['error']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": device, "torch": torch.__version__, "args": vars(args),
-                                          "rows": rows_out}, indent=1))
-    print(f"JSON: {args.out}")
+    write_report(args, rows_out)
     return 0
 
 

@@ -53,17 +53,20 @@ TOKENS = "tokens"  # --ab tokens=random,text: the batch's tokens per variant
 def text_tokens(folder: str, mb: int, seq_len: int) -> torch.Tensor:
     """[mb, seq_len + 1] token windows from the shards under ``folder`` (shard_format.py), in name order."""
     import io
+    import itertools
     import tarfile
 
     import numpy as np
 
-    windows: list[np.ndarray] = []
-    for shard in sorted(Path(folder).rglob("*.tar")):
-        with tarfile.open(shard) as tar:
-            for member in tar:
-                if member.name.endswith(".tokens.npy") and len(windows) < mb:
-                    array = np.load(io.BytesIO(tar.extractfile(member).read()))
-                    windows.extend(array.reshape(-1, array.shape[-1]))
+    def all_windows():  # lazily: a real corpus has thousands of shards, and mb windows are few
+        for shard in sorted(Path(folder).rglob("*.tar")):
+            with tarfile.open(shard) as tar:
+                for member in tar:
+                    if member.name.endswith(".tokens.npy"):
+                        array = np.load(io.BytesIO(tar.extractfile(member).read()))
+                        yield from array.reshape(-1, array.shape[-1])
+
+    windows = list(itertools.islice(all_windows(), mb))
     if len(windows) < mb or windows[0].shape[0] != seq_len + 1:
         raise SystemExit(f"{folder}: needs {mb} windows of {seq_len + 1} tokens")
     return torch.from_numpy(np.stack(windows[:mb]).astype(np.int64))
