@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fp8-no-bound", action="store_true", help="fp8: skip bound.py's FP8 GEMM bound (measured once)")
     parser.add_argument("--baseline-eager", action="store_true", help="the baseline without torch.compile (CPU smoke tests)")
     parser.add_argument("--trace", action="store_true", help="also write the profile's chrome trace (gzip)")
+    parser.add_argument("--forward-probe", action="store_true",
+                        help="profile: one forward of the trainer's module beside a fresh model's (mfu_profile.forward_probe)")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
     args = parser.parse_args(argv)
     args.budget_s = args.budget_s or (470.0 if args.quick else 3600.0)
