@@ -185,7 +185,7 @@ def run_profile(bench: Bench, cfg, env, data: Data, micro_batches: int, compile_
             wall_ms = (time.perf_counter() - t) * 1e3
         prof_report = summarize_profile(prof, wall_ms, cfg, micro_batches, cfg.train.micro_batch_size)
         prof_report["step_ms_trainer"] = metric.step_time_s * 1e3
-        if bench.args.forward_probe:  # a second model beside the trainer's: opt in (memory)
+        if bench.args.forward_probe and device.type == "cuda":  # a second model beside the trainer's: opt in
             prof_report["forward_probe"] = forward_probe(trainer, cfg)
         if metric.moe:  # routing skew lengthens the grouped GEMMs: the profiled step's, per layer
             prof_report["moe_max_over_mean"] = {k: v["max_over_mean"] for k, v in metric.moe["layers"].items()}

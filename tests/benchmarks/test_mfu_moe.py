@@ -104,3 +104,22 @@ def test_moe_benchmark_runs_both_rows_end_to_end_on_cpu(tmp_path):
     # the load of steps right after initialisation is shown, never judged against the after-warm-up target
     assert summary["targets"]["expert load max/mean <= 1.25 after warm-up"] is None
     assert "after warm-up: n/a here (an untrained router" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_trainer_profile_runs_on_cpu_and_records_the_routing_skew(tmp_path):
+    """mfu.py --only kernels: the trainer's step under the profiler, with --forward-probe (a
+    CUDA-only look, skipped on a CPU rather than failing the profile), and the profiled step's
+    expert load per layer."""
+    out = tmp_path / "mfu.json"
+    cmd = [sys.executable, "benchmarks/mfu.py", "--quick", "--device", "cpu", "--config", "configs/moe-gpu-2b.yaml",
+           "--out", str(out), "--only", "kernels", "--forward-probe", "--default-mbs", "2", "--large-batch", "4",
+           "--source-bytes", "100000", "--override", "model.compile=false", "--override", "train.micro_batch_size=2",
+           *[a for o in TINY for a in ("--override", o)]]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    profile = json.loads(out.read_text())["profile"]
+    assert "error" not in profile, profile.get("error")
+    assert profile["wall_ms"] > 0 and "forward_probe" not in profile  # no CUDA kernels to compare here
+    skew = profile["moe_max_over_mean"]
+    assert skew and all(value >= 1.0 for value in skew.values())
