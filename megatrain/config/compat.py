@@ -25,7 +25,7 @@ from megatrain.config.schema import Config
 # resume their checkpoints). A branch adding fields to a section lists them here too.
 _LATER_KNOBS: dict[str, tuple[str, ...]] = {
     "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp", "moe"),
-    "model.kernels": ("rmsnorm", "swiglu", "rope", "experts", "moe_permute"),
+    "model.kernels": ("rmsnorm", "swiglu", "rope", "experts", "moe_permute", "moe_router"),
     "train.fp8": ("casts", "experts"),  # casts: an implementation choice, like model.kernels: the same e4m3 values
     "data": ("mixture", "on_exhausted", "on_bad_source", "unit_bytes"),
     "optim": ("decay_fraction",),

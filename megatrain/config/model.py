@@ -37,6 +37,9 @@ class KernelConfig(_Section):
     # The MoE permutation (tokens to the experts' rows and back, megatrain/kernels/moe_permute.py):
     # reference = index ops; fused = Triton gathers, forward and backward (no atomics).
     moe_permute: Literal["reference", "fused", "auto"] = "auto"
+    # The MoE router's selection (megatrain/kernels/moe_router.py): reference = torch.topk and a
+    # scatter_add_ of the tokens per expert; fused = one Triton pass each, in registers.
+    moe_router: Literal["reference", "fused", "auto"] = "auto"
 
 
 class RopeScaling(_Section):

@@ -41,6 +41,7 @@ from torch.profiler import record_function
 
 from megatrain.config import ModelConfig
 from megatrain.kernels.moe_permute import group_order, permute, unpermute
+from megatrain.kernels.moe_router import expert_counts, topk_experts
 from megatrain.model.mlp import SwiGLU
 from megatrain.model.moe_experts import Experts
 
@@ -60,11 +61,12 @@ class Router(nn.Module):
         self.gate = nn.Linear(cfg.d_model, m.n_experts, bias=False)  # weight [E, d]
         self.register_buffer("bias", torch.zeros(m.n_experts))  # [E] aux-free bias: selection only
         self.score, self.top_k, self.norm_topk = m.router_score, m.top_k, m.norm_topk_prob
+        self.impl = cfg.kernels.moe_router
 
     def forward(self, x: torch.Tensor) -> Routing:  # x [N, d]
         logits = self.gate(x).float()  # [N, E]
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        experts = (scores + self.bias).topk(self.top_k, dim=-1).indices  # [N, k]
+        experts = topk_experts(scores, self.bias, self.top_k, self.impl)  # [N, k]
         weights = scores.gather(1, experts)  # [N, k]
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -72,13 +74,12 @@ class Router(nn.Module):
         return Routing(logits, probs, experts, weights)
 
 
-def dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int,
-             impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int, impl: str = "auto",
+             counts_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, d], experts [N, k] -> (rows [N k, d] grouped by expert, counts [E], order [N k]):
     slot j = token j // k's (j % k)-th choice; rows[i] is slot order[i]. No host sync."""
-    flat = experts.flatten()  # [N k]
-    order = group_order(flat, n_experts)  # [N k]
-    counts = torch.zeros(n_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    order = group_order(experts.flatten(), n_experts)  # [N k]
+    counts = expert_counts(experts, n_experts, counts_impl)  # [E]
     return permute(x, order, experts.shape[1], impl), counts, order
 
 
@@ -122,7 +123,8 @@ class MoE(nn.Module):
         with record_function("moe.router"):
             routing = self.router(h)
         with record_function("moe.dispatch"):
-            rows, counts, order = dispatch(h, routing.experts, self.n_experts, self.permute_impl)  # [N k, d], [E], [N k]
+            rows, counts, order = dispatch(h, routing.experts, self.n_experts, self.permute_impl,
+                                           self.router.impl)  # [N k, d], [E], [N k]
         shared = None
         if self.exchange is None:
             y = self._run_experts(rows, counts)
