@@ -46,6 +46,7 @@ def run_parity(nproc: int, variants: list[dict], out_dir: Path, timeout: int = 3
             merged["weights"].update(part["weights"])
             if part["stage"] == len(files) - 1:  # the last stage computes the loss
                 merged["loss"], merged["grad_norm"] = part["loss"], part["grad_norm"]
+            merged.setdefault("norm_check", {}).update(part.get("norm_check", {}))
         results[variant["name"]] = merged
     return results
 

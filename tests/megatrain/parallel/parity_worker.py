@@ -33,6 +33,7 @@ from megatrain.parallel.init import init_distributed, shutdown_distributed
 from megatrain.parallel.overlap import attach_dp_overlap
 from megatrain.parallel.parallelize import parallelize
 from megatrain.parallel.tensor_parallel import full_tensor
+from megatrain.parallel.zero_norms import attach_foreach_norms
 
 # Small enough for 2 CPU cores, big enough that every split is real (heads, ffn, vocab, seq).
 BASE = {
@@ -72,6 +73,32 @@ def my_micro_batches(cfg: Config, step: int, dp_rank: int, dp: int) -> list[tupl
     return list(zip(inputs[rows].split(mb), targets[rows].split(mb)))
 
 
+def compare_norms(zero) -> dict[str, float | bool]:
+    """megatrain's multi-tensor norm and inf/NaN check (parallel/zero_norms.py) beside DeepSpeed's own
+    on this step's gradients, then with a NaN and an inf planted in the first one (put back after)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero
+
+    def norms() -> tuple[float, float]:
+        ours = sum(float(zero.get_grad_norm_direct(zero.averaged_gradients[i], zero.params_in_partition[i])) ** 2
+                   for i in range(len(zero.bit16_groups)))
+        theirs = sum(float(Zero.get_grad_norm_direct(zero, zero.averaged_gradients[i], zero.params_in_partition[i])) ** 2
+                     for i in range(len(zero.bit16_groups)))
+        return ours ** 0.5, theirs ** 0.5
+
+    out: dict[str, float | bool] = {}
+    out["ours"], out["theirs"] = norms()
+    first = next(g for g in zero.averaged_gradients[0] if g is not None and g.numel())
+    kept = first.view(-1)[0].item()
+    for name, value in (("clean", kept), ("nan", float("nan")), ("inf", float("inf"))):
+        first.view(-1)[0] = value
+        out[f"overflow_{name}_ours"] = bool(zero.has_overflow_partitioned_grads_serial())
+        out[f"overflow_{name}_theirs"] = bool(Zero.has_overflow_partitioned_grads_serial(zero))
+        if name != "clean":
+            out[f"norm_{name}_ours"] = float(zero.get_grad_norm_direct(zero.averaged_gradients[0], zero.params_in_partition[0]))
+    first.view(-1)[0] = kept
+    return out
+
+
 def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     cfg = build_config(variant, world)
     p = cfg.parallel
@@ -93,6 +120,7 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     )
     if isinstance(optimizer, Lamb) and p.zero_stage in (1, 2):  # as the trainer does
         attach_lamb_segments(engine.optimizer, optimizer, groups.dp_group, norm_group=groups.stage_group)
+    foreach_norms = attach_foreach_norms(engine.optimizer)  # as the trainer does (ZeRO-1/2)
     # ZeRO-0's all-reduce overlapped with backward (None elsewhere): the call a trainer makes to use
     # it (the committed trainer does not: slower on NVLink, see megatrain/parallel/overlap.py)
     reducer = attach_dp_overlap(engine, cfg, groups)
@@ -104,9 +132,12 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
         assert all(q.is_meta for q in model.parameters() if id(q) not in local), "other stages' weights kept"
 
     grads: dict[str, torch.Tensor] = {}
+    norm_check: dict[str, float | bool] = {}
     zero_step = engine.optimizer.step
 
     def capture_then_step(*args, **kwargs):  # runs after the DP reduction, before clipping and the update
+        if foreach_norms and not norm_check:
+            norm_check.update(compare_norms(engine.optimizer))
         if not grads:
             for param in params:
                 if names[id(param)] in SAMPLED:
@@ -154,7 +185,8 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
         reducer.remove()
     weights = {names[id(q)]: whole(q).clone() for q in params}
     if groups.dp_rank == 0 and groups.tp_rank == 0:
-        result = {"loss": losses, "grad_norm": norms, "grads": grads, "weights": weights, "stage": groups.pp_rank}
+        result = {"loss": losses, "grad_norm": norms, "grads": grads, "weights": weights, "stage": groups.pp_rank,
+                  "norm_check": norm_check}
         torch.save(result, out_dir / f"{variant['name']}.stage{groups.pp_rank}.pt")
     dist.barrier()
 

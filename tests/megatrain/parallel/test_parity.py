@@ -136,6 +136,21 @@ def assert_matches(run: dict, ref: dict) -> None:
 
 
 @pytest.mark.slow
+def test_the_foreach_norms_match_deepspeeds_own(world2, world4):
+    """parallel/zero_norms.py on every ZeRO-1/2 layout (dp, tp, pp, tp x dp, tp x pp): the gradient norm
+    DeepSpeed's own per-tensor fp64 code gives, and the same inf/NaN verdicts (a NaN or an inf planted
+    in a gradient; the norm is then DeepSpeed's -1)."""
+    checked = {name: run["norm_check"] for name, run in {**world2, **world4}.items() if run["norm_check"]}
+    assert len(checked) >= 20, sorted(checked)  # every layout but ZeRO-0 and ZeRO-3
+    for name, check in checked.items():
+        assert check["ours"] == pytest.approx(check["theirs"], rel=1e-6), name
+        assert not check["overflow_clean_ours"] and not check["overflow_clean_theirs"], name
+        for planted in ("nan", "inf"):
+            assert check[f"overflow_{planted}_ours"] and check[f"overflow_{planted}_theirs"], (name, planted)
+            assert check[f"norm_{planted}_ours"] == -1.0, (name, planted)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_two_ranks_match_one_process(name, world2, reference):
     assert_matches(world2[name], reference(WORLD2[name]))
