@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace", action="store_true", help="also write the profile's chrome trace (gzip)")
     parser.add_argument("--forward-probe", action="store_true",
                         help="profile: one forward of the trainer's module beside a fresh model's (mfu_profile.forward_probe)")
+    parser.add_argument("--init-from", default=None,
+                        help="MoE: a transformers folder (megatrain export of a warmed-up run) that both the baseline "
+                             "and megatrain's rows start from; default: each its own random init")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
     args = parser.parse_args(argv)
     args.budget_s = args.budget_s or (470.0 if args.quick else 3600.0)
@@ -135,9 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.recipe_batch, bench.seq_len = recipe.train.global_batch_size, recipe.seq_len
     data_overrides = [f"data.shard_url={args.work}/shards", f"data.max_source_bytes={args.source_bytes}",
                       "data.num_workers=0", *args.override]
+    if args.init_from:  # the shards in the ids of the model's own tokenizer, as the trainer requires
+        data_overrides.append(f"data.tokenizer={Path(args.init_from).resolve()}")
     common = [
         *data_overrides, f"train.device={device.type}", "train.steps=100000", "train.log_interval=1000000",
         "checkpoint.interval=1000000000", "checkpoint.resume=false", "reliability.heartbeat_interval_s=30",
+        *([f"checkpoint.init_from=hf:{Path(args.init_from).resolve()}"] if args.init_from else []),
     ]
     data = Data(args, data_overrides)
     data.start()

@@ -42,6 +42,11 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "swiglu-reference": (["model.kernels.swiglu=reference"], None),  # inductor's SwiGLU
     "ce-chunked": ([], None),  # MODULE_SETTINGS below
     "ds-timer-sync": ([], None),
+    # ZeRO's overlap_comm off (on one GPU nothing to overlap; moe-gpu-2b on an H200: the same speed)
+    "no-overlap-comm": (["parallel.overlap.dp_overlap_comm=false"], None),
+    "router-reference": (["model.kernels.moe_router=reference"], None),  # torch.topk and scatter_add_
+    "rope-head-major": ([], None),  # MODULE_SETTINGS below
+    "ds-norms": ([], None),  # MODULE_SETTINGS below
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -49,6 +54,10 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     "ce-chunked": {("megatrain.kernels.cross_entropy", "ONE_CHUNK_LOGITS"): 0},
     # DeepSpeed's throughput timer as DeepSpeed defaults it (a device sync twice per micro-batch)
     "ds-timer-sync": {("megatrain.parallel.deepspeed", "THROUGHPUT_TIMER"): {"enabled": True, "synchronized": True}},
+    # rotated q and k stored as Inductor lays them out, [B, H, T, hd] (model/attention.py)
+    "rope-head-major": {("megatrain.model.attention", "ROPE_TOKEN_MAJOR"): False},
+    # DeepSpeed's ZeRO gradient norm and overflow check, one tensor at a time (parallel/zero_norms.py)
+    "ds-norms": {("megatrain.parallel.zero_norms", "ENABLED"): False},
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".

@@ -71,8 +71,8 @@ def busy_ms(prof) -> float:
     return busy / 1e3
 
 
-def kernels_by_phase(prof) -> dict[str, dict[str, float]]:
-    """GPU milliseconds per kernel name in each phase of the trainer's step: a kernel belongs to the
+def phased_kernels(prof) -> list[tuple[int, int, str, str]]:
+    """(start ns, end ns, name, phase) of each kernel, by start: a kernel belongs to the
     ``megatrain.<phase>`` range (``Trainer.phase``) open when it was launched. The backward's kernels
     are launched by the autograd engine's thread while the main thread waits inside its backward
     range, so the launch time alone decides. Kernels and launches are matched by CUPTI correlation
@@ -83,14 +83,35 @@ def kernels_by_phase(prof) -> dict[str, dict[str, float]]:
               for e in events if e.device_type() == CPU and e.name().startswith("megatrain.")]
     launched_at = {e.correlation_id(): e.start_ns() for e in events
                    if e.device_type() == CPU and e.name().startswith("cu") and not e.is_user_annotation()}
-    phases: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    out = []
     for e in events:
         if e.device_type() != CUDA or e.is_user_annotation() or e.name().startswith(("##", "ProfilerStep", "Optimizer.")):
             continue
         t = launched_at.get(e.correlation_id())
         phase = next((name for lo, hi, name in ranges if t is not None and lo <= t <= hi), "other")
-        phases[phase][e.name()] += e.duration_ns() / 1e6
+        out.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name(), phase))
+    return sorted(out)
+
+
+def kernels_by_phase(prof) -> dict[str, dict[str, float]]:
+    """GPU milliseconds per kernel name in each phase of the trainer's step (``phased_kernels``)."""
+    phases: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for start, end, name, phase in phased_kernels(prof):
+        phases[phase][name] += (end - start) / 1e6
     return phases
+
+
+def idle_by_phase(prof) -> dict[str, float]:
+    """GPU idle milliseconds inside the profiled window, each gap charged to the phase of the
+    kernel that ends it: the phase whose launches the GPU was waiting for (a host sync drains the
+    queue, and the GPU then waits while the host launches again)."""
+    idle: dict[str, float] = defaultdict(float)
+    busy_until = None
+    for start, end, _, phase in phased_kernels(prof):
+        if busy_until is not None and start > busy_until:
+            idle[phase] += (start - busy_until) / 1e6
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return dict(sorted(idle.items(), key=lambda kv: -kv[1]))
 
 
 def phase_summary(prof, top: int = 40, per: int = 1) -> dict[str, Any]:
@@ -121,6 +142,7 @@ def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch
         "wall_ms": wall_ms, "gpu_kernel_ms": gpu_ms, "gpu_idle_ms": wall_ms - busy_ms(prof),
         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "phases": phase_summary(prof),
+        "idle_by_phase_ms": idle_by_phase(prof),
         "gemm_tflops": gemm_flops / gemm_ms / 1e9 if gemm_ms else None,
         "top_kernels": [{"name": n[:140], "ms": ms, "calls": counts[n], "kind": kind_of(n),
                          "share": ms / gpu_ms if gpu_ms else None}

@@ -139,6 +139,34 @@ def test_kernels_go_to_the_phase_open_at_their_launch_matched_by_the_runtime_cal
                                                {"name": "between_kernel", "ms": 0.125}]}}
 
 
+def test_idle_gaps_go_to_the_phase_whose_kernel_ends_them():
+    """mfu_profile.idle_by_phase: a gap between busy intervals (kernels of two streams overlap)
+    is charged to the phase of the kernel that starts after it; no gap, no idle."""
+    from types import SimpleNamespace
+
+    from mfu_profile import idle_by_phase
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, corr=0, start=0, end=0, ns=0, annotation=False):
+        return SimpleNamespace(name=lambda: name, device_type=lambda: device, correlation_id=lambda: corr,
+                               start_ns=lambda: start, end_ns=lambda: end, duration_ns=lambda: ns,
+                               is_user_annotation=lambda: annotation)
+
+    ms = 1_000_000
+    events = [
+        event("megatrain.forward", cpu, start=0, end=100, annotation=True),
+        event("megatrain.backward", cpu, start=200, end=400, annotation=True),
+        event("cudaLaunchKernel", cpu, corr=1, start=10), event("f1", cuda, corr=1, start=0, ns=2 * ms),
+        event("cudaLaunchKernel", cpu, corr=2, start=20), event("f2", cuda, corr=2, start=ms, ns=3 * ms),  # overlaps f1
+        event("cudaLaunchKernel", cpu, corr=3, start=250), event("b1", cuda, corr=3, start=5 * ms, ns=ms),  # 1 ms gap
+        event("cudaLaunchKernel", cpu, corr=4, start=260), event("b2", cuda, corr=4, start=6 * ms, ns=ms),  # none
+        event("cudaLaunchKernel", cpu, corr=5, start=150), event("o1", cuda, corr=5, start=9 * ms, ns=ms),  # 2 ms
+    ]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    assert idle_by_phase(prof) == {"other": 2.0, "backward": 1.0}
+
+
 def test_text_tokens_takes_windows_across_shards_in_name_order_and_refuses_too_few_or_the_wrong_width(tmp_path):
     """moe_profile.text_tokens on shards written by shard_format.write_shard: the first ``mb``
     windows of the shards under the folder (in subfolders too) in name order, as int64, and a
