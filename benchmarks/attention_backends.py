@@ -17,20 +17,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
+from bound import time_ms  # noqa: E402
+
 from megatrain.config import load_config  # noqa: E402
-
-
-def time_ms(fn, iters: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def cases(q, k, v):
@@ -76,8 +65,8 @@ def main() -> None:
     for name, forward in cases(q, k, v).items():
         try:
             with torch.no_grad():
-                fwd = time_ms(forward)
-            rows[name] = {"forward_ms": fwd, "forward_backward_ms": time_ms(lambda: forward().backward(grad))}
+                fwd = time_ms(forward, q.device)
+            rows[name] = {"forward_ms": fwd, "forward_backward_ms": time_ms(lambda: forward().backward(grad), q.device)}
         except Exception as exc:  # noqa: BLE001 - a backend that has no kernel for this shape
             rows[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     print(f"{'kernel':<26} {'forward ms':>11} {'fwd+bwd ms':>11}")
