@@ -75,7 +75,8 @@ def my_micro_batches(cfg: Config, step: int, dp_rank: int, dp: int) -> list[tupl
 
 def compare_norms(zero) -> dict[str, float | bool]:
     """megatrain's multi-tensor norm and inf/NaN check (parallel/zero_norms.py) beside DeepSpeed's own
-    on this step's gradients, then with a NaN and an inf planted in the first one (put back after)."""
+    on this step's gradients, then with a NaN, an inf and a huge finite value (1e30: its square
+    overflows the fp32 total, not the fp64 sums) planted in the first one (put back after)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero
 
     def norms() -> tuple[float, float]:
@@ -89,12 +90,14 @@ def compare_norms(zero) -> dict[str, float | bool]:
     out["ours"], out["theirs"] = norms()
     first = next(g for g in zero.averaged_gradients[0] if g is not None and g.numel())
     kept = first.view(-1)[0].item()
-    for name, value in (("clean", kept), ("nan", float("nan")), ("inf", float("inf"))):
+    for name, value in (("clean", kept), ("nan", float("nan")), ("inf", float("inf")), ("huge", 1e30)):
         first.view(-1)[0] = value
         out[f"overflow_{name}_ours"] = bool(zero.has_overflow_partitioned_grads_serial())
         out[f"overflow_{name}_theirs"] = bool(Zero.has_overflow_partitioned_grads_serial(zero))
         if name != "clean":
             out[f"norm_{name}_ours"] = float(zero.get_grad_norm_direct(zero.averaged_gradients[0], zero.params_in_partition[0]))
+            out[f"norm_{name}_theirs"] = float(Zero.get_grad_norm_direct(zero, zero.averaged_gradients[0],
+                                                                          zero.params_in_partition[0]))
     first.view(-1)[0] = kept
     return out
 

@@ -138,8 +138,8 @@ def assert_matches(run: dict, ref: dict) -> None:
 @pytest.mark.slow
 def test_the_foreach_norms_match_deepspeeds_own(world2, world4):
     """parallel/zero_norms.py on every ZeRO-1/2 layout (dp, tp, pp, tp x dp, tp x pp): the gradient norm
-    DeepSpeed's own per-tensor fp64 code gives, and the same inf/NaN verdicts (a NaN or an inf planted
-    in a gradient; the norm is then DeepSpeed's -1)."""
+    DeepSpeed's own per-tensor fp64 code gives, and the same verdicts with a NaN, an inf or a huge
+    finite value planted in a gradient (overflow or not; the norm DeepSpeed's -1)."""
     checked = {name: run["norm_check"] for name, run in {**world2, **world4}.items() if run["norm_check"]}
     assert len(checked) >= 20, sorted(checked)  # every layout but ZeRO-0 and ZeRO-3
     for name, check in checked.items():
@@ -147,7 +147,10 @@ def test_the_foreach_norms_match_deepspeeds_own(world2, world4):
         assert not check["overflow_clean_ours"] and not check["overflow_clean_theirs"], name
         for planted in ("nan", "inf"):
             assert check[f"overflow_{planted}_ours"] and check[f"overflow_{planted}_theirs"], (name, planted)
-            assert check[f"norm_{planted}_ours"] == -1.0, (name, planted)
+            assert check[f"norm_{planted}_ours"] == check[f"norm_{planted}_theirs"] == -1.0, (name, planted)
+        # finite, so no overflow; its square overflows the fp32 total: DeepSpeed's -1, which its step refuses
+        assert not check["overflow_huge_ours"] and not check["overflow_huge_theirs"], name
+        assert check["norm_huge_ours"] == check["norm_huge_theirs"] == -1.0, name
 
 
 @pytest.mark.slow
