@@ -228,6 +228,14 @@ def shard_corpus(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardIn
     return finish_sharding(plan)
 
 
+def shard_components(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> list[ShardIndex]:
+    """Every component of the corpus (a mixture's, or the one called "data") on the local engine,
+    in ``data_cfg.components()`` order: the versions the trainer reads. A mixture's BPE is trained
+    once, on all its components (``mixture_tokenizer``), so they share one vocabulary."""
+    data = mixture_tokenizer(data_cfg, vocab_size)
+    return [shard_corpus(component, seq_len, vocab_size) for component in component_configs(data)]
+
+
 def cli(argv: list[str]) -> int:
     """``megatrain shard [--config PATH] [data.shard_url=... model.seq_len=...]``"""
     from megatrain.config import load_config
@@ -241,7 +249,7 @@ def cli(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        indexes = [shard_corpus(data, cfg.seq_len, cfg.model.vocab_size) for data in component_configs(cfg.data)]
+        indexes = shard_components(cfg.data, cfg.seq_len, cfg.model.vocab_size)
     except DataError as exc:  # a missing, binary or refused source: one line naming it (callers of cli() too)
         print(f"megatrain shard: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_INPUT

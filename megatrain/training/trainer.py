@@ -29,7 +29,7 @@ from megatrain.config import Config, ConfigError
 from megatrain.data.loader import build_loader
 from megatrain.data.index import ShardIndex, load_index
 from megatrain.data.mixture import Component, Mixture, check_supply
-from megatrain.data.shard import component_configs, mixture_tokenizer, shard_corpus
+from megatrain.data.shard import shard_components
 from megatrain.evaluate.heldout import Evaluator
 from megatrain.interop.checkpoint import write_run_record
 from megatrain.interop.hf import hf_weights
@@ -77,8 +77,7 @@ def prepare_data(cfg: Config, env: DistEnv) -> list[Component]:
     corpus "data"); the others wait and read the same indexes."""
     urls: list = [None]
     if env.rank == 0:
-        data = mixture_tokenizer(cfg.data, cfg.model.vocab_size)  # a mixture's BPE: trained once, on all
-        urls[0] = [shard_corpus(c, cfg.seq_len, cfg.model.vocab_size).url for c in component_configs(data)]
+        urls[0] = [index.url for index in shard_components(cfg.data, cfg.seq_len, cfg.model.vocab_size)]
     if env.world_size > 1:
         dist.broadcast_object_list(urls, src=0)
     return [Component(c.name, load_index(url), c.weight) for c, url in zip(cfg.data.components(), urls[0])]

@@ -66,11 +66,10 @@ def shard_in_process(path: Path) -> None:
     """What the campaign's shard-data task does for its one stage (flows/shard_data.py), here,
     without a flow or a Prefect server."""
     from megatrain.config.campaign import load_campaign, stage_config
-    from megatrain.data.shard import component_configs, mixture_tokenizer, shard_corpus
+    from megatrain.data.shard import shard_components
 
     cfg = stage_config(load_campaign(path), 0)
-    for data in component_configs(mixture_tokenizer(cfg.data, cfg.model.vocab_size)):
-        shard_corpus(data, cfg.seq_len, cfg.model.vocab_size)
+    shard_components(cfg.data, cfg.seq_len, cfg.model.vocab_size)
 
 
 def server_environment(tmp_path: Path, **env: str) -> dict:

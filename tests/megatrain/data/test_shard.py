@@ -249,6 +249,28 @@ def test_cli_prints_the_summary(corpus, tmp_path, capsys):
     assert "nope.txt" in capsys.readouterr().err
 
 
+def test_cli_shards_a_bpe_mixture_into_the_versions_the_trainer_reads(corpus, tmp_path):
+    """`megatrain shard` of a mixture with a trained BPE: one tokenizer for all components (trained
+    once on all of them), and exactly the versions the trainer's start looks for
+    (shard.shard_components), so a pre-sharded corpus is not tokenized again at the first step."""
+    import json as json_module
+
+    from megatrain.config import load_config
+    from megatrain.data.shard import shard_components
+
+    mixture = json_module.dumps([{"name": "notes", "sources": [str(corpus / "notes.md")], "weight": 1},
+                                 {"name": "rest", "sources": [str(corpus)], "weight": 2}])
+    argv = [f"data.mixture={mixture}", f"data.shard_url={tmp_path}", "data.tokenizer=bpe", "data.bpe_vocab_size=300",
+            f"model.seq_len={SEQ_LEN}", f"model.vocab_size={VOCAB}", "model.n_head=4", "model.d_model=64"]
+    assert cli(argv) == 0
+    written = sorted(p.parent.name for p in tmp_path.glob("*/index.json"))
+    cfg = load_config(None, argv)
+    indexes = shard_components(cfg.data, cfg.seq_len, cfg.model.vocab_size)  # finds them: writes nothing new
+    assert sorted(p.parent.name for p in tmp_path.glob("*/index.json")) == written
+    assert sorted(Path(index.url).name for index in indexes) == written and len(written) == 2
+    assert len({(Path(index.url) / "tokenizer.json").read_bytes() for index in indexes}) == 1
+
+
 def test_under_skip_a_refused_file_is_left_out_and_counted_in_the_index(corpus, tmp_path):
     (tmp_path / "picture.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 20)  # binary under a text name
     sources = [str(corpus / "notes.md"), str(tmp_path / "picture.txt")]
