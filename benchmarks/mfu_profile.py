@@ -93,38 +93,40 @@ def phased_kernels(prof) -> list[tuple[int, int, str, str]]:
     return sorted(out)
 
 
-def kernels_by_phase(prof) -> dict[str, dict[str, float]]:
-    """GPU milliseconds per kernel name in each phase of the trainer's step (``phased_kernels``)."""
+def kernels_by_phase(phased: list[tuple[int, int, str, str]]) -> dict[str, dict[str, float]]:
+    """GPU milliseconds per kernel name in each phase of the trainer's step, from ``phased_kernels``."""
     phases: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for start, end, name, phase in phased_kernels(prof):
+    for start, end, name, phase in phased:
         phases[phase][name] += (end - start) / 1e6
     return phases
 
 
-def idle_by_phase(prof) -> dict[str, float]:
-    """GPU idle milliseconds inside the profiled window, each gap charged to the phase of the
-    kernel that ends it: the phase whose launches the GPU was waiting for (a host sync drains the
-    queue, and the GPU then waits while the host launches again)."""
+def idle_by_phase(phased: list[tuple[int, int, str, str]]) -> dict[str, float]:
+    """GPU idle milliseconds inside the profiled window (``phased_kernels``), each gap charged to
+    the phase of the kernel that ends it: the phase whose launches the GPU was waiting for (a host
+    sync drains the queue, and the GPU then waits while the host launches again)."""
     idle: dict[str, float] = defaultdict(float)
     busy_until = None
-    for start, end, _, phase in phased_kernels(prof):
+    for start, end, _, phase in phased:
         if busy_until is not None and start > busy_until:
             idle[phase] += (start - busy_until) / 1e6
         busy_until = end if busy_until is None else max(busy_until, end)
     return dict(sorted(idle.items(), key=lambda kv: -kv[1]))
 
 
-def phase_summary(prof, top: int = 40, per: int = 1) -> dict[str, Any]:
-    """Per phase: its kernels' total GPU time and its ``top`` kernels (full names), divided by ``per``."""
+def phase_summary(phased: list[tuple[int, int, str, str]], top: int = 40, per: int = 1) -> dict[str, Any]:
+    """Per phase (``phased_kernels``): its kernels' total GPU time and its ``top`` kernels (full
+    names), divided by ``per``."""
     return {phase: {"kernel_ms": sum(names.values()) / per,
                     "top": [{"name": n, "ms": ms / per} for n, ms in sorted(names.items(), key=lambda kv: -kv[1])[:top]]}
-            for phase, names in kernels_by_phase(prof).items()}
+            for phase, names in kernels_by_phase(phased).items()}
 
 
 def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch: int) -> dict[str, Any]:
     """GPU time by kernel and by kind over one profiled optimizer step; the GEMM rate counts the
     6N matmul FLOPs of the step (the blocks' four projections and the LM head)."""
     totals, counts = kernel_totals(prof)
+    phased = phased_kernels(prof)  # every kernel with its phase, read once for both splits below
     gpu_ms = sum(totals.values())
     by_kind: dict[str, float] = defaultdict(float)
     for name, ms in totals.items():
@@ -141,8 +143,8 @@ def summarize_profile(prof, wall_ms: float, cfg, micro_batches: int, micro_batch
         # kernels of several streams overlap: the idle time is the wall time their union leaves
         "wall_ms": wall_ms, "gpu_kernel_ms": gpu_ms, "gpu_idle_ms": wall_ms - busy_ms(prof),
         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-        "phases": phase_summary(prof),
-        "idle_by_phase_ms": idle_by_phase(prof),
+        "phases": phase_summary(phased),
+        "idle_by_phase_ms": idle_by_phase(phased),
         "gemm_tflops": gemm_flops / gemm_ms / 1e9 if gemm_ms else None,
         "top_kernels": [{"name": n[:140], "ms": ms, "calls": counts[n], "kind": kind_of(n),
                          "share": ms / gpu_ms if gpu_ms else None}

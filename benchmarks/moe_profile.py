@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mfu_profile import busy_ms, kernel_totals, phase_summary  # noqa: E402
+from mfu_profile import busy_ms, kernel_totals, phase_summary, phased_kernels  # noqa: E402
 
 # kernel name -> part of the step (first match wins)
 PARTS = [("FP8 casts", ("triton_red_fused__scaled", "triton_per_fused__scaled", "triton_poi_fused__scaled")),  # Inductor's
@@ -141,7 +141,7 @@ def measure(config: str, overrides: list[str], mb: int, compile_mode: str = "def
             "step_ms": step_s * 1e3,
             "tokens_per_s": mb * cfg.model.seq_len / step_s,
             "peak_gib": peak, "gpu_ms": sum(parts.values()), "gpu_busy_ms": busy_ms(prof) / 2,
-            "graph_breaks": graph_breaks, "parts_ms": dict(parts), "phases": phase_summary(prof, per=2),
+            "graph_breaks": graph_breaks, "parts_ms": dict(parts), "phases": phase_summary(phased_kernels(prof), per=2),
             "moe_max_over_mean": {k: v["max_over_mean"] for k, v in balance["layers"].items()} if balance else None,
             "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["ms"]))}
 

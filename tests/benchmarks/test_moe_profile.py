@@ -99,7 +99,7 @@ def test_kernels_go_to_the_phase_open_at_their_launch_matched_by_the_runtime_cal
     an annotation is not a kernel, and milliseconds add up per kernel name."""
     from types import SimpleNamespace
 
-    from mfu_profile import kernels_by_phase, phase_summary
+    from mfu_profile import kernels_by_phase, phase_summary, phased_kernels
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -128,11 +128,11 @@ def test_kernels_go_to_the_phase_open_at_their_launch_matched_by_the_runtime_cal
         event("megatrain.forward", cuda, corr=1, ns=9_000_000, annotation=True),  # the range on the GPU's row
     ]
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
-    phases = {phase: dict(names) for phase, names in kernels_by_phase(prof).items()}
+    phases = {phase: dict(names) for phase, names in kernels_by_phase(phased_kernels(prof)).items()}
     assert phases == {"forward": {"gemm_fwd": 2.0}, "backward": {bwd: 4.0},
                       "other": {"orphan_kernel": 0.5, "between_kernel": 0.25}}
     # per=2: two profiled steps give one step's milliseconds; top keeps full names, largest first
-    assert phase_summary(prof, per=2) == {
+    assert phase_summary(phased_kernels(prof), per=2) == {
         "forward": {"kernel_ms": 1.0, "top": [{"name": "gemm_fwd", "ms": 1.0}]},
         "backward": {"kernel_ms": 2.0, "top": [{"name": bwd, "ms": 2.0}]},
         "other": {"kernel_ms": 0.375, "top": [{"name": "orphan_kernel", "ms": 0.25},
@@ -144,7 +144,7 @@ def test_idle_gaps_go_to_the_phase_whose_kernel_ends_them():
     is charged to the phase of the kernel that starts after it; no gap, no idle."""
     from types import SimpleNamespace
 
-    from mfu_profile import idle_by_phase
+    from mfu_profile import idle_by_phase, phased_kernels
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -164,7 +164,7 @@ def test_idle_gaps_go_to_the_phase_whose_kernel_ends_them():
         event("cudaLaunchKernel", cpu, corr=5, start=150), event("o1", cuda, corr=5, start=9 * ms, ns=ms),  # 2 ms
     ]
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
-    assert idle_by_phase(prof) == {"other": 2.0, "backward": 1.0}
+    assert idle_by_phase(phased_kernels(prof)) == {"other": 2.0, "backward": 1.0}
 
 
 def test_text_tokens_takes_windows_across_shards_in_name_order_and_refuses_too_few_or_the_wrong_width(tmp_path):
