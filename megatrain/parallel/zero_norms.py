@@ -31,6 +31,11 @@ from __future__ import annotations
 import types
 
 import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.constants import PIPE_REPLICATED
+from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.runtime.zero.utils import get_norm_dtype
 
 ENABLED = True  # benchmarks/mfu.py --variants ds-norms measures DeepSpeed's own
 METHODS = ("get_grad_norm_direct", "has_overflow_partitioned_grads_serial", "_model_parallel_all_reduce")
@@ -38,11 +43,6 @@ METHODS = ("get_grad_norm_direct", "has_overflow_partitioned_grads_serial", "_mo
 
 def _norm_direct(self, gradients, params, norm_type=2):
     """DeepSpeed's ``get_grad_norm_direct`` for the 2-norm (other norms: DeepSpeed's own)."""
-    from deepspeed import comm as dist
-    from deepspeed.runtime.constants import PIPE_REPLICATED
-    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
-    from deepspeed.runtime.zero.utils import get_norm_dtype
-
     if float(norm_type) != 2.0:
         return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
     kept = []
@@ -70,8 +70,6 @@ def _overflow(self):
              if g is not None and g.numel()]
     if not grads:
         return torch.zeros(1, dtype=torch.bool, device=self.device)
-    from deepspeed.runtime.zero.utils import get_norm_dtype
-
     total = torch.stack(torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype())).sum()  # no finite bf16 overflows it
     return (~torch.isfinite(total)).reshape(1)
 
@@ -80,8 +78,6 @@ def attach_foreach_norms(optimizer) -> bool:
     """Give a DeepSpeed ZeRO-1/2 optimizer the multi-tensor norm and overflow check; returns whether
     it was one (other optimizers are left alone). CPU offload keeps DeepSpeed's own: its norms are
     computed on the host copies."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     if not ENABLED or not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
         return False
     missing = [name for name in METHODS if not hasattr(optimizer, name)]
