@@ -64,7 +64,7 @@ from bound import fmt  # noqa: E402  (benchmarks/bound.py)
 from mfu_baseline import run_baseline  # noqa: E402
 from mfu_data import Data  # noqa: E402
 from mfu_device import measure_ceilings  # noqa: E402
-from mfu_megatrain import MODEL_CHANGES, MODULE_SETTINGS, VARIANTS, Spec, build_config, run_megatrain  # noqa: E402
+from mfu_megatrain import MODEL_CHANGES, VARIANTS, Spec, build_config, run_megatrain, variant_spec  # noqa: E402
 from mfu_profile import run_profile  # noqa: E402
 from mfu_report import T0, Bench, Result, log, print_table, summarize  # noqa: E402
 
@@ -102,6 +102,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "and megatrain's rows start from; default: each its own random init")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every megatrain row and the baseline shape")
     args = parser.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:  # before any row runs: a typo would otherwise surface after the baseline's minutes
+        parser.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     args.budget_s = args.budget_s or (470.0 if args.quick else 3600.0)
     args.small_batch = args.small_batch or (48 if args.quick else 128)
     args.large_batch = args.large_batch or (192 if args.quick else 512)
@@ -263,13 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                   [], "large", fuse="compile")
         megatrain_row(ab, recipe_mb, args.steps)
     variants: list[tuple[Result, list[str], dict | None]] = []
-    for name in [v for v in args.variants.split(",") if v]:
-        overrides, options = VARIANTS[name]
-        label = f"default, mb {recipe_mb}, {name}: {' '.join(overrides)}{' inductor ' + str(options) if options else ''}"
-        r = megatrain_row(Spec(f"default-mb{recipe_mb}-{name}", label, overrides, "large", compile_options=options,
-                               module_settings=MODULE_SETTINGS.get(name)), recipe_mb, args.steps)
+    for name in args.variants:
+        spec = variant_spec(name, recipe_mb, "default")
+        r = megatrain_row(spec, recipe_mb, args.steps)
         if r is not None and r.tokens_per_s and name not in MODEL_CHANGES:
-            variants.append((r, overrides, options))
+            variants.append((r, spec.overrides, spec.compile_options))
 
     # 4. profile of the best default (with the fastest inductor variant, if one beat it)
     if "profile" in only:

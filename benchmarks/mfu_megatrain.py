@@ -76,6 +76,14 @@ class Spec:
     module_settings: dict | None = None  # MODULE_SETTINGS of a variant
 
 
+def variant_spec(name: str, mb: int, label_prefix: str) -> Spec:
+    """The A/B row of variant ``name`` (VARIANTS, MODULE_SETTINGS) at micro-batch ``mb``."""
+    overrides, options = VARIANTS[name]
+    label = f"{label_prefix}, mb {mb}, {name}: {' '.join(overrides)}{' inductor ' + str(options) if options else ''}"
+    return Spec(f"default-mb{mb}-{name}", label, overrides, "large", compile_options=options,
+                module_settings=MODULE_SETTINGS.get(name))
+
+
 def close_trainer(trainer) -> None:
     for fn in (lambda: trainer.checkpointer.close(), lambda: trainer.heartbeat.close(phase=None),
                lambda: trainer.metrics.close(), lambda: trainer.loader.close(), lambda: trainer.engine.destroy()):

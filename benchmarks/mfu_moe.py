@@ -308,7 +308,7 @@ def run_moe(bench: Bench, args, recipe, only: set[str], baseline, megatrain_row,
     micro-batch and the time split come first), then ``--variants`` at the first micro-batch, the
     summary in mfu.py. The dense ablation rows
     (GPT blocks, GeLU, windows) do not apply to this family and are not run."""
-    from mfu_megatrain import MODULE_SETTINGS, VARIANTS, Spec
+    from mfu_megatrain import Spec, variant_spec
 
     recipe_mb = recipe.train.micro_batch_size
     ours = [int(x) for x in (args.default_mbs or f"{recipe_mb},{2 * recipe_mb}").split(",")]
@@ -324,8 +324,5 @@ def run_moe(bench: Bench, args, recipe, only: set[str], baseline, megatrain_row,
             if cfg is not None:
                 log(f"moe profile: eager, mb {recipe_mb}, {cfg.train.global_batch_size // recipe_mb} micro-batches a step")
                 run_moe_profile(bench, cfg, env, data)
-    for name in [v for v in args.variants.split(",") if v]:  # A/B rows at the first micro-batch
-        overrides, options = VARIANTS[name]
-        megatrain_row(Spec(f"default-mb{ours[0]}-{name}", f"megatrain MoE, mb {ours[0]}, {name}: {' '.join(overrides)}",
-                           overrides, "large", compile_options=options, module_settings=MODULE_SETTINGS.get(name)),
-                      ours[0], args.steps)
+    for name in args.variants:  # A/B rows at the first micro-batch
+        megatrain_row(variant_spec(name, ours[0], "megatrain MoE"), ours[0], args.steps)

@@ -119,6 +119,15 @@ def test_load_balance_reads_the_trainers_expert_health():
     assert mfu_moe.load_balance([None]) is None
 
 
+def test_an_unknown_variant_is_refused_before_any_row_runs(capsys):
+    import mfu
+
+    assert mfu.parse_args(["--variants", "ds-norms,router-reference"]).variants == ["ds-norms", "router-reference"]
+    with pytest.raises(SystemExit) as exc:
+        mfu.parse_args(["--variants", "ds-norms,no-such-row"])
+    assert exc.value.code == 2 and "--variants: unknown no-such-row" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_moe_benchmark_runs_both_rows_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "mfu.json"
