@@ -26,8 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
+from megatrain import storage  # noqa: E402
 from megatrain.config import load_config  # noqa: E402
-from megatrain.data.index import TOKENIZER_NAME  # noqa: E402
 from megatrain.interop.hf import export_model  # noqa: E402
 from megatrain.parallel.init import init_distributed, shutdown_distributed  # noqa: E402
 from megatrain.training.trainer import Trainer  # noqa: E402
@@ -55,8 +55,9 @@ def main() -> None:
                 metrics.write(json.dumps({k: v for k, v in asdict(m).items() if k != "startup"}) + "\n")
                 if m.step % 25 == 0 or m.step == 1:
                     print(f"{line(m)} at {time.time() - start:.0f}s", flush=True)
-        tokenizer = next(Path(cfg.data.shard_url).rglob(TOKENIZER_NAME))  # the shards' own, as the trainer read them
-        export_model(trainer.engine.module, cfg.model, out, tokenizer.read_bytes(), cfg.data.eos_token)
+        # the tokenizer of the very shards this run read (a shard folder may hold other versions too)
+        tokenizer_json = storage.read_bytes(trainer.index.tokenizer_url)
+        export_model(trainer.engine.module, cfg.model, out, tokenizer_json, cfg.data.eos_token)
         print(f"exported to {out} at {time.time() - start:.0f}s", flush=True)
     finally:
         trainer.loader.close()

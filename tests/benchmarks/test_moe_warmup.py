@@ -29,6 +29,9 @@ def test_warmup_trains_logs_and_exports_a_folder_the_baseline_loads(tmp_path):
                  f"data.shard_url={tmp_path}/shards", "data.max_source_bytes=200000", f"train.run_dir={tmp_path}/run",
                  "checkpoint.interval=1000000", f"checkpoint.staging_dir={tmp_path}/staging",
                  f"checkpoint.durable_url={tmp_path}/ckpt"]
+    decoy = tmp_path / "shards" / "0000-other-version"  # another version's tokenizer, first by name
+    decoy.mkdir(parents=True)
+    (decoy / "tokenizer.json").write_text('{"not": "this run\'s tokenizer"}')
     proc = subprocess.run([sys.executable, "benchmarks/moe_warmup.py", "configs/moe-gpu-2b.yaml", str(out), *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -40,3 +43,5 @@ def test_warmup_trains_logs_and_exports_a_folder_the_baseline_loads(tmp_path):
     baseline = mfu_moe.HFMoE(cfg.model, cfg.seq_len, aux_loss=False, weights=str(out))
     idx = torch.randint(0, cfg.model.vocab_size, (1, cfg.seq_len))
     assert torch.isfinite(baseline(idx, idx))
+    run_tokenizer = next(p for p in (tmp_path / "shards").rglob("tokenizer.json") if p.parent != decoy)
+    assert (out / "tokenizer.json").read_bytes() == run_tokenizer.read_bytes()  # the shards' own, not the decoy
