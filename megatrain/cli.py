@@ -166,6 +166,7 @@ def report_failure(command: str, exc: BaseException, argv: list[str]) -> int:
 
 def classify(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) of a failure a person can act on; None for a bug."""
+    from megatrain.storage.space import is_no_space  # a failure only: the command's own imports stay light
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, one_line(str(exc)) or "interrupted"
     if out_of_memory(exc):
@@ -177,10 +178,14 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
         if cls is not None and isinstance(exc, cls):
             if code == EXIT_TEMPORARY and isinstance(exc.__cause__, PATH_PROBLEMS):  # no outage: a bad path
                 code = EXIT_INPUT
+            if code == EXIT_TEMPORARY and is_no_space(exc):  # no outage either: the same write fills it again
+                code = EXIT_DETERMINISTIC
             return code, one_line(str(exc)) or type(exc).__name__
     if isinstance(exc, OSError) and exc.filename is not None and exc.errno in PATH_ERRNOS:
         reason = exc.strerror or os.strerror(exc.errno)
         return PATH_ERRNOS[exc.errno], f"{exc.filename}: {reason[:1].lower()}{reason[1:]}"
+    if is_no_space(exc):  # a buffered write fills the disk at its close: the OS names no file then
+        return EXIT_DETERMINISTIC, f"no space left on device (or quota) while {doing(exc)}"
     return None
 
 

@@ -287,6 +287,15 @@ def _torch_out_of_memory():
     pytest.skip("this machine allocated a PiB")
 
 
+def _storage_full():
+    """What storage.errors_name makes of a full disk: a StorageError (an outage's class) caused by ENOSPC."""
+    from megatrain.storage import StorageError
+
+    error = StorageError("/x/shards/shard-000000.tar", "[Errno 28] No space left on device")
+    error.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    return error
+
+
 def _numpy_out_of_memory():
     import numpy as np
 
@@ -341,6 +350,9 @@ def _errors():
         "FileExistsError": (lambda: FileExistsError(errno.EEXIST, "File exists", "/x/out"), EXIT_INPUT, "/x/out: file exists"),
         "ENOSPC": (lambda: OSError(errno.ENOSPC, "No space left on device", "/x/ckpt"), EXIT_DETERMINISTIC,
                    "/x/ckpt: no space left"),
+        "ENOSPC at a buffered write's close": (lambda: OSError(errno.ENOSPC, "No space left on device"),
+                                                EXIT_DETERMINISTIC, "no space left on device (or quota) while in "),
+        "StorageError of a full disk": (_storage_full, EXIT_DETERMINISTIC, "/x/shards/shard-000000.tar: "),
         "MemoryError": (MemoryError, EXIT_NO_MEMORY, "out of host memory while in "),
         "numpy MemoryError": (_numpy_out_of_memory, EXIT_NO_MEMORY, "out of host memory while in "),
         "torch's allocator": (_torch_out_of_memory, EXIT_NO_MEMORY, "out of host memory while in "),
