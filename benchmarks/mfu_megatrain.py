@@ -47,6 +47,7 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "router-reference": (["model.kernels.moe_router=reference"], None),  # torch.topk and scatter_add_
     "rope-head-major": ([], None),  # MODULE_SETTINGS below
     "ds-norms": ([], None),  # MODULE_SETTINGS below
+    "weighted-combine": ([], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -58,6 +59,8 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     "rope-head-major": {("megatrain.model.attention", "ROPE_TOKEN_MAJOR"): False},
     # DeepSpeed's ZeRO gradient norm and overflow check, one tensor at a time (parallel/zero_norms.py)
     "ds-norms": {("megatrain.parallel.zero_norms", "ENABLED"): False},
+    # the router's weights in the MoE combine, not inside the experts (model/moe.py)
+    "weighted-combine": {("megatrain.model.moe", "WEIGHTS_IN_EXPERTS"): False},
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".

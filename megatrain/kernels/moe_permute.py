@@ -3,12 +3,13 @@ combine). N tokens each choose k experts, N k slots; slot s is token s // k's (s
 ``order`` [N k] lists the slots grouped by expert (the experts' row r is slot order[r]).
 
     permute    rows[r] = x[order[r] // k]                               x [N, d] -> [N k, d]
-    unpermute  out[n]  = sum_j w[n, j] y[row of slot n k + j]           y [N k, d] -> [N, d]
+    unpermute  out[n]  = sum_j (w[n, j]) y[row of slot n k + j]         y [N k, d] -> [N, d]
 
-The reference is plain index ops (index_copy back to slot order, a weighted sum; autograd's
-backward of the gather is an index_put with accumulate). The Triton pair
-(``moe_permute_triton.py``) makes every pass, forward and backward, a gather that writes each
-output row once, with fp32 sums.
+``unpermute``'s weights may be None: a plain sum, for experts that applied the router's weights
+themselves (``model/moe.py``). The reference is plain index ops (index_copy back to slot order, a
+weighted sum; autograd's backward of the gather is an index_put with accumulate). The Triton
+kernels (``moe_permute_triton.py``) walk the tokens, each reading its own row once and writing
+every output row once, with fp32 sums.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ def permute_reference(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Ten
     return x[order // k]  # [N k, d]
 
 
-def unpermute_reference(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    n, k = weights.shape
-    slots = torch.empty_like(y).index_copy(0, order, y)  # [N k, d] slot order (no atomics: deterministic)
-    return (slots.view(n, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)  # [N, d]
+def unpermute_reference(y: torch.Tensor, weights: torch.Tensor | None, order: torch.Tensor, k: int) -> torch.Tensor:
+    slots = torch.empty_like(y).index_copy(0, order, y).view(-1, k, y.shape[1])  # [N, k, d] slot order (no atomics)
+    if weights is not None:
+        slots = slots * weights.unsqueeze(-1).to(y.dtype)
+    return slots.sum(1)  # [N, d]
 
 
 def group_order(ids: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -48,14 +50,16 @@ def permute(x: torch.Tensor, order: torch.Tensor, k: int, impl: str = "auto") ->
     if resolve(impl, x, under_compile=None) == "fused":
         from megatrain.kernels.moe_permute_triton import dispatch_fused
 
-        return dispatch_fused(x, order, row_of_slot(order), k)
+        return dispatch_fused(x, row_of_slot(order), k)
     return permute_reference(x, order, k)
 
 
-def unpermute(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """y [N k, d] in expert order, weights [N, k] -> [N, d]: the weighted sum of each token's rows."""
+def unpermute(y: torch.Tensor, weights: torch.Tensor | None, order: torch.Tensor, k: int,
+              impl: str = "auto") -> torch.Tensor:
+    """y [N k, d] in expert order, weights [N, k] or None -> [N, d]: the (weighted) sum of each
+    token's k rows."""
     if resolve(impl, y, under_compile=None) == "fused":
         from megatrain.kernels.moe_permute_triton import combine_fused
 
-        return combine_fused(y, weights, order, row_of_slot(order))
-    return unpermute_reference(y, weights, order)
+        return combine_fused(y, weights, row_of_slot(order), k)
+    return unpermute_reference(y, weights, order, k)

@@ -9,8 +9,13 @@ summed with the router's weights. Dropless: no capacity factor, no token is drop
   (DeepSeek-V3: steers which experts are chosen, never the weights); w = the chosen scores,
   renormalised to sum to 1 when ``norm_topk_prob``.
 - ``dispatch`` (sort the slots by expert, gather the rows) and ``unpermute`` (back to the tokens,
-  weighted sum; both moves in ``kernels/moe_permute.py``) are the seam where expert parallelism
-  puts its all-to-all (tokens to the ranks holding their experts and back). Expert ids are global.
+  summed; both moves in ``kernels/moe_permute.py``) are the seam where expert parallelism puts its
+  all-to-all (tokens to the ranks holding their experts and back). Expert ids are global.
+- Where the weights w_e go: w_e proj_e(a) = proj_e(w_e a), so local experts scale each row's
+  SwiGLU output a (width ff) by its weight, inside the experts, and the combine is a plain sum,
+  whose backward copies rows and reads no expert output (on moe-gpu-2b it would read 1 GB a
+  layer per micro-batch of 32, and keep the experts' outputs alive until then). Under expert
+  parallelism the weights stay on the token's rank: the combine weights the returned rows.
 - Load balance: ``aux_loss`` adds coef * E * sum_i f_i P_i (f_i: share of the routed slots that
   went to expert i, no gradient; P_i: mean score of i) and the z-loss coef * mean(logsumexp^2).
   These penalties never reach the trainer's loss value: ``AddAuxGrad`` passes the layer's output
@@ -45,6 +50,9 @@ from megatrain.kernels.moe_router import expert_counts, topk_experts
 from megatrain.model.mlp import SwiGLU
 from megatrain.model.moe_experts import Experts
 
+# The router's weights applied inside local experts (see the module docstring); False weights the
+# combine instead, as under expert parallelism (benchmarks/mfu.py's A/B row `weighted-combine`).
+WEIGHTS_IN_EXPERTS = True
 
 @dataclass
 class Routing:
@@ -125,8 +133,11 @@ class MoE(nn.Module):
         with record_function("moe.dispatch"):
             rows, counts, order = dispatch(h, routing.experts, self.n_experts, self.permute_impl,
                                            self.router.impl)  # [N k, d], [E], [N k]
-        shared = None
-        if self.exchange is None:
+        shared, weights = None, routing.weights
+        if self.exchange is None and WEIGHTS_IN_EXPERTS:
+            row_weights = routing.weights.reshape(-1)[order]  # [N k] each expert row's weight
+            y, weights = self._run_experts(rows, counts, row_weights), None
+        elif self.exchange is None:
             y = self._run_experts(rows, counts)
         else:
             with record_function("moe.exchange"):  # the all-to-all there and back around the experts
@@ -134,7 +145,7 @@ class MoE(nn.Module):
                 beside = (lambda: self._run_shared(h)) if self.shared is not None else None
                 y, shared = self.exchange(rows, counts, self._run_experts, beside)
         with record_function("moe.combine"):
-            out = unpermute(y, routing.weights, order, self.permute_impl).to(x.dtype)  # [N, d] weighted sum
+            out = unpermute(y, weights, order, self.cfg.top_k, self.permute_impl).to(x.dtype)  # [N, d]
         if self.shared is not None:
             out = out + (shared if shared is not None else self._run_shared(h))
         out = out.view_as(x)
@@ -151,9 +162,9 @@ class MoE(nn.Module):
         with record_function("moe.shared"):
             return self.shared(h)
 
-    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         with record_function("moe.experts"):
-            return self.experts(rows, counts)
+            return self.experts(rows, counts, scale)
 
     def balance_loss(self, routing: Routing, counts: torch.Tensor) -> torch.Tensor:
         """E * sum_i f_i P_i (1 when perfectly balanced); 0 unless load_balance is aux_loss."""

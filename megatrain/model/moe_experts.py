@@ -15,6 +15,9 @@ Weights (no biases): ``fc`` [E, 2 ff, d] holds each expert's gate rows then up r
 ``mlp.SwiGLU.fc`` (Hugging Face Qwen3-MoE/OLMoE ``experts.{e}.gate_proj`` = fc[e, :ff],
 ``up_proj`` = fc[e, ff:]); ``proj`` [E, d, ff] (``down_proj``).
 
+``scale`` [M] (optional) multiplies each row's SwiGLU output, before the down projection: the
+MoE layer passes the router's weights there when its experts are local (``model/moe.py``).
+
 Expert parallelism: a rank would hold experts ``first .. first + E_local - 1`` of the global ids
 the router chooses; ``first`` is 0 while one rank holds them all.
 """
@@ -29,15 +32,17 @@ from megatrain.kernels.swiglu import swiglu
 
 
 def experts_reference(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor,
-                      act_impl: str = "reference") -> torch.Tensor:
-    """x [M, d] sorted by expert, counts [E] -> [M, d]: one expert at a time."""
-    outs = [F.linear(swiglu(F.linear(xe, fc[e]), act_impl), proj[e])  # [n_e, 2ff] -> [n_e, ff] -> [n_e, d]
-            for e, xe in enumerate(x.split(counts.tolist()))]
+                      act_impl: str = "reference", scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, d] sorted by expert, counts [E], scale [M] or None -> [M, d]: one expert at a time."""
+    sizes = counts.tolist()
+    scales = scale.split(sizes) if scale is not None else [None] * len(sizes)
+    outs = [F.linear(swiglu(F.linear(xe, fc[e]), act_impl, ce), proj[e])  # [n_e, 2ff] -> [n_e, ff] -> [n_e, d]
+            for e, (xe, ce) in enumerate(zip(x.split(sizes), scales))]
     return torch.cat(outs) if outs else x.new_zeros(0, proj.shape[1])
 
 
 def experts_padded(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor,
-                   act_impl: str = "reference") -> torch.Tensor:
+                   act_impl: str = "reference", scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, d] sorted by expert, counts [E] -> [M, d]: segments padded to the longest, bmm."""
     n_experts, (m, d) = counts.numel(), x.shape
     capacity = int(counts.max()) if m else 0
@@ -47,27 +52,29 @@ def experts_padded(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, proj
     buf = x.new_zeros(n_experts, capacity, d)
     buf = buf.index_put((expert, slot), x)  # [E, C, d]
     h = torch.bmm(buf, fc.transpose(1, 2))  # [E, C, 2ff]
-    y = torch.bmm(swiglu(h, act_impl), proj.transpose(1, 2))  # [E, C, d]
+    if scale is not None:
+        scale = scale.new_zeros(n_experts, capacity).index_put((expert, slot), scale)  # [E, C]
+    y = torch.bmm(swiglu(h, act_impl, scale), proj.transpose(1, 2))  # [E, C, d]
     return y[expert, slot]  # [M, d]
 
 
 def experts_grouped(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor,
-                    act_impl: str = "reference") -> torch.Tensor:
+                    act_impl: str = "reference", scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, d] sorted by expert, counts [E] -> [M, d]: ``torch._grouped_mm`` over the segments."""
     offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E] end of each segment
     h = torch._grouped_mm(x, fc.transpose(-2, -1), offs=offsets)  # [M, 2ff]
-    return torch._grouped_mm(swiglu(h, act_impl), proj.transpose(-2, -1), offs=offsets)  # [M, d]
+    return torch._grouped_mm(swiglu(h, act_impl, scale), proj.transpose(-2, -1), offs=offsets)  # [M, d]
 
 
 def experts_fp8(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor,
-                act_impl: str = "reference", emulate: bool = False) -> torch.Tensor:
+                act_impl: str = "reference", scale: torch.Tensor | None = None, emulate: bool = False) -> torch.Tensor:
     """``experts_grouped`` with both projections as FP8 grouped GEMMs (``kernels/fp8_grouped.py``;
     ``emulate``: the FP8 round trip on any device)."""
     from megatrain.kernels.fp8_grouped import grouped_mm_fp8
 
     offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E] end of each segment
     h = grouped_mm_fp8(x, fc.transpose(-2, -1), offsets, emulate)  # [M, 2ff]
-    return grouped_mm_fp8(swiglu(h, act_impl), proj.transpose(-2, -1), offsets, emulate)  # [M, d]
+    return grouped_mm_fp8(swiglu(h, act_impl, scale), proj.transpose(-2, -1), offsets, emulate)  # [M, d]
 
 
 EXPERT_PATHS = {"reference": experts_reference, "padded": experts_padded, "grouped": experts_grouped}
@@ -99,11 +106,12 @@ class Experts(nn.Module):
         nn.init.normal_(self.fc, mean=0.0, std=std)
         nn.init.normal_(self.proj, mean=0.0, std=residual_std)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # [M, d], [E] -> [M, d]
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, d] sorted by expert, counts [E], scale [M] or None -> [M, d]."""
         x = x.to(self.fc.dtype)
         if self.fp8:
-            return experts_fp8(x, counts, self.fc, self.proj, self.act_impl, emulate=self.fp8 == "emulate")
-        return EXPERT_PATHS[resolve_experts_impl(self.impl, x)](x, counts, self.fc, self.proj, self.act_impl)
+            return experts_fp8(x, counts, self.fc, self.proj, self.act_impl, scale, emulate=self.fp8 == "emulate")
+        return EXPERT_PATHS[resolve_experts_impl(self.impl, x)](x, counts, self.fc, self.proj, self.act_impl, scale)
 
     def extra_repr(self) -> str:
         e, two_ff, d = self.fc.shape

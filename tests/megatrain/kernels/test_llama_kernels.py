@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import cmath
 import math
+import os
 
 import pytest
 import torch
@@ -52,6 +53,8 @@ def test_swiglu_reference_is_the_formula():
         for j in range(3):
             gate, up = h[i, j].item(), h[i, 3 + j].item()
             assert y[i, j].item() == pytest.approx(gate / (1 + math.exp(-gate)) * up, rel=1e-12)
+    scale = torch.rand(4, generator=g, dtype=torch.float64)
+    assert torch.equal(swiglu(h, "reference", scale), y * scale[:, None])  # the row scale of the MoE experts
 
 
 @pytest.mark.parametrize("offset", [0, 5])
@@ -144,6 +147,31 @@ def test_swiglu_fused_matches_reference(shape, dtype):
     h = (torch.randn(shape, generator=g, device="cuda") * 2).to(dtype).requires_grad_()
     dy = torch.randn(*shape[:-1], shape[-1] // 2, generator=g, device="cuda").to(dtype)
     _compare(lambda h: swiglu(h, "fused"), swiglu_reference, [h], dy, dtype)
+
+
+def _compare_scaled_swiglu(device: str, shape, dtype) -> None:
+    """With a per-row scale (the MoE experts' router weights, fp32): the output, d h and d scale."""
+    g = torch.Generator().manual_seed(sum(shape))
+    h = (torch.randn(shape, generator=g) * 2).to(device, dtype).requires_grad_()
+    scale = torch.rand(shape[:-1], generator=g).to(device).requires_grad_()
+    dy = torch.randn(*shape[:-1], shape[-1] // 2, generator=g).to(device, dtype)
+    _compare(lambda h, c: swiglu(h, "fused", c), swiglu_reference, [h, scale], dy, dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", [(4, 128, 2 * 640), (3, 1000), (7, 2 * 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_fused_with_a_row_scale_matches_reference(shape, dtype):
+    _compare_scaled_swiglu("cuda", shape, dtype)
+
+
+@pytest.mark.gpu  # with the GPU tests: it needs Triton, which CPU machines lack
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter: TRITON_INTERPRET=1")
+@pytest.mark.parametrize("shape", [(37, 2 * 300), (5, 3, 2 * 64)])
+def test_swiglu_fused_with_a_row_scale_in_the_triton_interpreter(shape):
+    _compare_scaled_swiglu("cpu", shape, torch.float32)
 
 
 @pytest.mark.gpu

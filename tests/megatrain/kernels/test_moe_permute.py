@@ -38,40 +38,47 @@ def test_reference_is_the_token_by_token_definition():
     n, k, d = 13, 3, 5
     x, order, weights, y = _routing(n, k, 6, d, "cpu")
     rows = permute_reference(x, order, k)
-    out = unpermute_reference(y, weights, order)
+    out = unpermute_reference(y, weights, order, k)
+    plain = unpermute_reference(y, None, order, k)
     for r, slot in enumerate(order.tolist()):
         assert torch.equal(rows[r], x[slot // k])
     row = {slot: r for r, slot in enumerate(order.tolist())}
     for t in range(n):
         want = sum(weights[t, j] * y[row[t * k + j]] for j in range(k))
         torch.testing.assert_close(out[t], want)
+        torch.testing.assert_close(plain[t], sum(y[row[t * k + j]] for j in range(k)))
     assert torch.equal(row_of_slot(order), torch.tensor([row[s] for s in range(n * k)]))
 
 
 def test_on_cpu_auto_is_the_reference():
     x, order, weights, y = _routing(7, 2, 4, 3, "cpu")
     assert torch.equal(permute(x, order, 2), permute_reference(x, order, 2))
-    assert torch.equal(unpermute(y, weights, order), unpermute_reference(y, weights, order))
+    assert torch.equal(unpermute(y, weights, order, 2), unpermute_reference(y, weights, order, 2))
+    assert torch.equal(unpermute(y, None, order, 2), unpermute_reference(y, None, order, 2))
 
 
 def _compare_fused(device: str, n: int, k: int, n_experts: int, d: int, dtype, skew: bool) -> None:
-    """Forward and gradients of the Triton pair against the reference: in fp32 to 1e-5. In bf16,
-    against the exact values (the reference in fp64 on the same inputs): each output is that value
-    rounded once (its sums run in fp32), where the reference rounds the weights and each product."""
+    """Forward and gradients of the Triton kernels against the reference, the combine weighted and
+    plain: in fp32 to 1e-5. In bf16, against the exact values (the reference in fp64 on the same
+    inputs): each output is that value rounded once (its sums run in fp32), where the reference
+    rounds the weights and each product. On CUDA the outputs are likely poisoned: the caching
+    allocator hands out the freed NaN block next, so a row the kernels never wrote fails."""
     from megatrain.kernels.moe_permute_triton import combine_fused, dispatch_fused
 
     x, order, weights, y = _routing(n, k, n_experts, d, device, dtype, skew)
     inverse = row_of_slot(order)
-    reference = (lambda x: permute_reference(x, order, k), lambda y, w: unpermute_reference(y, w, order))
-    fused = (lambda x: dispatch_fused(x, order, inverse, k), lambda y, w: combine_fused(y, w, order, inverse))
+    reference = (lambda x: permute_reference(x, order, k), lambda y, w: unpermute_reference(y, w, order, k))
+    fused = (lambda x: dispatch_fused(x, inverse, k), lambda y, w: combine_fused(y, w, inverse, k))
 
     def run(impl, cast=None):
-        xs, ys, ws = (t.detach().to(cast or t.dtype).clone().requires_grad_() for t in (x, y, weights))
-        rows, out = impl[0](xs), impl[1](ys, ws)
+        xs, ys, ws, ys_plain = (t.detach().to(cast or t.dtype).clone().requires_grad_() for t in (x, y, weights, y))
+        torch.full((4 * n * k * d,), float("nan"), device=device)  # freed at once: the next blocks hold NaN
+        rows, out, plain = impl[0](xs), impl[1](ys, ws), impl[1](ys_plain, None)
         g = torch.Generator().manual_seed(1)
-        for output in (rows, out):  # upstream gradients that the dtype holds exactly
+        for output in (rows, out, plain):  # upstream gradients that the dtype holds exactly
             output.backward(torch.randn(output.shape, generator=g).to(dtype).to(device, output.dtype))
-        return {"rows": rows, "out": out, "dx": xs.grad, "dy": ys.grad, "dw": ws.grad}
+        return {"rows": rows, "out": out, "plain": plain, "dx": xs.grad, "dy": ys.grad, "dw": ws.grad,
+                "dy_plain": ys_plain.grad}
 
     ours, ref = run(fused), run(reference)
     truth = run(reference, torch.float64) if dtype != torch.float32 else None

@@ -37,34 +37,44 @@ def expert_inputs(counts: list[int], d: int = 16, ff: int = 24, dtype=torch.floa
     return x, torch.tensor(counts, device=device), fc, proj, upstream
 
 
-def run_path(path, x, counts, fc, proj, upstream):
-    for t in (x, fc, proj):
-        t.grad = None
-    y = path(x, counts, fc, proj)
+def run_path(path, x, counts, fc, proj, upstream, scale=None):
+    for t in (x, fc, proj, scale):
+        if t is not None:
+            t.grad = None
+    y = path(x, counts, fc, proj, scale=scale)
     y.backward(upstream)
-    return y.detach(), x.grad.clone(), fc.grad.clone(), proj.grad.clone()
+    grads = (x.grad.clone(), fc.grad.clone(), proj.grad.clone()) + ((scale.grad.clone(),) if scale is not None else ())
+    return (y.detach(), *grads)
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("path", [experts_padded, experts_grouped])
-def test_expert_paths_match_the_loop_forward_and_backward(path):
-    """Uneven segments, one expert with no token at all."""
+def test_expert_paths_match_the_loop_forward_and_backward(path, scaled):
+    """Uneven segments, one expert with no token at all; with a row scale (the router's weights)
+    and its gradient too."""
     inputs = expert_inputs([5, 0, 11, 3])
-    want = run_path(experts_reference, *inputs)
-    got = run_path(path, *inputs)
-    for name, a, b in zip(("out", "dx", "dfc", "dproj"), got, want):
+    scale = torch.rand(19, generator=torch.Generator().manual_seed(3)).requires_grad_() if scaled else None
+    want = run_path(experts_reference, *inputs, scale=scale)
+    got = run_path(path, *inputs, scale=scale)
+    for name, a, b in zip(("out", "dx", "dfc", "dproj", "dscale"), got, want):
         assert (a - b).abs().max() < 1e-5, (path.__name__, name, (a - b).abs().max())
     assert want[2][1].abs().max() == 0  # the idle expert gets no gradient
+    if scaled:  # the scale is each row's factor: the unscaled rows times it
+        plain = run_path(experts_reference, *inputs)[0]
+        torch.testing.assert_close(want[0], plain * scale.detach()[:, None])
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("path", [experts_padded, experts_grouped])
-def test_expert_paths_match_the_loop_on_cuda_in_bf16(path):
+def test_expert_paths_match_the_loop_on_cuda_in_bf16(path, scaled):
     """Hopper shapes in bf16 (torch._grouped_mm's fast case): against the fp32 loop."""
     inputs = expert_inputs([700, 0, 1100, 248, 33, 1, 512, 1], d=256, ff=512, dtype=torch.bfloat16, device="cuda")
     ref32 = [t.detach().float().requires_grad_() if t.is_floating_point() else t for t in inputs]
-    want = run_path(experts_reference, *ref32)
-    got = run_path(path, *inputs)
-    for name, a, b in zip(("out", "dx", "dfc", "dproj"), got, want):
+    scale = torch.rand(2595, device="cuda") if scaled else None
+    want = run_path(experts_reference, *ref32, scale=scale.clone().requires_grad_() if scaled else None)
+    got = run_path(path, *inputs, scale=scale.clone().requires_grad_() if scaled else None)
+    for name, a, b in zip(("out", "dx", "dfc", "dproj", "dscale"), got, want):
         err = (a.float() - b).abs().max() / b.abs().max()
         assert err < 2e-2, (path.__name__, name, err)
 
@@ -104,6 +114,30 @@ def test_moe_layer_is_the_per_token_sum_of_its_experts():
             gate, up = (fc[e] @ token).chunk(2)
             want = want + w * (proj[e] @ (torch.nn.functional.silu(gate) * up))
         torch.testing.assert_close(y[n], want, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_in_the_experts_equal_the_weighted_combine(monkeypatch):
+    """The router's weights scale the experts' hidden rows (local experts) or their outputs in the
+    combine (expert parallelism's path): the same layer, output and every gradient."""
+    import megatrain.model.moe as moe
+
+    cfg = tiny(n_shared_experts=1, n_experts=5, top_k=2, aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    layer = MoE(cfg, layer=0).train()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(3, 8, cfg.d_model)
+    results = {}
+    for inside in (True, False):
+        monkeypatch.setattr(moe, "WEIGHTS_IN_EXPERTS", inside)
+        layer.zero_grad()
+        xs = x.clone().requires_grad_()
+        out = layer(xs)
+        out.square().sum().backward()
+        results[inside] = [out, xs.grad] + [p.grad.clone() for p in layer.parameters()]
+    for a, b in zip(results[True], results[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert results[True][2].abs().max() > 0  # the router's gate got a gradient through the weights
 
 
 def test_penalty_gradients_equal_the_penalties_written_into_the_loss():
