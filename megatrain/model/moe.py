@@ -135,7 +135,9 @@ class MoE(nn.Module):
                                            self.router.impl)  # [N k, d], [E], [N k]
         shared, weights = None, routing.weights
         if self.exchange is None and WEIGHTS_IN_EXPERTS:
-            row_weights = routing.weights.reshape(-1)[order]  # [N k] each expert row's weight
+            # [N k] each expert row's weight; index_select's backward is an index_add (order is a
+            # permutation: one add per slot), where indexing's would sort the indices first
+            row_weights = routing.weights.reshape(-1).index_select(0, order)
             y, weights = self._run_experts(rows, counts, row_weights), None
         elif self.exchange is None:
             y = self._run_experts(rows, counts)
