@@ -17,7 +17,9 @@ over ``--copy-tbs``, the device-to-device copy rate (4.22 TB/s read + write on a
 shared/NOTES.md). At ``--tokens`` 16,384 (micro-batch 8) x is 32 MB and fits an H200's 50-MB L2;
 at 65,536 (micro-batch 32, the recipe's benchmark) it is 128 MB and does not. Per row: the
 median of ``--iters`` CUDA-event timings after a warm-up, and the largest difference from the
-row it replaces. Prints a table and writes the JSON; every row runs in this one process.
+row it replaces. ``--sweep`` also times each token-major kernel at every launch shape in SWEEP
+(tokens a program, warps) and prints the fastest. Prints a table and writes the JSON; every row
+runs in this one process.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def measure(args: argparse.Namespace, dev: str = "cuda", time_ms=cuda_ms) -> lis
     choice = torch.rand(n, args.experts, device=dev).topk(k, dim=-1).indices.flatten()  # k distinct per token
     order = group_order(choice, args.experts)
     inverse = row_of_slot(order)
-    block, warps = mp._block(d)
+    block = 1 << (d - 1).bit_length()
+    warps = max(1, min(8, block // 256))
     gather_rows, combine_bwd_rows = expert_major_kernels()
 
     def dispatch_expert_major():
@@ -96,11 +99,10 @@ def measure(args: argparse.Namespace, dev: str = "cuda", time_ms=cuda_ms) -> lis
         return out
 
     def combine_bwd(token_major: bool):
-        dy, dw = torch.empty_like(y), torch.empty_like(w)
         if token_major:
-            mp._combine_bwd_kernel[(n,)](dout, y, inverse, w, dy, dw, d, K=k, BLOCK_D=block, num_warps=warps)
-        else:
-            combine_bwd_rows[(m,)](dout, y, order, w, dy, dw, d, K=k, BLOCK_D=block, num_warps=warps)
+            return mp.combine_bwd(dout, y, inverse, w, k)[0]
+        dy, dw = torch.empty_like(y), torch.empty_like(w)
+        combine_bwd_rows[(m,)](dout, y, order, w, dy, dw, d, K=k, BLOCK_D=block, num_warps=warps)
         return dy
 
     h = torch.randn(m, 2 * args.ff, device=dev, dtype=bf16, requires_grad=True)
@@ -131,13 +133,43 @@ def measure(args: argparse.Namespace, dev: str = "cuda", time_ms=cuda_ms) -> lis
         if replaces is not None:
             row["max_abs_diff"] = (fn().float() - passes[replaces][2]().float()).abs().max().item()
         rows.append(row)
+    if getattr(args, "sweep", False):
+        rows += sweep(args, {"scatter_rows": (passes[1][2], "dispatch"), "gather_sum": (passes[2][2], "combine"),
+                             "combine_bwd": (passes[4][2], "combine_bwd_weighted")}, floors, time_ms)
     return rows
+
+
+def sweep(args: argparse.Namespace, kernels: dict, floors: dict, time_ms) -> list[dict]:
+    """Each token-major kernel at every launch shape of SWEEP (``kernels/moe_permute_triton.LAUNCH``),
+    the engine's own first; each row's output must equal the engine's."""
+    from megatrain.kernels import moe_permute_triton as mp
+
+    rows = []
+    for kernel, (fn, key) in kernels.items():
+        engine = mp.LAUNCH[kernel]
+        want = fn()
+        for shape in [engine, *(s for s in SWEEP if s != engine)]:
+            mp.LAUNCH[kernel] = shape
+            try:
+                ms = time_ms(fn, args.iters)
+                rows.append({"name": f"sweep {kernel}: {shape[0]} tokens a program, {shape[1] or 'default'} warps",
+                             "kernel": kernel, "launch": list(shape), "ms": ms,
+                             "floor_ms": floors[key] / (args.copy_tbs * 1e12) * 1e3,
+                             "tb_s": floors[key] / (ms * 1e-3) / 1e12,
+                             "max_abs_diff": (fn().float() - want.float()).abs().max().item()})
+            finally:
+                mp.LAUNCH[kernel] = engine
+    return rows
+
+
+SWEEP = [(t, w) for t in (1, 2, 4) for w in (2, 4, 8)]  # (tokens a program, warps)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_layer_arguments(parser, tokens=65536)
     parser.add_argument("--copy-tbs", type=float, default=4.22, help="device-to-device copy rate, TB/s (read + write)")
+    parser.add_argument("--sweep", action="store_true", help="also each kernel at every launch shape of SWEEP")
     parser.add_argument("--out", default="runs/moe-permute.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -149,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         diff = f"  max |diff| {row['max_abs_diff']:.3g}" if "max_abs_diff" in row else ""
         print(f"  {row['name']:<52} {row['ms']:7.3f} ms  floor {row['floor_ms']:6.3f}  {row['tb_s']:5.2f} TB/s{diff}")
+    for kernel in ("scatter_rows", "gather_sum", "combine_bwd"):
+        swept = [row for row in rows if row.get("kernel") == kernel]
+        if swept:
+            best = min(swept, key=lambda row: row["ms"])
+            print(f"  fastest {kernel}: {best['launch']} {best['ms']:.3f} ms (the engine's {swept[0]['launch']}: "
+                  f"{swept[0]['ms']:.3f} ms)")
     write_report(args, rows)
     return 0
 

@@ -55,11 +55,12 @@ def permute(x: torch.Tensor, order: torch.Tensor, k: int, impl: str = "auto") ->
 
 
 def unpermute(y: torch.Tensor, weights: torch.Tensor | None, order: torch.Tensor, k: int,
-              impl: str = "auto") -> torch.Tensor:
+              impl: str = "auto", residual: torch.Tensor | None = None) -> torch.Tensor:
     """y [N k, d] in expert order, weights [N, k] or None -> [N, d]: the (weighted) sum of each
-    token's k rows."""
+    token's k rows, plus ``residual`` [N, d] if given (the fused kernel adds it in the same pass)."""
     if resolve(impl, y, under_compile=None) == "fused":
         from megatrain.kernels.moe_permute_triton import combine_fused
 
-        return combine_fused(y, weights, row_of_slot(order), k)
-    return unpermute_reference(y, weights, order, k)
+        return combine_fused(y, weights, row_of_slot(order), k, residual)
+    out = unpermute_reference(y, weights, order, k)
+    return out if residual is None else residual + out

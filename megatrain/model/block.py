@@ -107,7 +107,10 @@ class SerialBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
         x = x + self.exit_attn(self.attn(self.enter_attn(self.ln1(x)), cache))
-        return x + self.exit_mlp(self.mlp(self.enter_mlp(self.ln2(x))))
+        h = self.enter_mlp(self.ln2(x))
+        if isinstance(self.mlp, MoE) and type(self.exit_mlp) is nn.Identity:
+            return self.mlp(h, residual=x)  # x + moe(h), the sum written by the combine kernel
+        return x + self.exit_mlp(self.mlp(h))
 
 
 def make_feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:

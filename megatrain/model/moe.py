@@ -124,7 +124,10 @@ class MoE(nn.Module):
         self.register_buffer("load", torch.zeros(m.n_experts), persistent=False)
         self.register_buffer("sums", torch.zeros(5), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+        """The layer's output, plus ``residual`` [B, T, d] when given: the serial block's skip
+        connection, which the combine kernel adds while it writes the output (one pass less over
+        [tokens, d])."""
         # The profiler ranges (benchmarks/mfu_moe.py splits the step's time by them) cost a few
         # microseconds each in eager mode; torch.compile drops them from compiled code.
         h = x.reshape(-1, x.shape[-1])  # [N, d]
@@ -146,10 +149,14 @@ class MoE(nn.Module):
                 # the shared expert needs no exchange: it runs while the rows travel
                 beside = (lambda: self._run_shared(h)) if self.shared is not None else None
                 y, shared = self.exchange(rows, counts, self._run_experts, beside)
+        fuse_residual = residual is not None and self.shared is None and y.dtype == residual.dtype
         with record_function("moe.combine"):
-            out = unpermute(y, weights, order, self.cfg.top_k, self.permute_impl).to(x.dtype)  # [N, d]
+            out = unpermute(y, weights, order, self.cfg.top_k, self.permute_impl,
+                            residual.reshape(h.shape) if fuse_residual else None).to(x.dtype)  # [N, d]
         if self.shared is not None:
             out = out + (shared if shared is not None else self._run_shared(h))
+        if residual is not None and not fuse_residual:
+            out = out + residual.reshape(h.shape)
         out = out.view_as(x)
         if self.training:
             with record_function("moe.balance"):

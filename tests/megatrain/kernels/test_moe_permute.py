@@ -67,18 +67,22 @@ def _compare_fused(device: str, n: int, k: int, n_experts: int, d: int, dtype, s
 
     x, order, weights, y = _routing(n, k, n_experts, d, device, dtype, skew)
     inverse = row_of_slot(order)
-    reference = (lambda x: permute_reference(x, order, k), lambda y, w: unpermute_reference(y, w, order, k))
-    fused = (lambda x: dispatch_fused(x, inverse, k), lambda y, w: combine_fused(y, w, inverse, k))
+    reference = (lambda x: permute_reference(x, order, k),
+                 lambda y, w, r=None: unpermute_reference(y, w, order, k) + (0 if r is None else r))
+    fused = (lambda x: dispatch_fused(x, inverse, k), lambda y, w, r=None: combine_fused(y, w, inverse, k, r))
 
     def run(impl, cast=None):
-        xs, ys, ws, ys_plain = (t.detach().to(cast or t.dtype).clone().requires_grad_() for t in (x, y, weights, y))
+        xs, ys, ws, ys_plain, ys_res, ws_res, res = (t.detach().to(cast or t.dtype).clone().requires_grad_()
+                                                     for t in (x, y, weights, y, y, weights, x))
         torch.full((4 * n * k * d,), float("nan"), device=device)  # freed at once: the next blocks hold NaN
         rows, out, plain = impl[0](xs), impl[1](ys, ws), impl[1](ys_plain, None)
+        with_res = impl[1](ys_res, ws_res, res) + impl[1](ys_res, None, res)  # the residual added in the pass
         g = torch.Generator().manual_seed(1)
-        for output in (rows, out, plain):  # upstream gradients that the dtype holds exactly
+        for output in (rows, out, plain, with_res):  # upstream gradients that the dtype holds exactly
             output.backward(torch.randn(output.shape, generator=g).to(dtype).to(device, output.dtype))
-        return {"rows": rows, "out": out, "plain": plain, "dx": xs.grad, "dy": ys.grad, "dw": ws.grad,
-                "dy_plain": ys_plain.grad}
+        return {"rows": rows, "out": out, "plain": plain, "with_residual": with_res, "dx": xs.grad, "dy": ys.grad,
+                "dw": ws.grad, "dy_plain": ys_plain.grad, "dy_res": ys_res.grad, "dw_res": ws_res.grad,
+                "dresidual": res.grad}
 
     ours, ref = run(fused), run(reference)
     truth = run(reference, torch.float64) if dtype != torch.float32 else None
@@ -113,13 +117,26 @@ def test_fused_in_the_triton_interpreter(n, k, n_experts, d, skew):
 
 
 @pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter: TRITON_INTERPRET=1")
+def test_several_tokens_per_program_cover_every_token_in_the_interpreter(monkeypatch):
+    """The launch shapes benchmarks/moe_permute.py --sweep tries: 4 tokens a program over 63
+    tokens (the last program has 3), 2 warps."""
+    from megatrain.kernels import moe_permute_triton
+
+    monkeypatch.setattr(moe_permute_triton, "LAUNCH", {name: (4, 2) for name in moe_permute_triton.LAUNCH})
+    _compare_fused("cpu", 63, 3, 8, 40, torch.float32, False)
+
+
+@pytest.mark.gpu
 @requires_cuda
-def test_moe_layer_with_the_fused_permutation_matches_the_reference():
+@pytest.mark.parametrize("n_shared", [0, 1])  # without a shared expert the combine adds the residual itself
+def test_moe_layer_with_the_fused_permutation_matches_the_reference(n_shared):
     from megatrain.config.model import ModelConfig
     from megatrain.model.moe import MoE
 
     base = dict(vocab_size=64, n_layer=1, n_head=2, d_model=64, seq_len=32, mlp="moe", norm="rmsnorm", bias=False,
-                moe={"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "n_shared_experts": 1})
+                moe={"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "n_shared_experts": n_shared})
     grads = {}
     for impl in ("reference", "fused"):
         torch.manual_seed(0)
@@ -128,9 +145,10 @@ def test_moe_layer_with_the_fused_permutation_matches_the_reference():
         for p in layer.parameters():
             torch.nn.init.normal_(p, std=0.1)
         x = torch.randn(2, 32, 64, device="cuda", requires_grad=True)
-        out = layer(x)
+        residual = torch.randn(2, 32, 64, device="cuda", requires_grad=True)
+        out = layer(x, residual=residual)
         out.square().sum().backward()
-        grads[impl] = (out, x.grad, *(p.grad for p in layer.parameters()))
+        grads[impl] = (out, x.grad, residual.grad, *(p.grad for p in layer.parameters()))
     for ref, fused in zip(grads["reference"], grads["fused"]):
         torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
 

@@ -140,6 +140,27 @@ def test_weights_in_the_experts_equal_the_weighted_combine(monkeypatch):
     assert results[True][2].abs().max() > 0  # the router's gate got a gradient through the weights
 
 
+@pytest.mark.parametrize("n_shared", [0, 1])
+def test_the_residual_passed_in_is_added_to_the_output(n_shared):
+    """The serial block hands its skip connection to the layer (the combine kernel adds it):
+    layer(x, residual=r) is layer(x) + r, output and gradients."""
+    cfg = tiny(n_shared_experts=n_shared)
+    torch.manual_seed(0)
+    layer = MoE(cfg, layer=0).train()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, r = torch.randn(2, 5, cfg.d_model), torch.randn(2, 5, cfg.d_model)
+    results = []
+    for fused in (True, False):
+        layer.zero_grad()
+        xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+        out = layer(xs, residual=rs) if fused else layer(xs) + rs
+        out.square().sum().backward()
+        results.append([out, xs.grad, rs.grad] + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_penalty_gradients_equal_the_penalties_written_into_the_loss():
     """AddAuxGrad leaves the output and the logged loss alone and gives the router what
     loss + scale * (coef * aux + z_coef * z) would give it."""
