@@ -48,6 +48,7 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "rope-head-major": ([], None),  # MODULE_SETTINGS below
     "ds-norms": ([], None),  # MODULE_SETTINGS below
     "weighted-combine": ([], None),
+    "residual-add": ([], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -61,6 +62,8 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     "ds-norms": {("megatrain.parallel.zero_norms", "ENABLED"): False},
     # the router's weights in the MoE combine, not inside the experts (model/moe.py)
     "weighted-combine": {("megatrain.model.moe", "WEIGHTS_IN_EXPERTS"): False},
+    # the serial block's skip connection added by the block, not by the MoE combine (model/block.py)
+    "residual-add": {("megatrain.model.block", "MOE_TAKES_RESIDUAL"): False},
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".

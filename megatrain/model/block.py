@@ -51,6 +51,9 @@ from megatrain.model.norm import make_norm
 # module docstring), "compile" (inside torch.compile only) or "always" (eager too; for tests).
 # Read at call time.
 FUSE_PROJECTIONS: Literal["compile", "always", "never"] = "never"
+# The serial block hands its skip connection to a routed-experts layer, whose combine kernel adds it
+# while writing the output (moe.py); False adds it here (benchmarks/mfu.py --variants residual-add).
+MOE_TAKES_RESIDUAL = True
 
 
 class ParallelBlock(nn.Module):
@@ -108,7 +111,7 @@ class SerialBlock(nn.Module):
     def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
         x = x + self.exit_attn(self.attn(self.enter_attn(self.ln1(x)), cache))
         h = self.enter_mlp(self.ln2(x))
-        if isinstance(self.mlp, MoE) and type(self.exit_mlp) is nn.Identity:
+        if MOE_TAKES_RESIDUAL and isinstance(self.mlp, MoE) and type(self.exit_mlp) is nn.Identity:
             return self.mlp(h, residual=x)  # x + moe(h), the sum written by the combine kernel
         return x + self.exit_mlp(self.mlp(h))
 

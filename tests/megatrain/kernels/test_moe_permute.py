@@ -72,17 +72,20 @@ def _compare_fused(device: str, n: int, k: int, n_experts: int, d: int, dtype, s
     fused = (lambda x: dispatch_fused(x, inverse, k), lambda y, w, r=None: combine_fused(y, w, inverse, k, r))
 
     def run(impl, cast=None):
-        xs, ys, ws, ys_plain, ys_res, ws_res, res = (t.detach().to(cast or t.dtype).clone().requires_grad_()
-                                                     for t in (x, y, weights, y, y, weights, x))
+        leaf = lambda t: t.detach().to(cast or t.dtype).clone().requires_grad_()  # noqa: E731
+        xs = leaf(x)
+        combines = {  # name: (y, weights or None, residual or None), the residual added in the same pass
+            "weighted": (leaf(y), leaf(weights), None), "plain": (leaf(y), None, None),
+            "weighted+residual": (leaf(y), leaf(weights), leaf(x)), "plain+residual": (leaf(y), None, leaf(x))}
         torch.full((4 * n * k * d,), float("nan"), device=device)  # freed at once: the next blocks hold NaN
-        rows, out, plain = impl[0](xs), impl[1](ys, ws), impl[1](ys_plain, None)
-        with_res = impl[1](ys_res, ws_res, res) + impl[1](ys_res, None, res)  # the residual added in the pass
+        got = {"rows": impl[0](xs), **{name: impl[1](*args) for name, args in combines.items()}}
         g = torch.Generator().manual_seed(1)
-        for output in (rows, out, plain, with_res):  # upstream gradients that the dtype holds exactly
+        for output in got.values():  # upstream gradients that the dtype holds exactly
             output.backward(torch.randn(output.shape, generator=g).to(dtype).to(device, output.dtype))
-        return {"rows": rows, "out": out, "plain": plain, "with_residual": with_res, "dx": xs.grad, "dy": ys.grad,
-                "dw": ws.grad, "dy_plain": ys_plain.grad, "dy_res": ys_res.grad, "dw_res": ws_res.grad,
-                "dresidual": res.grad}
+        got["dx"] = xs.grad
+        for name, args in combines.items():
+            got.update({f"{name} d{part}": t.grad for part, t in zip(("y", "w", "residual"), args) if t is not None})
+        return got
 
     ours, ref = run(fused), run(reference)
     truth = run(reference, torch.float64) if dtype != torch.float32 else None
