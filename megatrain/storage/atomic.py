@@ -11,7 +11,7 @@ from typing import IO
 
 from fsspec import AbstractFileSystem
 
-from megatrain.storage.urls import StorageError, errors_name, protocols, resolve
+from megatrain.storage.urls import StorageError, errors_name, protocols, resolve, retry_vanished_directory
 
 # Object stores publish an object only when its upload completes, so a direct write is already
 # atomic there; a temporary name plus a (copying) rename would only add cost.
@@ -47,7 +47,8 @@ def atomic_write(url: str) -> Iterator[IO[bytes]]:
     name = f".{posixpath.basename(path)}.tmp-{uuid.uuid4().hex[:12]}"
     target = path if direct else posixpath.join(posixpath.dirname(path), name)
     with errors_name(url):
-        handle = fs.open(target, "wb")
+        handle = (retry_vanished_directory(lambda: fs.open(target, "wb")) if local  # auto_mkdir makes its dirs
+                  else fs.open(target, "wb"))
     try:
         yield handle  # the caller's own errors pass through unchanged
         with errors_name(url):

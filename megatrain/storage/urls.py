@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-from collections.abc import Iterator
-from typing import IO, Any
+from collections.abc import Callable, Iterator
+from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
 import fsspec
 from fsspec import AbstractFileSystem
+
+T = TypeVar("T")
 
 
 class StorageError(OSError):
@@ -177,10 +179,25 @@ def glob(pattern: str) -> dict[str, dict[str, Any]]:
     return {_path_to_url(pattern, fs, p): d for p, d in sorted(found.items()) if d.get("type") != "directory"}
 
 
+def retry_vanished_directory(op: Callable[[], T], attempts: int = 3) -> T:
+    """``op()`` (a local makedirs, or an open that makes its directories first), again when it
+    raised FileNotFoundError: another process may remove an empty directory of the path between
+    its creation and its use. A storage probe cleans up the directories it made (``probe.py``),
+    and two campaigns under one new root each probe their own run dir below it (seen once in
+    make test). A path that cannot be made fails every attempt alike and raises."""
+    for attempt in range(attempts):
+        try:
+            return op()
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def makedirs(url: str) -> None:
     fs, path = resolve(url)
     with errors_name(url):
-        fs.makedirs(path, exist_ok=True)
+        retry_vanished_directory(lambda: fs.makedirs(path, exist_ok=True))
 
 
 def rm(url: str, recursive: bool = False, missing_ok: bool = False) -> None:

@@ -182,3 +182,28 @@ def test_an_unreachable_store_is_an_outage_not_a_verdict(scheme, monkeypatch):
         storage.probe_location(Target(url, "checkpoint.durable_url"))
     assert not isinstance(failed.value, DeterministicError)
     assert str(failed.value).startswith(f"{url}/{PROBE_PREFIX}") and "onnect" in str(failed.value)
+
+
+def test_a_directory_removed_by_a_concurrent_probe_just_before_the_open_is_made_again(tmp_path, monkeypatch):
+    """Two campaigns under one new root each probe their own run dir: one probe's clean-up may
+    remove the shared, momentarily empty parent after the other made it and before it opens its
+    file (seen once in make test: campaign b's 'run_dir is not writable: FileNotFoundError'). The
+    removal is done for real here, at that moment, once; the write makes the directories again."""
+    from fsspec.implementations import local
+
+    opener = local.LocalFileOpener.__init__
+    removed = []
+
+    def remove_parent_first(self, path, mode, *args, **kwargs):
+        if "w" in mode and not removed:  # the other process's os.rmdir lands now
+            parent = os.path.dirname(path)
+            os.rmdir(parent)
+            os.rmdir(os.path.dirname(parent))
+            removed.append(parent)
+        return opener(self, path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(local.LocalFileOpener, "__init__", remove_parent_first)
+    run_dir = tmp_path / "campaigns" / "b" / "only"
+    result = storage.probe_location(str(run_dir))
+    assert removed == [str(run_dir)] and result.nbytes == 4096
+    assert not (tmp_path / "campaigns").exists()  # the probe still removed what it made
