@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("moe_gemm.py needs a CUDA GPU (CUTLASS's grouped GEMM and the Triton kernels run there)")
     from megatrain.kernels.moe_gemm import gathered_swiglu_mm, gathered_wgrad
-    from megatrain.kernels.moe_permute import group_order, permute
+    from megatrain.kernels.moe_permute import Slots, group_order, permute, row_of_slot
     from megatrain.kernels.swiglu import swiglu
 
     torch.manual_seed(0)
@@ -92,23 +92,24 @@ def main(argv: list[str] | None = None) -> int:
     fc = torch.randn(args.experts, 2 * args.ff, args.d, device=dev, dtype=bf16) / args.d**0.5
     choice = torch.randint(0, args.experts, (args.tokens * args.top_k,), device=dev)
     order = group_order(choice, args.experts)
+    slots = Slots(order, row_of_slot(order), args.top_k)
     counts = torch.bincount(choice, minlength=args.experts)
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     row_src, m = order // args.top_k, order.numel()
 
     def three_passes():
-        rows = permute(x, order, args.top_k, "fused")
+        rows = permute(x, slots, "fused")
         return swiglu(torch._grouped_mm(rows, fc.transpose(-2, -1), offs=offsets), "fused")
 
     dh = torch.randn(m, 2 * args.ff, device=dev, dtype=bf16)
-    rows_kept = permute(x, order, args.top_k, "fused")  # the copy today's forward keeps for this
+    rows_kept = permute(x, slots, "fused")  # the copy today's forward keeps for this
 
     def cutlass_wgrad():
         return torch._grouped_mm(rows_kept.transpose(-2, -1), dh, offs=offsets)  # [E, d, 2 ff]
 
     h_kept = torch._grouped_mm(rows_kept, fc.transpose(-2, -1), offs=offsets)
     rows_out = [{"name": "three passes (gather, CUTLASS grouped GEMM, SwiGLU)", "ms": cuda_ms(three_passes, args.iters)},
-                {"name": "  of which the gather", "ms": cuda_ms(lambda: permute(x, order, args.top_k, "fused"), args.iters)},
+                {"name": "  of which the gather", "ms": cuda_ms(lambda: permute(x, slots, "fused"), args.iters)},
                 {"name": "  of which the grouped GEMM", "ms": cuda_ms(
                     lambda: torch._grouped_mm(rows_kept, fc.transpose(-2, -1), offs=offsets), args.iters)},
                 {"name": "  of which SwiGLU", "ms": cuda_ms(lambda: swiglu(h_kept, "fused"), args.iters)}]

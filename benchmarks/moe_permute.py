@@ -17,8 +17,8 @@ over ``--copy-tbs``, the device-to-device copy rate (4.22 TB/s read + write on a
 shared/NOTES.md). At ``--tokens`` 16,384 (micro-batch 8) x is 32 MB and fits an H200's 50-MB L2;
 at 65,536 (micro-batch 32, the recipe's benchmark) it is 128 MB and does not. Per row: the
 median of ``--iters`` CUDA-event timings after a warm-up, and the largest difference from the
-row it replaces. ``--sweep`` also times each token-major kernel at every launch shape in SWEEP
-(tokens a program, warps) and prints the fastest. Prints a table and writes the JSON; every row
+row it replaces. ``--sweep`` also times each token-major kernel at every warp count in SWEEP and
+prints the fastest. Prints a table and writes the JSON; every row
 runs in this one process.
 """
 
@@ -89,20 +89,19 @@ def measure(args: argparse.Namespace, dev: str = "cuda", time_ms=cuda_ms) -> lis
     choice = torch.rand(n, args.experts, device=dev).topk(k, dim=-1).indices.flatten()  # k distinct per token
     order = group_order(choice, args.experts)
     inverse = row_of_slot(order)
-    block = 1 << (d - 1).bit_length()
-    warps = max(1, min(8, block // 256))
+    launch = mp.launch_options("scatter_rows", d)  # the engine's default warps, for the baseline kernels
     gather_rows, combine_bwd_rows = expert_major_kernels()
 
     def dispatch_expert_major():
         out = torch.empty(m, d, device=dev, dtype=bf16)
-        gather_rows[(m,)](x, order, out, d, K=k, BLOCK_D=block, num_warps=warps)
+        gather_rows[(m,)](x, order, out, d, K=k, **launch)
         return out
 
     def combine_bwd(token_major: bool):
         if token_major:
             return mp.combine_bwd(dout, y, inverse, w, k)[0]
         dy, dw = torch.empty_like(y), torch.empty_like(w)
-        combine_bwd_rows[(m,)](dout, y, order, w, dy, dw, d, K=k, BLOCK_D=block, num_warps=warps)
+        combine_bwd_rows[(m,)](dout, y, order, w, dy, dw, d, K=k, **launch)
         return dy
 
     h = torch.randn(m, 2 * args.ff, device=dev, dtype=bf16, requires_grad=True)
@@ -114,62 +113,67 @@ def measure(args: argparse.Namespace, dev: str = "cuda", time_ms=cuda_ms) -> lis
         return torch.autograd.grad(out, [h, scale] if scaled else [h], dh_out)[0]
 
     floors = floor_bytes(n, k, d, args.ff)
-    passes = [  # (name, floor key, fn, the row it replaces)
+    token_major = {"scatter_rows": lambda: mp.scatter_rows(x, inverse, k),
+                   "gather_sum": lambda: mp.gather_sum(y, inverse, k, w), "combine_bwd": lambda: combine_bwd(True)}
+    passes = [  # (name, floor key, fn, the baseline it replaces)
         ("dispatch, expert-major gather (before)", "dispatch", dispatch_expert_major, None),
-        ("dispatch, token-major", "dispatch", lambda: mp.scatter_rows(x, inverse, k), 0),
-        ("combine forward (gather-sum)", "combine", lambda: mp.gather_sum(y, inverse, k, w), None),
+        ("dispatch, token-major", "dispatch", token_major["scatter_rows"], dispatch_expert_major),
+        ("combine forward (gather-sum)", "combine", token_major["gather_sum"], None),
         ("combine backward weighted, expert-major (before)", "combine_bwd_weighted", lambda: combine_bwd(False), None),
-        ("combine backward weighted, token-major", "combine_bwd_weighted", lambda: combine_bwd(True), 3),
+        ("combine backward weighted, token-major", "combine_bwd_weighted", token_major["combine_bwd"],
+         lambda: combine_bwd(False)),
         ("combine backward plain (weights in the experts)", "combine_bwd_plain",
          lambda: mp.scatter_rows(dout, inverse, k), None),
         ("SwiGLU forward + backward", "swiglu_fwd_bwd", lambda: swiglu_step(False), None),
         ("SwiGLU forward + backward with the row scale", "swiglu_fwd_bwd_scaled", lambda: swiglu_step(True), None),
     ]
     rows = []
-    for name, key, fn, replaces in passes:
-        ms = time_ms(fn, args.iters)
-        row = {"name": name, "ms": ms, "floor_ms": floors[key] / (args.copy_tbs * 1e12) * 1e3,
-               "tb_s": floors[key] / (ms * 1e-3) / 1e12}
-        if replaces is not None:
-            row["max_abs_diff"] = (fn().float() - passes[replaces][2]().float()).abs().max().item()
+    for name, key, fn, baseline in passes:
+        row = {"name": name, **timed(fn, floors[key], args, time_ms)}
+        if baseline is not None:
+            row["max_abs_diff"] = (fn().float() - baseline().float()).abs().max().item()
         rows.append(row)
     if getattr(args, "sweep", False):
-        rows += sweep(args, {"scatter_rows": (passes[1][2], "dispatch"), "gather_sum": (passes[2][2], "combine"),
-                             "combine_bwd": (passes[4][2], "combine_bwd_weighted")}, floors, time_ms)
+        keys = {"scatter_rows": "dispatch", "gather_sum": "combine", "combine_bwd": "combine_bwd_weighted"}
+        rows += sweep(args, {kernel: (fn, floors[keys[kernel]]) for kernel, fn in token_major.items()}, time_ms)
     return rows
 
 
-def sweep(args: argparse.Namespace, kernels: dict, floors: dict, time_ms) -> list[dict]:
-    """Each token-major kernel at every launch shape of SWEEP (``kernels/moe_permute_triton.LAUNCH``),
-    the engine's own first; each row's output must equal the engine's."""
+def timed(fn, floor: int, args: argparse.Namespace, time_ms) -> dict:
+    """fn's median time, its floor (``floor`` bytes at the copy rate) and the rate it moved them at."""
+    ms = time_ms(fn, args.iters)
+    return {"ms": ms, "floor_ms": floor / (args.copy_tbs * 1e12) * 1e3, "tb_s": floor / (ms * 1e-3) / 1e12}
+
+
+def sweep(args: argparse.Namespace, kernels: dict, time_ms) -> list[dict]:
+    """Each token-major kernel (name -> (fn, floor bytes)) at every warp count of SWEEP
+    (``kernels/moe_permute_triton.WARPS``), the engine's own first; each row's output must equal
+    the engine's."""
     from megatrain.kernels import moe_permute_triton as mp
 
     rows = []
-    for kernel, (fn, key) in kernels.items():
-        engine = mp.LAUNCH[kernel]
+    for kernel, (fn, floor) in kernels.items():
+        engine = mp.WARPS[kernel]
         want = fn()
-        for shape in [engine, *(s for s in SWEEP if s != engine)]:
-            mp.LAUNCH[kernel] = shape
+        for warps in [engine, *(w for w in SWEEP if w != engine)]:
+            mp.WARPS[kernel] = warps
             try:
-                ms = time_ms(fn, args.iters)
-                rows.append({"name": f"sweep {kernel}: {shape[0]} tokens a program, {shape[1] or 'default'} warps",
-                             "kernel": kernel, "launch": list(shape), "ms": ms,
-                             "floor_ms": floors[key] / (args.copy_tbs * 1e12) * 1e3,
-                             "tb_s": floors[key] / (ms * 1e-3) / 1e12,
+                rows.append({"name": f"sweep {kernel}: {warps or 'default'} warps", "kernel": kernel,
+                             "warps": warps, **timed(fn, floor, args, time_ms),
                              "max_abs_diff": (fn().float() - want.float()).abs().max().item()})
             finally:
-                mp.LAUNCH[kernel] = engine
+                mp.WARPS[kernel] = engine
     return rows
 
 
-SWEEP = [(t, w) for t in (1, 2, 4) for w in (2, 4, 8)]  # (tokens a program, warps)
+SWEEP = [2, 4, 8]  # warps a program
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_layer_arguments(parser, tokens=65536)
     parser.add_argument("--copy-tbs", type=float, default=4.22, help="device-to-device copy rate, TB/s (read + write)")
-    parser.add_argument("--sweep", action="store_true", help="also each kernel at every launch shape of SWEEP")
+    parser.add_argument("--sweep", action="store_true", help="also each kernel at every warp count of SWEEP")
     parser.add_argument("--out", default="runs/moe-permute.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -185,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         swept = [row for row in rows if row.get("kernel") == kernel]
         if swept:
             best = min(swept, key=lambda row: row["ms"])
-            print(f"  fastest {kernel}: {best['launch']} {best['ms']:.3f} ms (the engine's {swept[0]['launch']}: "
-                  f"{swept[0]['ms']:.3f} ms)")
+            print(f"  fastest {kernel}: {best['warps'] or 'default'} warps {best['ms']:.3f} ms (the engine's "
+                  f"{swept[0]['warps'] or 'default'}: {swept[0]['ms']:.3f} ms)")
     write_report(args, rows)
     return 0
 

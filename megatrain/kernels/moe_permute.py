@@ -14,6 +14,8 @@ every output row once, with fp32 sums.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from megatrain.kernels import resolve
@@ -44,23 +46,39 @@ def row_of_slot(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
-def permute(x: torch.Tensor, order: torch.Tensor, k: int, impl: str = "auto") -> torch.Tensor:
+class Slots(NamedTuple):
+    """Where the N k routed slots go: ``order`` [N k] lists them grouped by expert (row r of the
+    experts' input is slot order[r]), ``row_of_slot`` [N k] is its inverse (what the Triton
+    kernels walk the tokens with), k slots a token. Made once per layer, used by both moves."""
+
+    order: torch.Tensor
+    row_of_slot: torch.Tensor
+    k: int
+
+
+def group_slots(experts: torch.Tensor, n_experts: int) -> Slots:
+    """experts [N, k] (each token's chosen expert ids) -> its Slots."""
+    order = group_order(experts.flatten(), n_experts)  # [N k]
+    return Slots(order, row_of_slot(order), experts.shape[1])
+
+
+def permute(x: torch.Tensor, slots: Slots, impl: str = "auto") -> torch.Tensor:
     """x [N, d] -> [N k, d], rows grouped by expert."""
     # fused inside compiled blocks too: inductor's index_put backward adds rows with atomics
     if resolve(impl, x, under_compile=None) == "fused":
         from megatrain.kernels.moe_permute_triton import dispatch_fused
 
-        return dispatch_fused(x, row_of_slot(order), k)
-    return permute_reference(x, order, k)
+        return dispatch_fused(x, slots.row_of_slot, slots.k)
+    return permute_reference(x, slots.order, slots.k)
 
 
-def unpermute(y: torch.Tensor, weights: torch.Tensor | None, order: torch.Tensor, k: int,
-              impl: str = "auto", residual: torch.Tensor | None = None) -> torch.Tensor:
+def unpermute(y: torch.Tensor, weights: torch.Tensor | None, slots: Slots, impl: str = "auto",
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """y [N k, d] in expert order, weights [N, k] or None -> [N, d]: the (weighted) sum of each
     token's k rows, plus ``residual`` [N, d] if given (the fused kernel adds it in the same pass)."""
     if resolve(impl, y, under_compile=None) == "fused":
         from megatrain.kernels.moe_permute_triton import combine_fused
 
-        return combine_fused(y, weights, row_of_slot(order), k, residual)
-    out = unpermute_reference(y, weights, order, k)
+        return combine_fused(y, weights, slots.row_of_slot, slots.k, residual)
+    out = unpermute_reference(y, weights, slots.order, slots.k)
     return out if residual is None else residual + out

@@ -32,67 +32,60 @@ import triton.language as tl
 
 
 @triton.jit
-def _scatter_rows_kernel(X, ROW_OF_SLOT, OUT, N, D, K: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _scatter_rows_kernel(X, ROW_OF_SLOT, OUT, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    for t in tl.static_range(TOKENS):
-        n = tl.program_id(0) * TOKENS + t
-        if n < N:
-            x = tl.load(X + n.to(tl.int64) * D + cols, mask=mask)
-            for j in tl.static_range(K):
-                row = tl.load(ROW_OF_SLOT + n * K + j).to(tl.int64)
-                tl.store(OUT + row * D + cols, x, mask=mask)
+    x = tl.load(X + n.to(tl.int64) * D + cols, mask=mask)
+    for j in tl.static_range(K):
+        row = tl.load(ROW_OF_SLOT + n * K + j).to(tl.int64)
+        tl.store(OUT + row * D + cols, x, mask=mask)
 
 
 @triton.jit
-def _gather_sum_kernel(Y, ROW_OF_SLOT, W, RES, OUT, N, D, K: tl.constexpr, HAS_W: tl.constexpr, HAS_RES: tl.constexpr,
-                       TOKENS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gather_sum_kernel(Y, ROW_OF_SLOT, W, RES, OUT, D, K: tl.constexpr, HAS_W: tl.constexpr, HAS_RES: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    n = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    for t in tl.static_range(TOKENS):
-        n = tl.program_id(0) * TOKENS + t
-        if n < N:
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            if HAS_RES:
-                acc += tl.load(RES + n.to(tl.int64) * D + cols, mask=mask, other=0.0).to(tl.float32)
-            for j in tl.static_range(K):
-                row = tl.load(ROW_OF_SLOT + n * K + j).to(tl.int64)
-                y = tl.load(Y + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-                if HAS_W:
-                    y = y * tl.load(W + n * K + j)
-                acc += y
-            tl.store(OUT + n.to(tl.int64) * D + cols, acc.to(OUT.dtype.element_ty), mask=mask)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_RES:
+        acc += tl.load(RES + n.to(tl.int64) * D + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(ROW_OF_SLOT + n * K + j).to(tl.int64)
+        y = tl.load(Y + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            y = y * tl.load(W + n * K + j)
+        acc += y
+    tl.store(OUT + n.to(tl.int64) * D + cols, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _combine_bwd_kernel(DOUT, Y, ROW_OF_SLOT, W, DY, DW, N, D, K: tl.constexpr, TOKENS: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+def _combine_bwd_kernel(DOUT, Y, ROW_OF_SLOT, W, DY, DW, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    for t in tl.static_range(TOKENS):
-        n = tl.program_id(0) * TOKENS + t
-        if n < N:
-            g = tl.load(DOUT + n.to(tl.int64) * D + cols, mask=mask, other=0.0).to(tl.float32)
-            for j in tl.static_range(K):
-                slot = n * K + j
-                row = tl.load(ROW_OF_SLOT + slot).to(tl.int64)
-                y = tl.load(Y + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(DY + row * D + cols, (g * tl.load(W + slot)).to(DY.dtype.element_ty), mask=mask)
-                tl.store(DW + slot, tl.sum(g * y, axis=0))
+    g = tl.load(DOUT + n.to(tl.int64) * D + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(K):
+        slot = n * K + j
+        row = tl.load(ROW_OF_SLOT + slot).to(tl.int64)
+        y = tl.load(Y + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DY + row * D + cols, (g * tl.load(W + slot)).to(DY.dtype.element_ty), mask=mask)
+        tl.store(DW + slot, tl.sum(g * y, axis=0))
 
 
-# Launch shape of each kernel: (tokens per program, warps; None: one warp per 256 columns, at most 8).
-# benchmarks/moe_permute.py --sweep times the alternatives: at moe-gpu-2b's 65,536 tokens on an H200
-# (benchmarks/moe-permute-sweep-h200.json) scatter_rows stays at 3.2 TB/s and gather_sum at 3.9 at
-# every shape tried (1-4 tokens, 2-8 warps); combine_bwd runs 5% faster on 2 warps than on 4.
-LAUNCH: dict[str, tuple[int, int | None]] = {"scatter_rows": (1, None), "gather_sum": (1, None), "combine_bwd": (1, 2)}
+# Warps of each kernel (None: one per 256 columns, at most 8). benchmarks/moe_permute.py --sweep
+# times the alternatives: at moe-gpu-2b's 65,536 tokens on an H200 (benchmarks/moe-permute-sweep-
+# h200.json) scatter_rows stays at 3.2 TB/s and gather_sum at 3.9 at every launch shape tried
+# (2-8 warps, and 1-4 tokens a program, which gained nothing and was dropped); combine_bwd runs 5%
+# faster on 2 warps than on 4.
+WARPS: dict[str, int | None] = {"scatter_rows": None, "gather_sum": None, "combine_bwd": 2}
 
 
-def _launch(kernel: str, n: int, d: int) -> tuple[tuple[int], dict]:
-    """The grid and the launch options of ``kernel`` over n tokens of width d."""
-    tokens, warps = LAUNCH[kernel]
+def launch_options(kernel: str, d: int) -> dict:
+    """BLOCK_D and num_warps of ``kernel`` (one program per token) over rows of width d."""
     block = triton.next_power_of_2(d)
-    return (triton.cdiv(n, tokens),), {"TOKENS": tokens, "BLOCK_D": block, "num_warps": warps or max(1, min(8, block // 256))}
+    return {"BLOCK_D": block, "num_warps": WARPS[kernel] or max(1, min(8, block // 256))}
 
 
 def scatter_rows(x: torch.Tensor, row_of_slot: torch.Tensor, k: int) -> torch.Tensor:
@@ -101,8 +94,7 @@ def scatter_rows(x: torch.Tensor, row_of_slot: torch.Tensor, k: int) -> torch.Te
     n, d = x.shape
     out = torch.empty((row_of_slot.numel(), d), dtype=x.dtype, device=x.device)
     if n:
-        grid, opts = _launch("scatter_rows", n, d)
-        _scatter_rows_kernel[grid](x, row_of_slot, out, n, d, K=k, **opts)
+        _scatter_rows_kernel[(n,)](x, row_of_slot, out, d, K=k, **launch_options("scatter_rows", d))
     return out
 
 
@@ -115,9 +107,8 @@ def gather_sum(y: torch.Tensor, row_of_slot: torch.Tensor, k: int, weights: torc
     w = weights.contiguous() if weights is not None else row_of_slot  # unread without HAS_W
     res = residual.reshape(n, d).contiguous() if residual is not None else y  # unread without HAS_RES
     if n:
-        grid, opts = _launch("gather_sum", n, d)
-        _gather_sum_kernel[grid](y, row_of_slot, w, res, out, n, d, K=k, HAS_W=weights is not None,
-                                 HAS_RES=residual is not None, **opts)
+        _gather_sum_kernel[(n,)](y, row_of_slot, w, res, out, d, K=k, HAS_W=weights is not None,
+                                 HAS_RES=residual is not None, **launch_options("gather_sum", d))
     return out
 
 
@@ -128,8 +119,7 @@ def combine_bwd(dout: torch.Tensor, y: torch.Tensor, row_of_slot: torch.Tensor, 
     dy, dw = torch.empty_like(y), torch.empty_like(w)
     n, d = dout.shape
     if n:
-        grid, opts = _launch("combine_bwd", n, d)
-        _combine_bwd_kernel[grid](dout, y, row_of_slot, w, dy, dw, n, d, K=k, **opts)
+        _combine_bwd_kernel[(n,)](dout, y, row_of_slot, w, dy, dw, d, K=k, **launch_options("combine_bwd", d))
     return dy, dw
 
 
@@ -147,38 +137,27 @@ class _DispatchFn(torch.autograd.Function):
 
 
 class _CombineFn(torch.autograd.Function):
-    """The weighted sum (+ the residual): its backward needs y (for dw)."""
+    """(residual) + the (weighted) sum. Weighted, the backward reads y for the weights' gradient,
+    so y is kept; plain (the weights applied inside the experts), the backward is a dispatch of
+    dout and keeps nothing but the permutation."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor,
+    def forward(ctx, y: torch.Tensor, weights: torch.Tensor | None, row_of_slot: torch.Tensor, k: int,
                 residual: torch.Tensor | None) -> torch.Tensor:
-        k = weights.shape[1]
-        w = weights.reshape(-1).float().contiguous()  # [N k]
-        ctx.save_for_backward(y, w, row_of_slot)
-        ctx.weights_dtype, ctx.k = weights.dtype, k
+        w = weights.reshape(-1).float().contiguous() if weights is not None else None  # [N k]
+        ctx.save_for_backward(row_of_slot, *((y, w) if w is not None else ()))
+        ctx.k, ctx.weights_dtype = k, weights.dtype if weights is not None else None
         return gather_sum(y, row_of_slot, k, w, residual)  # [N, d]
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        y, w, row_of_slot = ctx.saved_tensors
+        row_of_slot, *weighted = ctx.saved_tensors
+        dresidual = dout if ctx.needs_input_grad[4] else None
+        if not weighted:
+            return scatter_rows(dout, row_of_slot, ctx.k), None, None, None, dresidual
+        y, w = weighted
         dy, dw = combine_bwd(dout, y, row_of_slot, w, ctx.k)
-        return dy, dw.view(-1, ctx.k).to(ctx.weights_dtype), None, dout if ctx.needs_input_grad[3] else None
-
-
-class _SumFn(torch.autograd.Function):
-    """The plain sum (weights applied inside the experts; + the residual): its backward is a
-    dispatch of dout."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, row_of_slot: torch.Tensor, k: int, residual: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(row_of_slot)
-        ctx.k = k
-        return gather_sum(y, row_of_slot, k, None, residual)  # [N, d]
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        (row_of_slot,) = ctx.saved_tensors
-        return scatter_rows(dout, row_of_slot, ctx.k), None, None, dout if ctx.needs_input_grad[3] else None
+        return dy, dw.view(-1, ctx.k).to(ctx.weights_dtype), None, None, dresidual
 
 
 def dispatch_fused(x: torch.Tensor, row_of_slot: torch.Tensor, k: int) -> torch.Tensor:
@@ -188,6 +167,4 @@ def dispatch_fused(x: torch.Tensor, row_of_slot: torch.Tensor, k: int) -> torch.
 def combine_fused(y: torch.Tensor, weights: torch.Tensor | None, row_of_slot: torch.Tensor, k: int,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """y [N k, d] -> [N, d]; ``weights`` [N, k] or None (a plain sum); ``residual`` [N, d] added."""
-    if weights is None:
-        return _SumFn.apply(y, row_of_slot, k, residual)
-    return _CombineFn.apply(y, weights, row_of_slot, residual)
+    return _CombineFn.apply(y, weights, row_of_slot, k, residual)

@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from megatrain.config import ModelConfig
-from megatrain.kernels.moe_permute import group_order, permute, unpermute
+from megatrain.kernels.moe_permute import Slots, group_slots, permute, unpermute
 from megatrain.kernels.moe_router import expert_counts, topk_experts
 from megatrain.model.mlp import SwiGLU
 from megatrain.model.moe_experts import Experts
@@ -83,12 +83,12 @@ class Router(nn.Module):
 
 
 def dispatch(x: torch.Tensor, experts: torch.Tensor, n_experts: int, impl: str = "auto",
-             counts_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, d], experts [N, k] -> (rows [N k, d] grouped by expert, counts [E], order [N k]):
-    slot j = token j // k's (j % k)-th choice; rows[i] is slot order[i]. No host sync."""
-    order = group_order(experts.flatten(), n_experts)  # [N k]
+             counts_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, Slots]:
+    """x [N, d], experts [N, k] -> (rows [N k, d] grouped by expert, counts [E], slots): slot j =
+    token j // k's (j % k)-th choice; rows[i] is slot slots.order[i]. No host sync."""
+    slots = group_slots(experts, n_experts)
     counts = expert_counts(experts, n_experts, counts_impl)  # [E]
-    return permute(x, order, experts.shape[1], impl), counts, order
+    return permute(x, slots, impl), counts, slots
 
 
 class AddAuxGrad(torch.autograd.Function):
@@ -134,13 +134,13 @@ class MoE(nn.Module):
         with record_function("moe.router"):
             routing = self.router(h)
         with record_function("moe.dispatch"):
-            rows, counts, order = dispatch(h, routing.experts, self.n_experts, self.permute_impl,
-                                           self.router.impl)  # [N k, d], [E], [N k]
+            rows, counts, slots = dispatch(h, routing.experts, self.n_experts, self.permute_impl,
+                                           self.router.impl)  # [N k, d], [E]
         shared, weights = None, routing.weights
         if self.exchange is None and WEIGHTS_IN_EXPERTS:
             # [N k] each expert row's weight; index_select's backward is an index_add (order is a
             # permutation: one add per slot), where indexing's would sort the indices first
-            row_weights = routing.weights.reshape(-1).index_select(0, order)
+            row_weights = routing.weights.reshape(-1).index_select(0, slots.order)
             y, weights = self._run_experts(rows, counts, row_weights), None
         elif self.exchange is None:
             y = self._run_experts(rows, counts)
@@ -149,14 +149,16 @@ class MoE(nn.Module):
                 # the shared expert needs no exchange: it runs while the rows travel
                 beside = (lambda: self._run_shared(h)) if self.shared is not None else None
                 y, shared = self.exchange(rows, counts, self._run_experts, beside)
-        fuse_residual = residual is not None and self.shared is None and y.dtype == residual.dtype
-        with record_function("moe.combine"):
-            out = unpermute(y, weights, order, self.cfg.top_k, self.permute_impl,
-                            residual.reshape(h.shape) if fuse_residual else None).to(x.dtype)  # [N, d]
+        # what the combine adds to the routed sum: the residual and the shared expert's output
+        skip = residual.reshape(h.shape) if residual is not None else None
         if self.shared is not None:
-            out = out + (shared if shared is not None else self._run_shared(h))
-        if residual is not None and not fuse_residual:
-            out = out + residual.reshape(h.shape)
+            shared = shared if shared is not None else self._run_shared(h)
+            skip = shared if skip is None else skip + shared
+        fused = skip is not None and skip.dtype == y.dtype  # the kernel sums in fp32, writes y's dtype
+        with record_function("moe.combine"):
+            out = unpermute(y, weights, slots, self.permute_impl, skip if fused else None).to(x.dtype)  # [N, d]
+        if skip is not None and not fused:
+            out = out + skip
         out = out.view_as(x)
         if self.training:
             with record_function("moe.balance"):

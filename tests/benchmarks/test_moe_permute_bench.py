@@ -37,7 +37,7 @@ def test_each_new_pass_matches_the_one_it_replaces_in_the_interpreter():
     compared = [row for row in rows if "max_abs_diff" in row and "kernel" not in row]
     assert len(compared) == 2 and all(row["max_abs_diff"] == 0 for row in compared), compared
     swept = [row for row in rows if "kernel" in row]  # every launch shape computes the engine's output
-    from megatrain.kernels.moe_permute_triton import LAUNCH
+    from megatrain.kernels.moe_permute_triton import WARPS
 
-    assert len(swept) == sum(len({LAUNCH[k], *moe_permute.SWEEP}) for k in LAUNCH)
+    assert len(swept) == sum(len({WARPS[k], *moe_permute.SWEEP}) for k in WARPS)
     assert all(row["max_abs_diff"] < 1e-6 for row in swept)
