@@ -47,6 +47,7 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "router-reference": (["model.kernels.moe_router=reference"], None),  # torch.topk and scatter_add_
     "rope-head-major": ([], None),  # MODULE_SETTINGS below
     "ds-norms": ([], None),  # MODULE_SETTINGS below
+    "ds-step": ([], None),
     "weighted-combine": ([], None),
     "residual-add": ([], None),
 }
@@ -60,6 +61,8 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     "rope-head-major": {("megatrain.model.attention", "ROPE_TOKEN_MAJOR"): False},
     # DeepSpeed's ZeRO gradient norm and overflow check, one tensor at a time (parallel/zero_norms.py)
     "ds-norms": {("megatrain.parallel.zero_norms", "ENABLED"): False},
+    # DeepSpeed's fp32 gradient partition (flatten, convert, clip: three passes; parallel/zero_step.py)
+    "ds-step": {("megatrain.parallel.zero_step", "ENABLED"): False},
     # the router's weights in the MoE combine, not inside the experts (model/moe.py)
     "weighted-combine": {("megatrain.model.moe", "WEIGHTS_IN_EXPERTS"): False},
     # the serial block's skip connection added by the block, not by the MoE combine (model/block.py)

@@ -20,7 +20,11 @@ gradients (estimated at a fraction of a millisecond on an H200, not measured).
   parallel rank 0 for replicated tensors), its sums over the data- and model-parallel groups, and
   its -1 for a norm that is not finite;
 - the overflow check is the same question, any inf or NaN in a gradient, answered by the
-  gradients' 2-norms (NaN and inf propagate through the squares' sum).
+  gradients' 2-norms (NaN and inf propagate through the squares' sum);
+- the norm that follows the overflow check in DeepSpeed's step reuses the check's per-tensor norms:
+  one read of the 4.3 GB of gradients a step instead of two (2 ms on moe-gpu-2b). A norm is reused
+  only for the very tensor it was taken of, unchanged since (its ``_version``); the cache holds
+  weak references, so it keeps no gradient alive.
 
 The two methods are DeepSpeed internals: attaching checks that they exist and fails loudly if a
 DeepSpeed upgrade renamed them.
@@ -29,6 +33,7 @@ DeepSpeed upgrade renamed them.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 from deepspeed import comm as dist
@@ -51,9 +56,9 @@ def _norm_direct(self, gradients, params, norm_type=2):
         if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:  # counted on its first stage only
             continue
         if is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
-            kept.append(g.detach())
+            kept.append(g)
     if kept:
-        total = torch.stack(torch._foreach_norm(kept, 2.0, dtype=get_norm_dtype())).square().sum().float()
+        total = torch.stack(_cached_norms(self, kept)).square().sum().float()
     else:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
@@ -66,12 +71,23 @@ def _norm_direct(self, gradients, params, norm_type=2):
 def _overflow(self):
     """DeepSpeed's ``has_overflow_partitioned_grads_serial``: a [1] bool tensor, True when a
     gradient holds an inf or a NaN."""
-    grads = [g.detach() for i in range(len(self.bit16_groups)) for g in (self.averaged_gradients[i] or [])
+    grads = [g for i in range(len(self.bit16_groups)) for g in (self.averaged_gradients[i] or [])
              if g is not None and g.numel()]
     if not grads:
         return torch.zeros(1, dtype=torch.bool, device=self.device)
-    total = torch.stack(torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype())).sum()  # no finite bf16 overflows it
+    norms = torch._foreach_norm([g.detach() for g in grads], 2.0, dtype=get_norm_dtype())
+    self._megatrain_norms = {id(g): (weakref.ref(g), g._version, n) for g, n in zip(grads, norms)}
+    total = torch.stack(norms).sum()  # no finite bf16 overflows it
     return (~torch.isfinite(total)).reshape(1)
+
+
+def _cached_norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's 2-norm, from the overflow check's when it took that very tensor's, unchanged."""
+    cache = getattr(self, "_megatrain_norms", {})
+    hits = [cache.get(id(g)) for g in grads]
+    if all(hit is not None and hit[0]() is g and hit[1] == g._version for hit, g in zip(hits, grads)):
+        return [hit[2] for hit in hits]
+    return list(torch._foreach_norm([g.detach() for g in grads], 2.0, dtype=get_norm_dtype()))
 
 
 def attach_foreach_norms(optimizer) -> bool:

@@ -47,6 +47,7 @@ from megatrain.parallel.expert_parallel import attach_expert_grad_sync
 from megatrain.parallel.init import DistEnv
 from megatrain.parallel.meta import build_parallel_model
 from megatrain.parallel.zero_norms import attach_foreach_norms
+from megatrain.parallel.zero_step import attach_fast_step
 from megatrain.precision import FP8Guard, check_precision_supported
 from megatrain.reliability.anomaly import AnomalyDetector, Verdict, write_verdict
 from megatrain.reliability.faults import FaultInjector
@@ -214,6 +215,7 @@ class Trainer:
                               f"{'bf16' if bf16 else 'fp32'}: {exc}; use parallel.zero_stage=1 (on one GPU it "
                               "partitions nothing and costs the same, configs/gpt-1.3b.yaml)") from None
         attach_foreach_norms(engine.optimizer)  # ZeRO-1/2: one kernel per group for the norm and the inf/NaN check
+        attach_fast_step(engine.optimizer)  # ZeRO-1/2: fp32 gradients copied once, the clip inside the fused AdamW
         if self.groups.dims.ep > 1:  # experts' gradients over their EDP group, exact clipping (ZeRO-0)
             attach_expert_grad_sync(engine.optimizer, engine.module, self.groups, cfg.optim.grad_clip)
         if isinstance(optimizer, Lamb) and cfg.parallel.zero_stage in (1, 2):

@@ -1,0 +1,81 @@
+"""One process (gloo) for test_zero_step.py: a small bf16 Llama-style GPT trained by DeepSpeed's
+ZeRO-1 with a fused AdamW and active clipping, twice from one seed: with megatrain's step
+(parallel/zero_step.py) and with DeepSpeed's own. Writes what the test compares.
+
+    python zero_step_worker.py OUT.pt [--world 2]   (under torchrun for several ranks)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import deepspeed
+import torch
+
+from megatrain.config import Config
+from megatrain.model import GPT, count_parameters
+from megatrain.optim import build_scheduler, param_groups
+from megatrain.parallel.deepspeed import DeepSpeedMPU, deepspeed_config
+from megatrain.parallel.dims import ParallelDims, build_process_groups
+from megatrain.parallel.init import init_distributed, shutdown_distributed
+from megatrain.parallel.zero_norms import attach_foreach_norms
+from megatrain.parallel.zero_step import attach_fast_step
+
+CONFIG = {
+    "model": dict(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=16, attention="full",
+                  position="rope", norm="rmsnorm", mlp="swiglu", bias=False, dropout=0.0),
+    # grad_clip far under the gradients' norm: every step is clipped
+    "optim": dict(name="adamw", lr=1e-2, min_lr=1e-3, warmup_steps=0, grad_clip=0.05, weight_decay=0.1),
+    "train": dict(steps=3, micro_batch_size=2, global_batch_size=8, seed=7, device="cpu", dtype="bf16"),
+    "parallel": dict(zero_stage=1),
+}
+
+
+def train(fast: bool, world: int, rank: int) -> dict:
+    cfg = Config.model_validate({**CONFIG, "parallel": {**CONFIG["parallel"], "world_size": world}})
+    dims = ParallelDims(dp=world, tp=1, pp=1)
+    groups = build_process_groups(dims, rank)
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model).to(torch.bfloat16)
+    # the fused AdamW that build_optimizer picks on a GPU (on CPU it picks foreach)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                  betas=cfg.optim.betas, eps=cfg.optim.eps, fused=True)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=build_scheduler(optimizer, cfg.optim, cfg.train.steps),
+        config=deepspeed_config(cfg, world, True, count_parameters(model)), mpu=DeepSpeedMPU(groups),
+        dist_init_required=False)
+    zero = engine.optimizer
+    attach_foreach_norms(zero)
+    attached = attach_fast_step(zero) if fast else False
+    scales, norms = [], []
+    gen = torch.Generator().manual_seed(99)
+    per_rank = cfg.train.global_batch_size // world
+    for _ in range(cfg.train.steps):
+        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1), generator=gen)
+        mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+        for micro in mine.split(cfg.train.micro_batch_size):
+            engine.backward(engine(micro[:, :-1], micro[:, 1:]))
+            engine.step()
+        scale = getattr(optimizer, "grad_scale", None)
+        scales.append(None if scale is None else float(scale))
+        norms.append(float(engine.get_global_grad_norm()))
+    masters = torch.cat([p.detach().float().clone() for p in zero.single_partition_of_fp32_groups])
+    weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    return {"attached": attached, "scales": scales, "norms": norms, "masters": masters, "weights": weights,
+            "exp_avg": torch.cat([optimizer.state[p]["exp_avg"].clone() for p in zero.single_partition_of_fp32_groups])}
+
+
+def main() -> None:
+    out = sys.argv[1]
+    env = init_distributed(device="cpu", backend="gloo", timeout_s=120)
+    try:
+        result = {"fast": train(True, env.world_size, env.rank), "deepspeed": train(False, env.world_size, env.rank)}
+        torch.save(result, f"{out}.rank{env.rank}")
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
