@@ -1,6 +1,8 @@
 """LM head + cross-entropy: chunked vs reference on CPU (fp32: loss and grads within 1e-5);
 fused (chunked + Triton) and chunked vs reference on GPU, plus peak memory."""
 
+import os
+
 import pytest
 import torch
 
@@ -161,3 +163,39 @@ def test_fused_uses_a_fraction_of_the_reference_memory():
     # one chunk: the bf16 logits (overwritten by their gradient) + bf16 dW
     assert chunked < ref / 4, (chunked, ref)
     assert whole < 0.5 * ref, (whole, ref)
+
+
+
+def _compare_chunk_kernel(device: str, dtype: torch.dtype) -> None:
+    """The Triton chunk function against the plain-torch one: loss and dlogits, ignored rows
+    included, on a vocabulary that is not a multiple of the kernel's block."""
+    from megatrain.kernels.cross_entropy import softmax_cross_entropy_chunk
+    from megatrain.kernels.cross_entropy_triton import softmax_cross_entropy_chunk_triton
+
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 37, 5001
+    logits = (4 * torch.randn(rows, vocab, generator=g)).to(device, dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[[2, 30]] = IGNORE_INDEX
+    targets = targets.to(device)
+    scale = torch.tensor(1 / 35.0, device=device)
+    want_loss, want_grad = softmax_cross_entropy_chunk(logits.clone(), targets, scale, True)
+    loss, grad = softmax_cross_entropy_chunk_triton(logits.clone(), targets, scale, True, IGNORE_INDEX)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(loss, want_loss, **tol)
+    torch.testing.assert_close(grad.float(), want_grad.float(), **tol)
+    assert grad[2].abs().max() == 0 and grad[30].abs().max() == 0
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_kernel_matches_torch(dtype):
+    _compare_chunk_kernel("cuda", dtype)
+
+
+@pytest.mark.gpu  # with the GPU tests: it needs Triton, which CPU machines lack
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter: TRITON_INTERPRET=1")
+def test_chunk_kernel_in_the_triton_interpreter():
+    _compare_chunk_kernel("cpu", torch.float32)
