@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-_CHUNK = 65536  # elements per program
+CHUNK = 65536  # elements per program
 _BLOCK = 1024  # elements per inner step (8 warps x 32 threads x 4)
 
 
@@ -137,19 +137,19 @@ def _lamb_apply_kernel(
 
 
 @functools.lru_cache(maxsize=16)
-def _chunk_layout(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunk_layout(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For a list of tensor sizes: chunk -> tensor id, chunk -> start element, tensor -> first
     chunk (with a final end marker), tensor -> numel. Cached: the sizes never change in a run."""
     numel = torch.tensor(numels, dtype=torch.int64)
-    counts = (numel + _CHUNK - 1) // _CHUNK
+    counts = (numel + CHUNK - 1) // CHUNK
     begin = torch.zeros(len(numels) + 1, dtype=torch.int64)
     begin[1:] = torch.cumsum(counts, 0)
     chunk_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
-    chunk_start = (torch.arange(int(begin[-1])) - begin[:-1].repeat_interleave(counts)) * _CHUNK
+    chunk_start = (torch.arange(int(begin[-1])) - begin[:-1].repeat_interleave(counts)) * CHUNK
     return (chunk_tensor.to(device), chunk_start.to(device), begin.to(torch.int32).to(device), numel.to(device))
 
 
-def _element_offsets(tensors: list[torch.Tensor]) -> list[int]:
+def element_offsets(tensors: list[torch.Tensor]) -> list[int]:
     base, size = tensors[0].data_ptr(), tensors[0].element_size()
     return [(t.data_ptr() - base) // size for t in tensors]
 
@@ -168,9 +168,9 @@ def _check_group(params, grads, exp_avgs, exp_avg_sqs) -> None:
 def _lamb_group(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, bc1, bc2, eps, weight_decay,
                 max_trust_ratio, trust_from_sums=None) -> None:
     device = params[0].device
-    chunk_tensor, chunk_start, chunk_begin, numel = _chunk_layout(tuple(p.numel() for p in params), device)
+    chunk_tensor, chunk_start, chunk_begin, numel = chunk_layout(tuple(p.numel() for p in params), device)
     lists = (params, grads, exp_avgs, exp_avg_sqs)
-    offsets = torch.tensor([o for lst in lists for o in _element_offsets(lst)], dtype=torch.int64).to(device)
+    offsets = torch.tensor([o for lst in lists for o in element_offsets(lst)], dtype=torch.int64).to(device)
     aligned = all(x.data_ptr() % 64 == 0 for lst in lists for x in lst)
     n_chunks, n_tensors = chunk_tensor.numel(), len(params)
     partial = torch.empty(2 * n_chunks, dtype=torch.float32, device=device)
@@ -179,7 +179,7 @@ def _lamb_group(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, bc1, 
     _lamb_moments_kernel[(n_chunks,)](
         chunk_tensor, chunk_start, offsets, numel, partial, n_tensors, P, G, M, V,
         beta1, 1.0 - beta1, beta2, 1.0 - beta2, bc1, bc2, eps, weight_decay,
-        ALIGNED=aligned, CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=8,
+        ALIGNED=aligned, CHUNK=CHUNK, BLOCK=_BLOCK, num_warps=8,
     )
     if trust_from_sums is None:
         _lamb_trust_kernel[(n_tensors,)](partial, chunk_begin, trust, partial, max_trust_ratio,
@@ -191,7 +191,7 @@ def _lamb_group(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, bc1, 
         trust = trust_from_sums(sums).to(torch.float32).contiguous()
     _lamb_apply_kernel[(n_chunks,)](
         chunk_tensor, chunk_start, offsets, numel, trust, n_tensors, P, G, M, V,
-        lr, bc1, bc2, eps, weight_decay, ALIGNED=aligned, CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=8,
+        lr, bc1, bc2, eps, weight_decay, ALIGNED=aligned, CHUNK=CHUNK, BLOCK=_BLOCK, num_warps=8,
     )
 
 

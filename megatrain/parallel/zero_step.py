@@ -1,27 +1,32 @@
-"""ZeRO-1/2's optimizer step without its two fp32 passes over the gradients.
+"""ZeRO-1/2's optimizer step without its fp32 passes over the gradients.
 
 At the accumulation boundary DeepSpeed's ZeRO optimizer (``DeepSpeedZeroOptimizer``, stages 1
 and 2, no offload) hands the inner optimizer an fp32 copy of this rank's gradient partition. It
 makes it in three passes: the bf16 gradients are concatenated into one bf16 buffer, that buffer
 is converted into an fp32 one, and the fp32 one is multiplied in place by 1 / (clip factor).
-Only then does the fused AdamW read it. On moe-gpu-2b (2.17B parameters, one H200; the profile
-of ``benchmarks/mfu.py --only kernels``) those passes took 2.3, 7.1 and 6.7 ms of a 45-ms
+Then the inner optimizer updates the fp32 master, and a last pass copies the master into the
+bf16 weights. On moe-gpu-2b (2.17B parameters, one H200; ``benchmarks/mfu.py --only kernels``)
+the three passes took 2.3, 7.1 and 6.7 ms, the fused AdamW 17.9 and the copy 3.0 of a 45-ms
 optimizer phase. The conversion is slow for a reason of its own: a tensor of more than 2^31
-elements makes TensorIterator split it for 32-bit indexing, and the split copy runs unvectorised
-(1.8 TB/s where a copy runs at 4).
+elements makes TensorIterator split it for 32-bit indexing, and the split copy runs
+unvectorised (1.8 TB/s where a copy runs at 4).
 
-``attach_fast_step(optimizer)`` changes two of its methods on the instance:
+``attach_fast_step(optimizer)`` changes the instance:
 
-- the gradient partition is copied into the fp32 buffer directly, tensor by tensor, converting as
-  it goes (one ``torch._foreach_copy_``); no bf16 buffer in between;
-- the clip factor, a device tensor as in DeepSpeed (no host sync), becomes the fused AdamW's
-  ``grad_scale``: the kernel divides each gradient by it as it reads it, so the gradients are not
-  rewritten first. This is how ``torch.amp.GradScaler`` unscales for fused optimizers.
+- under torch's fused AdamW (what megatrain builds on a GPU), ``step`` is megatrain's: DeepSpeed's
+  own control flow (overflow check, norm, loss scale, the skipped step, the all-gather) with the
+  fp32 copy, the clip, AdamW and the bf16 copy as one pass, ``kernels/adamw_master.py``, which
+  reads each bf16 gradient once and divides it by the clip factor as it goes. The optimizer
+  state stays torch's AdamW state on the fp32 master (``exp_avg``, ``exp_avg_sq``, ``step``), so
+  checkpoints do not change;
+- for other inner optimizers (LAMB, the foreach AdamW on CPU) DeepSpeed's step stays, but the
+  gradient partition is copied into its fp32 buffer directly, tensor by tensor, converting as it
+  goes (one ``torch._foreach_copy_``): no bf16 buffer in between.
 
-The numbers stay DeepSpeed's: the copy is exact, and g / c in place of g * (1 / c) differs by at
-most one rounding. The two methods are DeepSpeed internals: attaching checks that they exist.
-Other inner optimizers (LAMB, the foreach AdamW on CPU) keep DeepSpeed's own clip pass; the copy
-applies to them too.
+The numbers stay DeepSpeed's: the copy is exact, and the AdamW is torch's fused AdamW's formula
+(g / c in place of g * (1 / c): one rounding apart). What it reads of DeepSpeed are internals:
+attaching checks that they exist, and a step whose gradients are not a plain list of one dtype
+takes DeepSpeed's own path.
 """
 
 from __future__ import annotations
@@ -29,11 +34,18 @@ from __future__ import annotations
 import types
 
 import torch
-from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed.runtime.utils import is_invalid_grad_norm
+from deepspeed import comm as dist
+from deepspeed.runtime.utils import all_gather_dp_groups, is_invalid_grad_norm
+from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
+
+from megatrain.kernels.adamw_master import AdamWHyper, adamw_master_step
 
 ENABLED = True  # benchmarks/mfu.py --variants ds-step measures DeepSpeed's own
-METHODS = ("flatten", "flatten_dense_tensors_aligned", "unscale_and_clip_grads", "averaged_gradients", "optimizer")
+METHODS = ("flatten", "flatten_dense_tensors_aligned", "averaged_gradients", "optimizer", "check_overflow",
+           "scaled_global_norm", "_update_scale", "free_grad_in_param_list", "_release_preflattened_grad_buffers",
+           "_get_preflattened_grad_partition", "_lazy_init_hp_params_optimizer_state", "_update_model_bit16_weights",
+           "parallel_partitioned_bit16_groups", "single_partition_of_fp32_groups", "params_not_in_partition",
+           "real_dp_process_group", "bit16_groups_flat")
 
 
 def fp32_flat_copy(tensors: list[torch.Tensor], alignment: int | None = None) -> torch.Tensor:
@@ -66,29 +78,109 @@ def _flatten_aligned(self, tensor_list, alignment, use_cpu_data=False, param_pad
     return type(self).flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data, param_padding)
 
 
-def _clip_in_adam(self, grad_groups_flat, total_norm):
-    """DeepSpeed's ``unscale_and_clip_grads``, handed to the fused AdamW as its ``grad_scale``."""
+def clip_divisor(self, total_norm) -> torch.Tensor | None:
+    """The factor DeepSpeed's ``unscale_and_clip_grads`` divides the gradients by (loss scale times
+    the clip), as a device tensor; None when it would not touch them."""
     if self.clip_grad == 0.0 and self.loss_scale == 1.0:
-        self.optimizer.grad_scale = None
-        return
-    combined_scale = torch.tensor(float(self.loss_scale), dtype=torch.float32, device=grad_groups_flat[0].device)
+        return None
+    device = self.single_partition_of_fp32_groups[0].device
+    combined = torch.tensor(float(self.loss_scale), dtype=torch.float32, device=device)
     if self.clip_grad > 0.0:
         clip_norm = total_norm
         if is_invalid_grad_norm(clip_norm):  # DeepSpeed's guard for direct callers
-            clip_norm = torch.tensor(float("inf"), dtype=torch.float32, device=self.device)
+            clip_norm = torch.tensor(float("inf"), dtype=torch.float32, device=device)
         clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
-        combined_scale = (clip * self.loss_scale).to(torch.float32)
-    self.optimizer.grad_scale = combined_scale.reshape(())
+        combined = (clip * self.loss_scale).to(torch.float32)
+    return combined.reshape(())
 
 
-def _fused_adam(optimizer) -> bool:
-    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-            and all(group.get("fused") for group in optimizer.param_groups))
+def _fused_adamw(optimizer) -> bool:
+    return type(optimizer) is torch.optim.AdamW and all(
+        g.get("fused") and not g.get("amsgrad") and not g.get("maximize") and not g.get("differentiable")
+        for g in optimizer.param_groups)
+
+
+def _plain_gradients(self) -> bool:
+    """Whether every group's gradient partition is a list of contiguous tensors of one dtype (and
+    no pre-flattened buffer of DeepSpeed's compiler passes)."""
+    for i in range(len(self.bit16_groups)):
+        grads = self.averaged_gradients.get(i)
+        if grads is None or self._get_preflattened_grad_partition(i) is not None:
+            return False
+        if len({g.dtype for g in grads}) > 1 or not all(g.is_contiguous() for g in grads):
+            return False
+    return True
+
+
+def _adamw_state(optimizer: torch.optim.AdamW, master: torch.Tensor) -> dict:
+    """torch's AdamW state of ``master``, made as torch's fused AdamW makes it on its first step."""
+    state = optimizer.state[master]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+    elif state["step"].device != master.device or state["step"].dtype != torch.float32:
+        state["step"] = state["step"].to(master.device, torch.float32)  # e.g. a restored state's count
+    return state
+
+
+def _master_step(self, closure=None):
+    """DeepSpeed's ``step`` (stage 1/2, no offload) with the update as one pass per group."""
+    if not _plain_gradients(self):
+        return type(self).step(self, closure)
+    self.micro_step_id = INITIAL_MICRO_STEP_ID
+    if not self.compute_grad_norm:
+        self._global_grad_norm = None
+    self.overflow = False
+    if self.check_grad_overflow:
+        self.check_overflow(partition_gradients=self.partition_gradients)
+    norm = None
+    if self.compute_grad_norm and not self.overflow:
+        norm = self.scaled_global_norm()
+        if (self.dtype != torch.bfloat16 or self.check_grad_overflow) and is_invalid_grad_norm(norm):
+            self.overflow = True
+    prev_scale = self.loss_scale
+    self._update_scale(self.overflow)
+    if self.overflow:  # the step is skipped, its gradients dropped
+        if self.compute_grad_norm:
+            self._global_grad_norm = float("inf")
+        self.zero_grad(set_to_none=True)
+        self._release_preflattened_grad_buffers()
+        for k in self.averaged_gradients.keys():
+            self.averaged_gradients[k] = None
+            self.all_grad_tensors[k] = None
+        return
+    if norm is not None:
+        self._global_grad_norm = norm / prev_scale
+    divisor = clip_divisor(self, norm)
+    inner = self.optimizer
+    for i in range(len(self.bit16_groups)):
+        partition_id = dist.get_rank(group=self.real_dp_process_group[i])
+        self.free_grad_in_param_list(self.params_not_in_partition[i])
+        master = self.single_partition_of_fp32_groups[i]
+        group = inner.param_groups[i]
+        state = _adamw_state(inner, master)
+        state["step"] += 1
+        hyper = AdamWHyper(lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                           weight_decay=group["weight_decay"])
+        adamw_master_step(master.data, state["exp_avg"], state["exp_avg_sq"],
+                          self.parallel_partitioned_bit16_groups[i][partition_id].data,
+                          self.averaged_gradients[i], state["step"], hyper, divisor)
+        self.free_grad_in_param_list(self.params_in_partition[i])
+        self._release_preflattened_grad_buffers(i)
+        self.averaged_gradients[i] = None
+        self.all_grad_tensors[i] = None
+    self._lazy_init_hp_params_optimizer_state()
+    all_gather_dp_groups(groups_flat=self.bit16_groups_flat, partitioned_param_groups=self.parallel_partitioned_bit16_groups,
+                         dp_process_group=self.real_dp_process_group, start_alignment_factor=self.nccl_start_alignment_factor,
+                         allgather_bucket_size=self.allgather_bucket_size)
+    for i in range(len(self.bit16_groups)):
+        self._update_model_bit16_weights(i)
 
 
 def attach_fast_step(optimizer) -> bool:
-    """Give a DeepSpeed ZeRO-1/2 optimizer the direct fp32 copy and, under a fused Adam(W), the clip
-    inside the update; returns whether it was one (others, and CPU offload, are left alone)."""
+    """Give a DeepSpeed ZeRO-1/2 optimizer megatrain's step under a fused AdamW, else the direct fp32
+    copy; returns whether it was one (others, and CPU offload, are left alone)."""
     if not ENABLED or not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
         return False
     missing = [name for name in METHODS if not hasattr(optimizer, name)]
@@ -100,6 +192,7 @@ def attach_fast_step(optimizer) -> bool:
     flatten = optimizer.flatten  # an attribute holding a function (torch's _flatten_dense_tensors)
     optimizer.flatten = lambda tensors: fp32_flat_copy(tensors) if _is_grad_partition(optimizer, tensors) else flatten(tensors)
     optimizer.flatten_dense_tensors_aligned = types.MethodType(_flatten_aligned, optimizer)
-    if _fused_adam(optimizer.optimizer):
-        optimizer.unscale_and_clip_grads = types.MethodType(_clip_in_adam, optimizer)
+    if (_fused_adamw(optimizer.optimizer) and not optimizer.zenflow
+            and getattr(optimizer, "torch_autocast_gradscaler", None) is None):
+        optimizer.step = types.MethodType(_master_step, optimizer)
     return True

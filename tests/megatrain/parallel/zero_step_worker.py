@@ -1,8 +1,9 @@
 """One process (gloo) for test_zero_step.py: a small bf16 Llama-style GPT trained by DeepSpeed's
 ZeRO-1 with a fused AdamW and active clipping, twice from one seed: with megatrain's step
-(parallel/zero_step.py) and with DeepSpeed's own. Writes what the test compares.
+(parallel/zero_step.py; on CPU its AdamW pass is the torch reference of kernels/adamw_master.py)
+and with DeepSpeed's own. Writes what the test compares.
 
-    python zero_step_worker.py OUT.pt [--world 2]   (under torchrun for several ranks)
+    python zero_step_worker.py OUT.pt [cuda]   (under torchrun for several ranks)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from megatrain.parallel.deepspeed import DeepSpeedMPU, deepspeed_config
 from megatrain.parallel.dims import ParallelDims, build_process_groups
 from megatrain.parallel.init import init_distributed, shutdown_distributed
 from megatrain.parallel.zero_norms import attach_foreach_norms
-from megatrain.parallel.zero_step import attach_fast_step
+from megatrain.parallel.zero_step import _master_step, attach_fast_step
 
 CONFIG = {
     "model": dict(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=16, attention="full",
@@ -32,12 +33,13 @@ CONFIG = {
 }
 
 
-def train(fast: bool, world: int, rank: int) -> dict:
-    cfg = Config.model_validate({**CONFIG, "parallel": {**CONFIG["parallel"], "world_size": world}})
+def train(fast: bool, world: int, rank: int, device: torch.device) -> dict:
+    cfg = Config.model_validate({**CONFIG, "parallel": {**CONFIG["parallel"], "world_size": world},
+                                 "train": {**CONFIG["train"], "device": device.type}})
     dims = ParallelDims(dp=world, tp=1, pp=1)
     groups = build_process_groups(dims, rank)
     torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model).to(torch.bfloat16)
+    model = GPT(cfg.model).to(device, torch.bfloat16)
     # the fused AdamW that build_optimizer picks on a GPU (on CPU it picks foreach)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                   betas=cfg.optim.betas, eps=cfg.optim.eps, fused=True)
@@ -48,29 +50,38 @@ def train(fast: bool, world: int, rank: int) -> dict:
     zero = engine.optimizer
     attach_foreach_norms(zero)
     attached = attach_fast_step(zero) if fast else False
-    scales, norms = [], []
+    norms, first = [], {}
     gen = torch.Generator().manual_seed(99)
     per_rank = cfg.train.global_batch_size // world
-    for _ in range(cfg.train.steps):
+    for step in range(cfg.train.steps):
         tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1), generator=gen)
         mine = tokens[rank * per_rank:(rank + 1) * per_rank]
         for micro in mine.split(cfg.train.micro_batch_size):
+            micro = micro.to(device)
             engine.backward(engine(micro[:, :-1], micro[:, 1:]))
             engine.step()
-        scale = getattr(optimizer, "grad_scale", None)
-        scales.append(None if scale is None else float(scale))
         norms.append(float(engine.get_global_grad_norm()))
-    masters = torch.cat([p.detach().float().clone() for p in zero.single_partition_of_fp32_groups])
-    weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-    return {"attached": attached, "scales": scales, "norms": norms, "masters": masters, "weights": weights,
-            "exp_avg": torch.cat([optimizer.state[p]["exp_avg"].clone() for p in zero.single_partition_of_fp32_groups])}
+        if step == 0:  # after one step both runs have seen the same gradients
+            first = state_of(zero, optimizer, model)
+    return {"attached": attached, "own_step": getattr(zero.step, "__func__", None) is _master_step, "norms": norms,
+            "first": first, "last": state_of(zero, optimizer, model)}
+
+
+def state_of(zero, optimizer, model) -> dict:
+    states = [optimizer.state[p] for p in zero.single_partition_of_fp32_groups]
+    return {"masters": torch.cat([p.detach().float().cpu() for p in zero.single_partition_of_fp32_groups]),
+            "weights": torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()]),
+            "exp_avg": torch.cat([s["exp_avg"].cpu() for s in states]),
+            "exp_avg_sq": torch.cat([s["exp_avg_sq"].cpu() for s in states]),
+            "steps": [float(s["step"]) for s in states]}
 
 
 def main() -> None:
-    out = sys.argv[1]
-    env = init_distributed(device="cpu", backend="gloo", timeout_s=120)
+    out, device = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "cpu")
+    env = init_distributed(device=device, timeout_s=120)
     try:
-        result = {"fast": train(True, env.world_size, env.rank), "deepspeed": train(False, env.world_size, env.rank)}
+        result = {"fast": train(True, env.world_size, env.rank, env.device),
+                  "deepspeed": train(False, env.world_size, env.rank, env.device)}
         torch.save(result, f"{out}.rank{env.rank}")
     finally:
         shutdown_distributed()
