@@ -64,6 +64,7 @@ def train(fast: bool, world: int, rank: int, device: torch.device) -> dict:
         if step == 0:  # after one step both runs have seen the same gradients
             first = state_of(zero, optimizer, model)
     return {"attached": attached, "own_step": getattr(zero.step, "__func__", None) is _master_step, "norms": norms,
+            "kept_in_place": "reduce_ready_partitions_and_remove_grads" in vars(zero),
             "first": first, "last": state_of(zero, optimizer, model)}
 
 
