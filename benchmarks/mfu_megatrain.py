@@ -50,6 +50,7 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "rope-head-major": ([], None),  # MODULE_SETTINGS below
     "ds-norms": ([], None),  # MODULE_SETTINGS below
     "ds-step": ([], None),
+    "ds-reduce": ([], None),
     "weighted-combine": ([], None),
     "residual-add": ([], None),
 }
@@ -65,6 +66,8 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     "ds-norms": {("megatrain.parallel.zero_norms", "ENABLED"): False},
     # DeepSpeed's fp32 gradient partition (flatten, convert, clip: three passes; parallel/zero_step.py)
     "ds-step": {("megatrain.parallel.zero_step", "ENABLED"): False},
+    # DeepSpeed's boundary reduction on one data-parallel rank (two copies of every gradient)
+    "ds-reduce": {("megatrain.parallel.zero_step", "ONE_RANK_IN_PLACE"): False},
     # the router's weights in the MoE combine, not inside the experts (model/moe.py)
     "weighted-combine": {("megatrain.model.moe", "WEIGHTS_IN_EXPERTS"): False},
     # the serial block's skip connection added by the block, not by the MoE combine (model/block.py)

@@ -41,6 +41,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpee
 from megatrain.kernels.adamw_master import AdamWHyper, adamw_master_step
 
 ENABLED = True  # benchmarks/mfu.py --variants ds-step measures DeepSpeed's own
+ONE_RANK_IN_PLACE = True  # --variants ds-reduce: DeepSpeed's boundary reduction on one rank too
 METHODS = ("flatten", "flatten_dense_tensors_aligned", "averaged_gradients", "optimizer", "check_overflow",
            "scaled_global_norm", "_update_scale", "free_grad_in_param_list", "_release_preflattened_grad_buffers",
            "_get_preflattened_grad_partition", "_lazy_init_hp_params_optimizer_state", "_update_model_bit16_weights",
@@ -211,6 +212,6 @@ def attach_fast_step(optimizer) -> bool:
     if (_fused_adamw(optimizer.optimizer) and not optimizer.zenflow
             and getattr(optimizer, "torch_autocast_gradscaler", None) is None):
         optimizer.step = types.MethodType(_master_step, optimizer)
-    if _one_rank_stage1(optimizer):
+    if ONE_RANK_IN_PLACE and _one_rank_stage1(optimizer):
         optimizer.reduce_ready_partitions_and_remove_grads = types.MethodType(_keep_gradients_in_place, optimizer)
     return True
