@@ -90,16 +90,25 @@ def _cached_norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm([g.detach() for g in grads], 2.0, dtype=get_norm_dtype()))
 
 
+def patchable_zero(optimizer, methods: tuple[str, ...], module: str) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's ZeRO-1/2 optimizer without CPU offload, with the
+    internals ``methods`` that ``module`` replaces or reads; a DeepSpeed that renamed one fails
+    loudly instead of being patched around."""
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
+        return False
+    missing = [name for name in methods if not hasattr(optimizer, name)]
+    if missing:
+        raise RuntimeError(f"this DeepSpeed's ZeRO optimizer has no {', '.join(missing)}: {module} follows "
+                           "DeepSpeed 0.19's internals")
+    return True
+
+
 def attach_foreach_norms(optimizer) -> bool:
     """Give a DeepSpeed ZeRO-1/2 optimizer the multi-tensor norm and overflow check; returns whether
     it was one (other optimizers are left alone). CPU offload keeps DeepSpeed's own: its norms are
     computed on the host copies."""
-    if not ENABLED or not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
+    if not ENABLED or not patchable_zero(optimizer, METHODS, "megatrain/parallel/zero_norms.py"):
         return False
-    missing = [name for name in METHODS if not hasattr(optimizer, name)]
-    if missing:
-        raise RuntimeError(f"this DeepSpeed's ZeRO optimizer has no {', '.join(missing)}: megatrain's norms "
-                           "(megatrain/parallel/zero_norms.py) follow DeepSpeed 0.19's internals")
     optimizer.get_grad_norm_direct = types.MethodType(_norm_direct, optimizer)
     optimizer.has_overflow_partitioned_grads_serial = types.MethodType(_overflow, optimizer)
     return True

@@ -36,9 +36,10 @@ import types
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.utils import all_gather_dp_groups, is_invalid_grad_norm
-from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
+from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
 from megatrain.kernels.adamw_master import AdamWHyper, adamw_master_step
+from megatrain.parallel.zero_norms import patchable_zero
 
 ENABLED = True  # benchmarks/mfu.py --variants ds-step measures DeepSpeed's own
 ONE_RANK_IN_PLACE = True  # --variants ds-reduce: DeepSpeed's boundary reduction on one rank too
@@ -87,7 +88,7 @@ def clip_divisor(self, total_norm) -> torch.Tensor | None:
         return None
     device = self.single_partition_of_fp32_groups[0].device
     combined = torch.tensor(float(self.loss_scale), dtype=torch.float32, device=device)
-    if self.clip_grad > 0.0:
+    if self.clip_grad > 0.0 and total_norm is not None:  # None: no norm was computed, none to clip by
         clip_norm = total_norm
         if is_invalid_grad_norm(clip_norm):  # DeepSpeed's guard for direct callers
             clip_norm = torch.tensor(float("inf"), dtype=torch.float32, device=device)
@@ -198,12 +199,8 @@ def _one_rank_stage1(optimizer) -> bool:
 def attach_fast_step(optimizer) -> bool:
     """Give a DeepSpeed ZeRO-1/2 optimizer megatrain's step under a fused AdamW, else the direct fp32
     copy; returns whether it was one (others, and CPU offload, are left alone)."""
-    if not ENABLED or not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
+    if not ENABLED or not patchable_zero(optimizer, METHODS, "megatrain/parallel/zero_step.py"):
         return False
-    missing = [name for name in METHODS if not hasattr(optimizer, name)]
-    if missing:
-        raise RuntimeError(f"this DeepSpeed's ZeRO optimizer has no {', '.join(missing)}: megatrain's step "
-                           "(megatrain/parallel/zero_step.py) follows DeepSpeed 0.19's internals")
     if not _fp32_masters(optimizer):
         return False
     flatten = optimizer.flatten  # an attribute holding a function (torch's _flatten_dense_tensors)
