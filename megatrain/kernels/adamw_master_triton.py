@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megatrain.kernels.adamw_master import AdamWHyper
 from megatrain.kernels.lamb_triton import CHUNK, chunk_layout, element_offsets
 
 _BLOCK = 1024  # elements per inner step (8 warps x 32 threads x 4)
@@ -86,8 +85,8 @@ def _tensor_table(starts: tuple[int, ...], goffs: tuple[int, ...], device: torch
 
 
 def adamw_master_fused(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                       weight16: torch.Tensor, grads: list[torch.Tensor], step: torch.Tensor,
-                       hyper: AdamWHyper, clip: torch.Tensor | None) -> None:
+                       weight16: torch.Tensor, grads: list[torch.Tensor], step: torch.Tensor, lr: float,
+                       beta1: float, beta2: float, eps: float, weight_decay: float, clip: torch.Tensor | None) -> None:
     grads = [g for g in grads if g.numel()]
     if not grads:
         return
@@ -106,8 +105,7 @@ def adamw_master_fused(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: 
     _adamw_master_kernel[(len(chunk_tensor),)](
         chunk_tensor, chunk_start, pos, goff, numel, master, exp_avg, exp_avg_sq, weight16, grads[0], step,
         clip if clip is not None else step,
-        float(hyper.lr), float(hyper.beta1), float(hyper.beta2), math.log(hyper.beta1), math.log(hyper.beta2),
-        float(hyper.eps), float(hyper.weight_decay),
+        float(lr), float(beta1), float(beta2), math.log(beta1), math.log(beta2), float(eps), float(weight_decay),
         HAS_CLIP=clip is not None, ALIGNED=aligned, CHUNK=CHUNK, BLOCK=_BLOCK, num_warps=8,
     )
 
