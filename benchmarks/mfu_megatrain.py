@@ -53,6 +53,7 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "ds-reduce": ([], None),
     "weighted-combine": ([], None),
     "residual-add": ([], None),
+    "norm1-inductor": ([], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -72,6 +73,8 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     "weighted-combine": {("megatrain.model.moe", "WEIGHTS_IN_EXPERTS"): False},
     # the serial block's skip connection added by the block, not by the MoE combine (model/block.py)
     "residual-add": {("megatrain.model.block", "MOE_TAKES_RESIDUAL"): False},
+    # a serial MoE block's first RMSNorm left to inductor, not the Triton kernel carrying the skip (model/block.py)
+    "norm1-inductor": {("megatrain.model.block", "NORM1_CARRIES_SKIP"): False},
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".

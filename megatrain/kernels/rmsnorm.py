@@ -42,3 +42,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
         return add_rms_norm_fused(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
+
+
+def rms_norm_with_skip(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x), x)`` for a norm with a skip connection around it (a serial block's first
+    norm: ``h, x = rms_norm_with_skip(x); x = x + attn(h)``). The Triton version's backward adds
+    the skip's gradient while it writes the norm's, so it runs under torch.compile too (``auto``
+    there means Triton on CUDA): inductor would otherwise sum the two gradients on its own."""
+    if resolve(impl, x, under_compile=None) == "fused":
+        from megatrain.kernels.rmsnorm_triton import rms_norm_with_skip_fused
+
+        return rms_norm_with_skip_fused(x, weight, eps)
+    return rms_norm_reference(x, weight, eps), x

@@ -50,15 +50,17 @@ def _rms_fwd_kernel(X, RES, SUM, Y, W, RSTD, N, eps, HAS_RES: tl.constexpr, BLOC
 
 
 @triton.jit
-def _rms_bwd_kernel(X, DY, DX, DSUM, W, RSTD, DW_PART, M, N, rows_per_program,
-                    HAS_DSUM: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_bwd_kernel(X, DY, DX, DSUM, W, RSTD, DW_PART, M, N,
+                    ROWS_PER_PROGRAM: tl.constexpr, HAS_DSUM: tl.constexpr, BLOCK_N: tl.constexpr):
+    # ROWS_PER_PROGRAM is a constexpr (one compile per row count) because Triton 3.5's interpreter
+    # cannot loop to a runtime bound under numpy 2.4
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i in range(0, rows_per_program):
-        row = pid.to(tl.int64) * rows_per_program + i
+    for i in range(0, ROWS_PER_PROGRAM):
+        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + i
         in_rows = row < M
         row_mask = mask & in_rows
         x = tl.load(X + row * N + cols, mask=row_mask, other=0.0).to(tl.float32)
@@ -95,7 +97,8 @@ def _backward(x2d, dy, dsum, weight, rstd, dx_dtype):
     dx = torch.empty((M, N), dtype=dx_dtype, device=x2d.device)
     dw_part = torch.empty((programs, N), dtype=torch.float32, device=x2d.device)
     _rms_bwd_kernel[(programs,)](x2d, dy, dx, dsum if dsum is not None else dy, weight, rstd, dw_part, M, N,
-                                 rows_per_program, HAS_DSUM=dsum is not None, BLOCK_N=block, num_warps=warps)
+                                 ROWS_PER_PROGRAM=rows_per_program, HAS_DSUM=dsum is not None, BLOCK_N=block,
+                                 num_warps=warps)
     return dx, dw_part.sum(0).to(weight.dtype)
 
 
@@ -135,6 +138,34 @@ class _AddRMSNormFn(torch.autograd.Function):
         dx, dw = _backward(summed, dy.reshape(summed.shape).contiguous(), dsum2d, weight, rstd, torch.float32)
         shape = dy.shape
         return dx.to(ctx.x_dtype).view(shape), dx.to(ctx.r_dtype).view(shape), dw, None
+
+
+class _RMSNormSkipFn(torch.autograd.Function):
+    """(rms_norm(x), x): a serial block's first norm and the skip connection around it. The backward
+    gets both gradients and adds the skip's to the norm's while it writes dx: one pass, where
+    autograd would sum the two in a pass of its own (or inductor re-read them)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
+        y, _, rstd = _forward(x2d, None, weight, eps, output_dtype(x, torch.promote_types(x.dtype, weight.dtype)))
+        ctx.save_for_backward(x2d, weight, rstd)
+        ctx.set_materialize_grads(False)
+        return y.view(x.shape), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor | None, dskip: torch.Tensor | None):
+        x2d, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros(x2d.shape, dtype=x2d.dtype, device=x2d.device)
+        dskip2d = dskip.reshape(x2d.shape).contiguous() if dskip is not None else None
+        dx, dw = _backward(x2d, dy.reshape(x2d.shape).contiguous(), dskip2d, weight, rstd, x2d.dtype)
+        return dx.view(dy.shape), dw, None
+
+
+def rms_norm_with_skip_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x), x)``, the second a view of x whose gradient the norm's backward adds."""
+    return _RMSNormSkipFn.apply(x, weight, eps)
 
 
 def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

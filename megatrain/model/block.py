@@ -45,7 +45,7 @@ from megatrain.model.attention import Attention
 from megatrain.model.cache import LayerKV
 from megatrain.model.mlp import make_mlp
 from megatrain.model.moe import MoE
-from megatrain.model.norm import make_norm
+from megatrain.model.norm import RMSNorm, make_norm
 
 # When the parallel block fuses its projections: "never" (the default: measured slower, see the
 # module docstring), "compile" (inside torch.compile only) or "always" (eager too; for tests).
@@ -54,6 +54,12 @@ FUSE_PROJECTIONS: Literal["compile", "always", "never"] = "never"
 # The serial block hands its skip connection to a routed-experts layer, whose combine kernel adds it
 # while writing the output (moe.py); False adds it here (benchmarks/mfu.py --variants residual-add).
 MOE_TAKES_RESIDUAL = True
+# A serial MoE block's first RMSNorm as a Triton kernel that also carries the skip connection, so
+# its backward adds the two gradients while writing dx (kernels/rmsnorm.rms_norm_with_skip). Left to
+# inductor, the layer's two norm backwards ran as two kernels that re-read their inputs: on
+# moe-gpu-2b (one H200, micro-batch 32) this is +0.48% tokens/s (benchmarks/mfu-moe-ab-norm1-skip-h200.json;
+# --variants norm1-inductor measures False). Dense blocks keep inductor's norm: not measured there.
+NORM1_CARRIES_SKIP = True
 
 
 class ParallelBlock(nn.Module):
@@ -109,7 +115,11 @@ class SerialBlock(nn.Module):
         self.enter_mlp, self.exit_mlp = nn.Identity(), nn.Identity()
 
     def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
-        x = x + self.exit_attn(self.attn(self.enter_attn(self.ln1(x)), cache))
+        if NORM1_CARRIES_SKIP and isinstance(self.ln1, RMSNorm) and isinstance(self.mlp, MoE):
+            h, x = self.ln1.with_skip(x)
+        else:
+            h = self.ln1(x)
+        x = x + self.exit_attn(self.attn(self.enter_attn(h), cache))
         h = self.enter_mlp(self.ln2(x))
         if MOE_TAKES_RESIDUAL and isinstance(self.mlp, MoE) and type(self.exit_mlp) is nn.Identity:
             return self.mlp(h, residual=x)  # x + moe(h), the sum written by the combine kernel

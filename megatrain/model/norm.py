@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from megatrain.config import ModelConfig
 from megatrain.kernels.layernorm import layer_norm
-from megatrain.kernels.rmsnorm import rms_norm
+from megatrain.kernels.rmsnorm import rms_norm, rms_norm_with_skip
 
 
 class LayerNorm(nn.Module):
@@ -38,6 +38,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.impl)
+
+    def with_skip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x), x), the second carrying the skip connection's gradient into the norm's backward
+        (``kernels.rmsnorm.rms_norm_with_skip``)."""
+        return rms_norm_with_skip(x, self.weight, self.eps, self.impl)
 
 
 NORMS = (LayerNorm, RMSNorm)
