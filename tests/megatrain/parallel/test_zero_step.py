@@ -59,6 +59,14 @@ def _compare(results: list[dict]) -> None:
         assert fast["norms"][0] == theirs["norms"][0]
         torch.testing.assert_close(torch.tensor(fast["norms"]), torch.tensor(theirs["norms"]), rtol=1e-3, atol=0)
         torch.testing.assert_close(fast["last"]["masters"], theirs["last"]["masters"], rtol=0, atol=2e-3)
+        # NaN gradients: the step is skipped as DeepSpeed skips it (infinite norm, nothing updated,
+        # the step count kept), and the next step trains
+        for run in (fast, theirs):
+            assert run["skipped"]["norm"] == float("inf") and run["skipped"]["steps"] == run["last"]["steps"]
+            for key in ("masters", "exp_avg", "exp_avg_sq", "weights"):
+                assert torch.equal(run["skipped"][key], run["last"][key]), key
+            assert run["after"]["steps"] == [4.0] * len(run["last"]["steps"]) and run["after"]["norm"] < 10
+            assert not torch.equal(run["after"]["masters"], run["last"]["masters"])
 
 def test_the_fp32_copy_is_deepspeeds_aligned_flatten():
     from deepspeed.runtime.utils import align_dense_tensors

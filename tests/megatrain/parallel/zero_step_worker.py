@@ -63,9 +63,23 @@ def train(fast: bool, world: int, rank: int, device: torch.device) -> dict:
         norms.append(float(engine.get_global_grad_norm()))
         if step == 0:  # after one step both runs have seen the same gradients
             first = state_of(zero, optimizer, model)
+    last = state_of(zero, optimizer, model)
+    # a step whose gradients are NaN (a fault no batch should cause): skipped, nothing moves; the next trains
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1), generator=gen)
+    for micro in tokens[rank * per_rank:(rank + 1) * per_rank].split(cfg.train.micro_batch_size):
+        micro = micro.to(device)
+        engine.backward(engine(micro[:, :-1], micro[:, 1:]) * float("nan"))
+        engine.step()
+    skipped = {"norm": float(engine.get_global_grad_norm()), **state_of(zero, optimizer, model)}
+    for micro in tokens[rank * per_rank:(rank + 1) * per_rank].split(cfg.train.micro_batch_size):
+        micro = micro.to(device)
+        engine.backward(engine(micro[:, :-1], micro[:, 1:]))
+        engine.step()
+    after = {"norm": float(engine.get_global_grad_norm()), **state_of(zero, optimizer, model)}
     return {"attached": attached, "own_step": getattr(zero.step, "__func__", None) is _master_step, "norms": norms,
+            "skipped": skipped, "after": after,
             "kept_in_place": "reduce_ready_partitions_and_remove_grads" in vars(zero),
-            "first": first, "last": state_of(zero, optimizer, model)}
+            "first": first, "last": last}
 
 
 def state_of(zero, optimizer, model) -> dict:
