@@ -63,12 +63,13 @@ def test_fused_in_the_triton_interpreter():
 def test_the_serial_block_is_the_same_with_the_norm_carrying_the_skip(monkeypatch):
     import megatrain.model.block as block_module
     from megatrain.config.model import ModelConfig
-    from megatrain.model.block import SerialBlock
+    from megatrain.model.gpt import GPT
 
     cfg = ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, seq_len=16, norm="rmsnorm", mlp="moe",
-                      position="rope", bias=False, moe={"n_experts": 4, "top_k": 2, "expert_d_ff": 16})
+                      position="rope", bias=False, block="serial", moe={"n_experts": 4, "top_k": 2, "expert_d_ff": 16})
     torch.manual_seed(0)
-    block = SerialBlock(cfg)
+    block = GPT(cfg).blocks[0]  # initialised as the model initialises it (the experts' banks start empty)
+    assert isinstance(block, block_module.SerialBlock)
     x = torch.randn(2, 16, 32)
     outs = []
     for carries in (False, True):
