@@ -1,7 +1,8 @@
 """One process (gloo) for test_zero_step.py: a small bf16 Llama-style GPT trained by DeepSpeed's
 ZeRO-1 with a fused AdamW and active clipping, twice from one seed: with megatrain's step
 (parallel/zero_step.py; on CPU its AdamW pass is the torch reference of kernels/adamw_master.py)
-and with DeepSpeed's own. Writes what the test compares.
+and with DeepSpeed's own; then resumes from a checkpoint of megatrain's kind (checkpoint/state.py)
+saved under one step and resumed under the other. Writes what the test compares.
 
     python zero_step_worker.py OUT.pt [cuda]   (under torchrun for several ranks)
 """
@@ -14,6 +15,7 @@ import sys
 import deepspeed
 import torch
 
+from megatrain.checkpoint import state as ckstate
 from megatrain.config import Config
 from megatrain.model import GPT, count_parameters
 from megatrain.optim import build_scheduler, param_groups
@@ -33,23 +35,28 @@ CONFIG = {
 }
 
 
-def train(fast: bool, world: int, rank: int, device: torch.device) -> dict:
+def build(fast: bool, world: int, rank: int, device: torch.device, seed: int | None = None):
+    """(config, engine, model, inner optimizer) from the seed, with megatrain's step when ``fast``."""
     cfg = Config.model_validate({**CONFIG, "parallel": {**CONFIG["parallel"], "world_size": world},
                                  "train": {**CONFIG["train"], "device": device.type}})
-    dims = ParallelDims(dp=world, tp=1, pp=1)
-    groups = build_process_groups(dims, rank)
-    torch.manual_seed(cfg.train.seed)
+    groups = build_process_groups(ParallelDims(dp=world, tp=1, pp=1), rank)
+    torch.manual_seed(cfg.train.seed if seed is None else seed)
     model = GPT(cfg.model).to(device, torch.bfloat16)
     # the fused AdamW that build_optimizer picks on a GPU (on CPU it picks foreach)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                   betas=cfg.optim.betas, eps=cfg.optim.eps, fused=True)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=build_scheduler(optimizer, cfg.optim, cfg.train.steps),
+        model=model, optimizer=optimizer, lr_scheduler=build_scheduler(optimizer, cfg.optim, 10),
         config=deepspeed_config(cfg, world, True, count_parameters(model)), mpu=DeepSpeedMPU(groups),
         dist_init_required=False)
+    attach_foreach_norms(engine.optimizer)
+    attached = attach_fast_step(engine.optimizer) if fast else False
+    return cfg, engine, model, optimizer, attached
+
+
+def train(fast: bool, world: int, rank: int, device: torch.device) -> dict:
+    cfg, engine, model, optimizer, attached = build(fast, world, rank, device)
     zero = engine.optimizer
-    attach_foreach_norms(zero)
-    attached = attach_fast_step(zero) if fast else False
     norms, first = [], {}
     gen = torch.Generator().manual_seed(99)
     per_rank = cfg.train.global_batch_size // world
@@ -91,12 +98,46 @@ def state_of(zero, optimizer, model) -> dict:
             "steps": [float(s["step"]) for s in states]}
 
 
+def resume(world: int, rank: int, device: torch.device) -> dict:
+    """Two steps, a checkpoint of megatrain's kind (checkpoint/state.py), two more; against a fresh
+    engine that loads the checkpoint and takes the same two steps. For each pair of (saving step,
+    resuming step): the largest difference of the final bf16 weights."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, CONFIG["model"]["vocab_size"], (8, CONFIG["model"]["seq_len"] + 1), generator=gen)
+               for _ in range(4)]
+
+    def steps(engine, chunk):
+        for batch in chunk:
+            for micro in batch.to(device).split(CONFIG["train"]["micro_batch_size"]):
+                engine.backward(engine(micro[:, :-1], micro[:, 1:]))
+                engine.step()
+
+    out = {}
+    for saved_by, resumed_by in (("deepspeed", "megatrain"), ("megatrain", "deepspeed"), ("megatrain", "megatrain")):
+        _, first, first_model, _, _ = build(saved_by == "megatrain", world, rank, device)
+        steps(first, batches[:2])
+        tensors, meta = ckstate.optimizer_state(first.optimizer)
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        weights = {k: v.clone() for k, v in first_model.state_dict().items()}
+        schedule = first.lr_scheduler.state_dict()
+        steps(first, batches[2:])
+        _, second, second_model, _, _ = build(resumed_by == "megatrain", world, rank, device, seed=99)
+        second_model.load_state_dict(weights)
+        ckstate.load_optimizer_state(second.optimizer, tensors, meta)
+        second.lr_scheduler.load_state_dict(schedule)
+        steps(second, batches[2:])
+        out[f"{saved_by}->{resumed_by}"] = max(float((a.float() - b.float()).abs().max())
+                                               for a, b in zip(first_model.parameters(), second_model.parameters()))
+    return out
+
+
 def main() -> None:
     out, device = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "cpu")
     env = init_distributed(device=device, timeout_s=120)
     try:
         result = {"fast": train(True, env.world_size, env.rank, env.device),
-                  "deepspeed": train(False, env.world_size, env.rank, env.device)}
+                  "deepspeed": train(False, env.world_size, env.rank, env.device),
+                  "resume": resume(env.world_size, env.rank, env.device)}
         torch.save(result, f"{out}.rank{env.rank}")
     finally:
         shutdown_distributed()
