@@ -28,8 +28,6 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "cdtune": ([], {"coordinate_descent_tuning": True}),
     "autotune": ([], {"max_autotune": True, "triton.enable_persistent_tma_matmul": True}),
     "autotune-notma": ([], {"max_autotune": True}),
-    # each compiled block's forward and backward replayed as CUDA graphs (torch.compile's reduce-overhead)
-    "cudagraphs": ([], {"triton.cudagraphs": True}),
     "gelu-fused": (["model.kernels.gelu=fused"], None),
     "ln-fused": (["model.kernels.layernorm=fused"], None),
     "ln-gelu-fused": (["model.kernels.gelu=fused", "model.kernels.layernorm=fused"], None),

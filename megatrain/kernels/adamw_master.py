@@ -81,6 +81,6 @@ def adamw_master_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
     if resolve(impl, master) == "fused":
         from megatrain.kernels.adamw_master_triton import adamw_master_fused
 
-        return adamw_master_fused(master, exp_avg, exp_avg_sq, weight16, grads, step, hyper.lr, hyper.beta1,
-                                  hyper.beta2, hyper.eps, hyper.weight_decay, clip)
+        return adamw_master_fused(master, exp_avg, exp_avg_sq, weight16, segments(grads), step, hyper.lr,
+                                  hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, clip)
     return adamw_master_reference(master, exp_avg, exp_avg_sq, weight16, grads, step, hyper, clip)

@@ -68,16 +68,6 @@ def _adamw_master_kernel(
 
 
 @functools.lru_cache(maxsize=16)
-def _starts(numels: tuple[int, ...]) -> tuple[int, ...]:
-    """Each gradient's offset along the flat vectors: back to back."""
-    out, offset = [], 0
-    for n in numels:
-        out.append(offset)
-        offset += n
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=16)
 def _tensor_table(starts: tuple[int, ...], goffs: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The two per-gradient offsets on the device. Cached: the caching allocator puts a step's
     gradients where the last step's were, so this copies to the device about once a run."""
@@ -85,11 +75,13 @@ def _tensor_table(starts: tuple[int, ...], goffs: tuple[int, ...], device: torch
 
 
 def adamw_master_fused(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                       weight16: torch.Tensor, grads: list[torch.Tensor], step: torch.Tensor, lr: float,
+                       weight16: torch.Tensor, segments: list[tuple[int, torch.Tensor]], step: torch.Tensor, lr: float,
                        beta1: float, beta2: float, eps: float, weight_decay: float, clip: torch.Tensor | None) -> None:
-    grads = [g for g in grads if g.numel()]
-    if not grads:
+    """``segments``: (offset along the flat vectors, gradient) of each gradient (``adamw_master.segments``)."""
+    segments = [(start, g) for start, g in segments if g.numel()]
+    if not segments:
         return
+    starts, grads = zip(*segments)
     if len({g.dtype for g in grads}) != 1 or not all(g.is_contiguous() for g in grads):
         raise ValueError("adamw_master_fused: the gradients must share one dtype and be contiguous")
     for name, x in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -98,7 +90,6 @@ def adamw_master_fused(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: 
     numels = tuple(g.numel() for g in grads)
     goffs = tuple(element_offsets(grads))
     chunk_tensor, chunk_start, _, numel = chunk_layout(numels, master.device)
-    starts = _starts(numels)
     pos, goff = _tensor_table(starts, goffs, master.device)
     aligned = (all(x.data_ptr() % 64 == 0 for x in (master, exp_avg, exp_avg_sq, weight16, grads[0]))
                and all(p % 16 == 0 for p in starts) and all(o % 16 == 0 for o in goffs))

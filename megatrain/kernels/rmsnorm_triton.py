@@ -102,21 +102,6 @@ def _backward(x2d, dy, dsum, weight, rstd, dx_dtype):
     return dx, dw_part.sum(0).to(weight.dtype)
 
 
-class _RMSNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x2d = x.reshape(-1, x.shape[-1]).contiguous()
-        y, _, rstd = _forward(x2d, None, weight, eps, output_dtype(x, torch.promote_types(x.dtype, weight.dtype)))
-        ctx.save_for_backward(x2d, weight, rstd)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x2d, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(x2d, dy.reshape(x2d.shape).contiguous(), None, weight, rstd, x2d.dtype)
-        return dx.view(dy.shape), dw, None
-
-
 class _AddRMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -140,10 +125,11 @@ class _AddRMSNormFn(torch.autograd.Function):
         return dx.to(ctx.x_dtype).view(shape), dx.to(ctx.r_dtype).view(shape), dw, None
 
 
-class _RMSNormSkipFn(torch.autograd.Function):
-    """(rms_norm(x), x): a serial block's first norm and the skip connection around it. The backward
-    gets both gradients and adds the skip's to the norm's while it writes dx: one pass, where
-    autograd would sum the two in a pass of its own (or inductor re-read them)."""
+class _RMSNormFn(torch.autograd.Function):
+    """(rms_norm(x), x): the norm, and x again for a skip connection around it (a serial block's
+    first norm). The backward adds the skip's gradient to the norm's while it writes dx: one pass,
+    where autograd would sum the two in a pass of its own (or inductor re-read them). The plain
+    norm leaves the second output unused: its gradient is then None."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -165,11 +151,11 @@ class _RMSNormSkipFn(torch.autograd.Function):
 
 def rms_norm_with_skip_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x), x)``, the second a view of x whose gradient the norm's backward adds."""
-    return _RMSNormSkipFn.apply(x, weight, eps)
+    return _RMSNormFn.apply(x, weight, eps)
 
 
 def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _RMSNormFn.apply(x, weight, eps)
+    return _RMSNormFn.apply(x, weight, eps)[0]
 
 
 def add_rms_norm_fused(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):

@@ -38,7 +38,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.utils import all_gather_dp_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
-from megatrain.kernels.adamw_master import AdamWHyper, adamw_master_step
+from megatrain.kernels.adamw_master import AdamWHyper, adamw_master_step, segments
 from megatrain.parallel.zero_norms import patchable_zero
 
 ENABLED = True  # benchmarks/mfu.py --variants ds-step measures DeepSpeed's own
@@ -57,11 +57,7 @@ def fp32_flat_copy(tensors: list[torch.Tensor], alignment: int | None = None) ->
     numel = sum(t.numel() for t in tensors)
     padded = numel if not alignment else -(-numel // alignment) * alignment
     flat = torch.empty(padded, dtype=torch.float32, device=tensors[0].device)
-    views, offset = [], 0
-    for t in tensors:
-        views.append(flat.narrow(0, offset, t.numel()).view(t.shape))
-        offset += t.numel()
-    torch._foreach_copy_(views, list(tensors))
+    torch._foreach_copy_([flat.narrow(0, start, t.numel()).view(t.shape) for start, t in segments(tensors)], list(tensors))
     flat.narrow(0, numel, padded - numel).zero_()
     return flat
 
@@ -81,19 +77,19 @@ def _flatten_aligned(self, tensor_list, alignment, use_cpu_data=False, param_pad
     return type(self).flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data, param_padding)
 
 
-def clip_divisor(self, total_norm) -> torch.Tensor | None:
+def clip_divisor(optimizer, total_norm: torch.Tensor | None) -> torch.Tensor | None:
     """The factor DeepSpeed's ``unscale_and_clip_grads`` divides the gradients by (loss scale times
     the clip), as a device tensor; None when it would not touch them."""
-    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+    if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
         return None
-    device = self.single_partition_of_fp32_groups[0].device
-    combined = torch.tensor(float(self.loss_scale), dtype=torch.float32, device=device)
-    if self.clip_grad > 0.0 and total_norm is not None:  # None: no norm was computed, none to clip by
-        clip_norm = total_norm
-        if is_invalid_grad_norm(clip_norm):  # DeepSpeed's guard for direct callers
-            clip_norm = torch.tensor(float("inf"), dtype=torch.float32, device=device)
-        clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
-        combined = (clip * self.loss_scale).to(torch.float32)
+    device = optimizer.single_partition_of_fp32_groups[0].device
+    combined = torch.tensor(float(optimizer.loss_scale), dtype=torch.float32, device=device)
+    if optimizer.clip_grad > 0.0 and total_norm is not None:  # None: no norm was computed, none to clip by
+        # DeepSpeed's guard (an invalid norm, NaN, inf or its -1, clips by inf), on the device: no host sync
+        norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
+        clip_norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, float("inf"))
+        clip = torch.clamp(((clip_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad, min=1.0)
+        combined = (clip * optimizer.loss_scale).to(torch.float32)
     return combined.reshape(())
 
 
