@@ -144,7 +144,7 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
         timers = StepTimers(device)  # the timed loop's step indices start at 0 (its warm step)
         res.first_step_s = time.perf_counter() - t
         log(f"  {res.key}: compiled + first steps in {res.first_step_s:.1f}s")
-        loader = data.loader(cfg, mb)
+        loader = data.loader(cfg, mb, device)
 
         def batches():
             while True:

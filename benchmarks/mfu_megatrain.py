@@ -52,6 +52,7 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "weighted-combine": ([], None),
     "residual-add": ([], None),
     "norm1-inductor": ([], None),
+    "pageable-batches": ([], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -73,6 +74,8 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     "residual-add": {("megatrain.model.block", "MOE_TAKES_RESIDUAL"): False},
     # a serial MoE block's first RMSNorm left to inductor, not the Triton kernel carrying the skip (model/block.py)
     "norm1-inductor": {("megatrain.model.block", "NORM1_CARRIES_SKIP"): False},
+    # micro-batches copied to the GPU from pageable memory, not pinned (training/trainer.py)
+    "pageable-batches": {("megatrain.training.trainer", "PIN_BATCHES"): False},
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".

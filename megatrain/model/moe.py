@@ -222,13 +222,19 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict |
     stats = torch.cat([torch.cat([m.load, m.sums]) for m in layers])
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(stats, group=group)
+    sizes = [m.n_experts + 5 for m in layers]
+    for m, row in zip(layers, stats.split(sizes)):
+        if m.cfg.load_balance == "aux_free":  # on the device (no load at all: every sign is 0)
+            load = row[:m.n_experts]
+            m.router.bias += m.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        m.load.zero_()
+        m.sums.zero_()
+    # one copy to the host for all layers: each copy waits for the GPU's queue to drain
     out: dict = {"layers": {}}
     aux = z = worst = 0.0
-    for m, row in zip(layers, stats.split([m.n_experts + 5 for m in layers])):
+    for m, row in zip(layers, stats.cpu().split(sizes)):
         load, (tokens, entropy, aux_sum, z_sum, calls) = row[:m.n_experts], row[m.n_experts:].tolist()
         total = float(load.sum())
-        if m.cfg.load_balance == "aux_free" and total > 0:
-            m.router.bias += m.cfg.bias_update_rate * torch.sign(load.mean() - load)
         share = (load / total if total else load).tolist()
         balance = max(share) * m.n_experts if total else 0.0
         out["layers"][str(m.layer)] = {"share": [round(s, 5) for s in share], "entropy": entropy / max(tokens, 1),
@@ -236,7 +242,5 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict |
         aux += aux_sum / max(calls, 1)
         z += z_sum / max(calls, 1)
         worst = max(worst, balance)
-        m.load.zero_()
-        m.sums.zero_()
     out.update(aux_loss=aux / len(layers), z_loss=z / len(layers), max_over_mean=worst)
     return out

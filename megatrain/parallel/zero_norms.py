@@ -38,7 +38,7 @@ import weakref
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.constants import PIPE_REPLICATED
-from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
@@ -63,9 +63,9 @@ def _norm_direct(self, gradients, params, norm_type=2):
         total = torch.zeros((), dtype=torch.float32, device=self.device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
     self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
-    total = total.sqrt()
-    mask_nan_or_inf_with_val_inplace(total, device=self.device)
-    return total
+    # DeepSpeed's mask_nan_or_inf_with_val_inplace (an invalid norm becomes -1), without the -1
+    # it copies from the host: that copy waited for the GPU's queue every step
+    return torch.where(torch.isfinite(total), total.sqrt(), -1.0)
 
 
 def _overflow(self):

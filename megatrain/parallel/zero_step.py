@@ -35,7 +35,7 @@ import types
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.runtime.utils import all_gather_dp_groups, is_invalid_grad_norm
+from deepspeed.runtime.utils import all_gather_dp_groups
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
 from megatrain.kernels.adamw_master import AdamWHyper, adamw_master_step, segments
@@ -43,9 +43,11 @@ from megatrain.parallel.zero_norms import patchable_zero
 
 ENABLED = True  # benchmarks/mfu.py --variants ds-step measures DeepSpeed's own
 ONE_RANK_IN_PLACE = True  # --variants ds-reduce: DeepSpeed's boundary reduction on one rank too
-METHODS = ("flatten", "flatten_dense_tensors_aligned", "averaged_gradients", "optimizer", "check_overflow",
-           "scaled_global_norm", "_update_scale", "free_grad_in_param_list", "_release_preflattened_grad_buffers",
-           "_get_preflattened_grad_partition", "_lazy_init_hp_params_optimizer_state", "_update_model_bit16_weights",
+METHODS = ("flatten", "flatten_dense_tensors_aligned", "averaged_gradients", "optimizer",
+           "has_overflow_partitioned_grads_serial", "_model_parallel_all_reduce", "dp_process_group",
+           "check_grad_overflow", "compute_grad_norm", "scaled_global_norm", "_update_scale",
+           "free_grad_in_param_list", "_release_preflattened_grad_buffers", "_get_preflattened_grad_partition",
+           "_lazy_init_hp_params_optimizer_state", "_update_model_bit16_weights",
            "parallel_partitioned_bit16_groups", "single_partition_of_fp32_groups", "params_not_in_partition",
            "real_dp_process_group", "bit16_groups_flat", "reduce_ready_partitions_and_remove_grads",
            "params_already_reduced", "partition_gradients", "has_moe_layers")
@@ -83,7 +85,8 @@ def clip_divisor(optimizer, total_norm: torch.Tensor | None) -> torch.Tensor | N
     if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
         return None
     device = optimizer.single_partition_of_fp32_groups[0].device
-    combined = torch.tensor(float(optimizer.loss_scale), dtype=torch.float32, device=device)
+    # made on the device (a fill): a tensor copied from the host would wait for the GPU's queue
+    combined = torch.full((), float(optimizer.loss_scale), dtype=torch.float32, device=device)
     if optimizer.clip_grad > 0.0 and total_norm is not None:  # None: no norm was computed, none to clip by
         # DeepSpeed's guard (an invalid norm, NaN, inf or its -1, clips by inf), on the device: no host sync
         norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
@@ -123,6 +126,24 @@ def _adamw_state(optimizer: torch.optim.AdamW, master: torch.Tensor) -> dict:
     return state
 
 
+def _overflow_and_norm(self) -> tuple[bool, torch.Tensor | None]:
+    """DeepSpeed's overflow check (inf or NaN in a gradient, over the data- and model-parallel
+    ranks) and its scaled gradient norm (an invalid norm is an overflow as well), read by the host
+    in one copy: DeepSpeed reads each as it is made, and each read waits for the GPU's queue to
+    drain. The norm is computed on an overflowing step too (DeepSpeed skips it there; it reuses
+    the check's per-tensor norms, and every rank computes it, so the collectives stay matched)."""
+    flags = []
+    if self.check_grad_overflow:  # DeepSpeed's has_overflow without its .item() (no CPU offload here)
+        overflow = self.has_overflow_partitioned_grads_serial().byte()
+        dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=overflow, op=dist.ReduceOp.MAX)
+        flags.append(overflow.reshape(()).bool())
+    norm = self.scaled_global_norm() if self.compute_grad_norm else None
+    if norm is not None and (self.dtype != torch.bfloat16 or self.check_grad_overflow):
+        flags.append(~torch.isfinite(norm) | (norm < 0))  # deepspeed.runtime.utils.is_invalid_grad_norm
+    return (bool(torch.stack(flags).any()) if flags else False), norm
+
+
 def _master_step(self, closure=None):
     """DeepSpeed's ``step`` (stage 1/2, no offload) with the update as one pass per group."""
     if not _plain_gradients(self):
@@ -130,14 +151,7 @@ def _master_step(self, closure=None):
     self.micro_step_id = INITIAL_MICRO_STEP_ID
     if not self.compute_grad_norm:
         self._global_grad_norm = None
-    self.overflow = False
-    if self.check_grad_overflow:
-        self.check_overflow(partition_gradients=self.partition_gradients)
-    norm = None
-    if self.compute_grad_norm and not self.overflow:
-        norm = self.scaled_global_norm()
-        if (self.dtype != torch.bfloat16 or self.check_grad_overflow) and is_invalid_grad_norm(norm):
-            self.overflow = True
+    self.overflow, norm = _overflow_and_norm(self)
     prev_scale = self.loss_scale
     self._update_scale(self.overflow)
     if self.overflow:  # the step is skipped, its gradients dropped

@@ -57,6 +57,12 @@ from megatrain.observe.startup import StartupTimer
 
 log = logging.getLogger("megatrain")
 
+# Micro-batches reach a GPU from pinned host memory, made by the loader's prefetch thread: from
+# pageable memory the driver stages each copy on the host first (9.9 ms against 0.1 for a batch of
+# moe-gpu-2b behind queued work, one H200: benchmarks/host-waits-moe-h200.json). A module setting
+# so benchmarks/mfu.py can measure the difference (variant `pageable-batches`).
+PIN_BATCHES = True
+
 
 @dataclass
 class TrainResult:
@@ -180,12 +186,13 @@ class Trainer:
             verify_checksums=cfg.data.verify_checksums, shuffle_shards=cfg.data.shuffle_shards,
             vocab_size=cfg.model.vocab_size, rank=self.env.rank,  # token ids are checked where they enter
         )
+        pin_device = self.env.device if PIN_BATCHES and self.env.device.type == "cuda" else None
         if cfg.parallel.node_loader and self.env.local_world_size > 1:
             from megatrain.data.node_loader import build_node_loader
 
             return build_node_loader(source, local_rank=self.env.local_rank,
                                      local_world_size=self.env.local_world_size, **common)
-        return build_loader(source, **common)
+        return build_loader(source, pin_device=pin_device, **common)
 
     def _build_layout(self) -> ProcessGroups:
         p = self.cfg.parallel
@@ -226,7 +233,7 @@ class Trainer:
     def _device_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The loader's (inputs, targets) micro-batches on this rank's device."""
         while True:
-            inputs, targets = next(self.loader)
+            inputs, targets = next(self.loader)  # pinned on a GPU (the node loader's are shared memory)
             yield inputs.to(self.env.device, non_blocking=True), targets.to(self.env.device, non_blocking=True)
 
     def _apply_rollbacks(self) -> None:

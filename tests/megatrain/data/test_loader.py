@@ -85,14 +85,45 @@ def test_batches_are_int64_shifted_pairs(small_index):
 
 
 def test_same_seed_same_batches_prefetch_or_not(small_index):
+    """The prefetch thread makes the tensors too: the same inputs and targets as made in the loop."""
     def run(prefetch: int, seed: int) -> list:
         loader = build_loader(small_index, micro_batch_size=4, dp_rank=1, dp_size=2, seed=seed, prefetch_batches=prefetch)
-        out = [x for x, _ in take(loader, 20)]
+        out = [torch.cat([x, y]) for x, y in take(loader, 20)]
         loader.close()
         return out
     a, b, c = run(0, 3), run(4, 3), run(4, 4)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_raw_and_tensor_batches_interleave_in_stream_order(small_index):
+    """next_raw() drops the tensors the thread made for its batch: a later next() is the next batch."""
+    mb = 3
+    plain = build_loader(small_index, micro_batch_size=mb, dp_rank=0, dp_size=1, seed=5, prefetch_batches=0)
+    mixed = build_loader(small_index, micro_batch_size=mb, dp_rank=0, dp_size=1, seed=5, prefetch_batches=2)
+    for i in range(6):
+        want_x, want_y = next(plain)
+        if i % 2:
+            got = torch.from_numpy(mixed.next_raw()[0].astype(np.int64))
+            assert torch.equal(got[:, :-1], want_x) and torch.equal(got[:, 1:], want_y)
+        else:
+            got_x, got_y = next(mixed)
+            assert torch.equal(got_x, want_x) and torch.equal(got_y, want_y)
+    mixed.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_batches_for_a_gpu_are_pinned(small_index, prefetch):
+    loader = build_loader(small_index, micro_batch_size=3, dp_rank=0, dp_size=1, seed=0, prefetch_batches=prefetch,
+                          pin_device=torch.device("cuda", 0))
+    plain = build_loader(small_index, micro_batch_size=3, dp_rank=0, dp_size=1, seed=0, prefetch_batches=0)
+    for _ in range(3):
+        (x, y), (want_x, want_y) = next(loader), next(plain)
+        assert x.is_pinned() and y.is_pinned()
+        assert torch.equal(x, want_x) and torch.equal(y, want_y)
+    loader.close()
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])
