@@ -14,13 +14,15 @@ from megatrain.kernels.adamw_master import AdamWHyper, adamw_master_step
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 HYPER = AdamWHyper(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 SHAPES = [(64, 48), (7,), (3, 5, 33), (70_000,)]  # the last spans two of the kernel's chunks
+# every size a multiple of 16: the kernel is told so (vectorised chunk tails); the last spans two chunks
+SHAPES_16 = [(64, 48), (16,), (3, 16, 32), (70_016,)]
 
 
-def _problem(device: str, grad_dtype: torch.dtype, pad: int = 5):
+def _problem(device: str, grad_dtype: torch.dtype, pad: int = 5, shapes=SHAPES):
     g = torch.Generator().manual_seed(11)
-    n = sum(torch.Size(s).numel() for s in SHAPES)
+    n = sum(torch.Size(s).numel() for s in shapes)
     master = torch.randn(n + pad, generator=g)  # a padded partition: the tail is no gradient's
-    grads = [[(torch.randn(s, generator=g) * 10 ** -(i % 3)).to(grad_dtype) for s in SHAPES] for i in range(3)]
+    grads = [[(torch.randn(s, generator=g) * 10 ** -(i % 3)).to(grad_dtype) for s in shapes] for i in range(3)]
     return master.to(device), [[x.to(device) for x in step] for step in grads]
 
 
@@ -61,8 +63,8 @@ def test_more_gradients_than_masters_is_refused():
         _run(master[:-1], grads, None, "reference")
 
 
-def _compare_fused(device: str, grad_dtype: torch.dtype) -> None:
-    master, grads = _problem(device, grad_dtype)
+def _compare_fused(device: str, grad_dtype: torch.dtype, shapes=SHAPES) -> None:
+    master, grads = _problem(device, grad_dtype, shapes=shapes)
     for clip in (None, 4.0):
         want = _run(master, grads, clip, "reference")
         got = _run(master, grads, clip, "fused")
@@ -75,12 +77,14 @@ def _compare_fused(device: str, grad_dtype: torch.dtype) -> None:
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
-def test_fused_matches_reference(grad_dtype):
-    _compare_fused("cuda", grad_dtype)
+@pytest.mark.parametrize("shapes", [SHAPES, SHAPES_16], ids=["ragged", "multiples-of-16"])
+def test_fused_matches_reference(grad_dtype, shapes):
+    _compare_fused("cuda", grad_dtype, shapes)
 
 
 @pytest.mark.gpu  # with the GPU tests: it needs Triton, which CPU machines lack
 @pytest.mark.interpreter
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter: TRITON_INTERPRET=1")
-def test_fused_in_the_triton_interpreter():
-    _compare_fused("cpu", torch.bfloat16)
+@pytest.mark.parametrize("shapes", [SHAPES, SHAPES_16], ids=["ragged", "multiples-of-16"])
+def test_fused_in_the_triton_interpreter(shapes):
+    _compare_fused("cpu", torch.bfloat16, shapes)
