@@ -1,6 +1,7 @@
 """A serial MoE block's first RMSNorm (``kernels/rmsnorm.rms_norm_with_skip``, the Triton kernel
 that carries the skip connection) at moe-gpu-2b's shape, forward + backward, over the backward's
-persistent-grid size (programs per SM), beside the copy ceiling (one GPU).
+persistent-grid size (programs per SM) and the rows its programs load at once
+(``rmsnorm_triton.BWD_ROWS_PER_ITER``), beside the copy ceiling (one GPU).
 
 Bytes: the forward reads x and writes y; the backward reads x, dy and the skip's gradient and
 writes dx: 6 passes of [tokens, d]. In the moe-gpu-2b profile (``mfu-moe-step-profile-hostwaits-h200.json``)
@@ -23,7 +24,7 @@ from megatrain.kernels import rmsnorm_triton  # noqa: E402
 from megatrain.kernels.rmsnorm import rms_norm_with_skip  # noqa: E402
 
 TOKENS, D = 32 * 2048, 1024  # moe-gpu-2b: micro-batch 32 of 2048 tokens, d_model 1024
-PER_SM = (2, 4, 8, 16, 32)
+SWEEP = [(per_sm, 1) for per_sm in (2, 4, 8, 16, 32)] + [(4, 2), (4, 4), (8, 2), (8, 4)]  # (programs/SM, rows at once)
 
 
 def time_ms(fn, reps: int = 20) -> float:
@@ -54,15 +55,16 @@ def main() -> None:
         y, skip = rms_norm_with_skip(x, w, 1e-5, "fused")
         torch.autograd.grad([y, skip], [x, w], [dy, dskip])
 
-    default = rmsnorm_triton.BWD_PROGRAMS_PER_SM
+    default = rmsnorm_triton.BWD_PROGRAMS_PER_SM, rmsnorm_triton.BWD_ROWS_PER_ITER
     try:
-        for per_sm in PER_SM:
-            rmsnorm_triton.BWD_PROGRAMS_PER_SM = per_sm
+        for per_sm, rows_at_once in SWEEP:
+            rmsnorm_triton.BWD_PROGRAMS_PER_SM, rmsnorm_triton.BWD_ROWS_PER_ITER = per_sm, rows_at_once
             ms = time_ms(run)
-            rows[f"fwd + bwd, {per_sm} programs/SM{' (default)' if per_sm == default else ''}"] = {
+            name = f"fwd + bwd, {per_sm} programs/SM, {rows_at_once} row(s) at once"
+            rows[name + (" (default)" if (per_sm, rows_at_once) == default else "")] = {
                 "ms": ms, "tb_s": 6 * x.numel() * 2 / ms / 1e9}
     finally:
-        rmsnorm_triton.BWD_PROGRAMS_PER_SM = default
+        rmsnorm_triton.BWD_PROGRAMS_PER_SM, rmsnorm_triton.BWD_ROWS_PER_ITER = default
     print(f"[{TOKENS}, {D}] bf16 on {torch.cuda.get_device_name()}")
     for name, r in rows.items():
         print(f"  {name:45s} {r['ms']:7.3f} ms  {r['tb_s']:5.2f} TB/s")
