@@ -89,8 +89,7 @@ class Keeper:
             return self._get(int(request["rank"]), int(request["step"]))
         if op == "drop":
             return self._drop(int(request["rank"]), int(request.get("after_step", -1))), []
-        if op == "shutdown":
-            self.stopping.set()
+        if op == "shutdown":  # serve_connection stops the keeper once this reply is sent
             return {"ok": True}, []
         return {"ok": False, "error": f"unknown request {op!r}"}, []
 
@@ -168,6 +167,10 @@ class Keeper:
                     log.exception("request %s failed", request.get("op"))
                     reply, reply_fds = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []
                 send_message(conn, reply, reply_fds)
+                if request.get("op") == "shutdown" and reply.get("ok"):
+                    # only now: set earlier, the accept loop could end the process before the
+                    # reply left, and the asker (stop_keeper) would read "no keeper answered"
+                    self.stopping.set()
         except (ConnectionError, OSError):
             pass
         finally:

@@ -5,6 +5,8 @@ stop_keeper waits until the process is gone) and the keeper faults of the fault 
 from __future__ import annotations
 
 import signal
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +14,9 @@ import pytest
 import torch
 
 from megatrain.checkpoint.files import ChecksumError
+from megatrain.checkpoint.keeper import Keeper
 from megatrain.checkpoint.keeper_control import ask, keeper_dir, start_keeper, stop_keeper
+from megatrain.checkpoint.keeper_wire import recv_message, send_message
 from megatrain.checkpoint.memory import MemoryCheckpoints
 from megatrain.checkpoint.snapshot import RankSnapshot
 from megatrain.launch.ranks import die_with_parent
@@ -59,3 +63,18 @@ def test_keeper_faults_corrupt_the_ranks_copies_then_kill_the_keeper(staging):
     assert proc.wait(timeout=5) == -signal.SIGKILL
     assert MemoryCheckpoints(staging, 1, torch.device("cpu"), staging / "keeper.log").held_steps() == []
     assert kill_keeper(staging, rank=1) is None  # nothing left to kill: a warning, not an error
+
+
+def test_a_keeper_stops_only_after_its_shutdown_reply_is_sent(tmp_path):
+    """Stopping before the reply left let a loaded machine end the keeper's process first, and
+    stop_keeper then read "no keeper answered" (seen once in make test on 2 busy cores)."""
+    keeper = Keeper(tmp_path, idle_s=60)
+    assert keeper.handle({"op": "shutdown"})[0]["ok"] and not keeper.stopping.is_set()
+    ours, theirs = socket.socketpair()
+    served = threading.Thread(target=keeper.serve_connection, args=(theirs,))
+    served.start()
+    send_message(ours, {"op": "shutdown"})
+    assert recv_message(ours)[0] == {"ok": True}
+    served.join(timeout=10)
+    assert keeper.stopping.is_set() and not served.is_alive()
+    ours.close()
