@@ -10,6 +10,15 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="megatrain-prefect
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# An environment with PYTHONDONTWRITEBYTECODE (this project's sandboxes set it) makes each of the
+# suite's several hundred fresh interpreters (torchrun ranks, flow processes, servers, CLIs)
+# compile megatrain/, flows/ and tasks/ from source again: ~0.8 s of CPU each on 2 cores, a few
+# minutes of the suite. The tests and the processes they start keep bytecode (in __pycache__,
+# ignored by git and docker); nothing a test checks depends on it.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    import sys
+
+    sys.dont_write_bytecode = False
 
 
 import pytest  # noqa: E402
