@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
+from bound import time_ms  # noqa: E402  (benchmarks/bound.py)
 from megatrain.config import load_config  # noqa: E402
 from megatrain.kernels.adamw_master import segments  # noqa: E402
 from megatrain.kernels.adamw_master_triton import adamw_master_fused  # noqa: E402
@@ -27,20 +28,6 @@ SHAPES = [(1024, 8, False), (1024, 8, True), (512, 4, False), (512, 4, True), (2
           (1024, 4, True), (4096, 16, True)]
 
 
-def time_ms(fn, reps: int = 6) -> float:
-    fn()  # compiles
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
@@ -49,22 +36,23 @@ def main() -> None:
     cfg = load_config(args.config, [])
     with torch.device("meta"):
         shapes = [p.shape for p in GPT(cfg.model).parameters()]
-    grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    device = torch.device("cuda")
+    grads = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes]
     n = sum(g.numel() for g in grads)
-    master = torch.randn(n, device="cuda")
+    master = torch.randn(n, device=device)
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.rand_like(master)
-    weight16 = torch.empty(n, device="cuda", dtype=torch.bfloat16)
-    step, clip = torch.ones((), device="cuda"), torch.full((), 1.5, device="cuda")
+    weight16 = torch.empty(n, device=device, dtype=torch.bfloat16)
+    step, clip = torch.ones((), device=device), torch.full((), 1.5, device=device)
     segs = segments(grads)
     rows = {}
     for block, warps, hint in SHAPES:
         ms = time_ms(lambda: adamw_master_fused(master, exp_avg, exp_avg_sq, weight16, segs, step, 1e-4, 0.9, 0.95,
-                                                1e-8, 0.1, clip, block=block, num_warps=warps, hint_numel=hint))
+                                                1e-8, 0.1, clip, block=block, num_warps=warps, hint_numel=hint), device)
         rows[f"block {block}, {warps} warps{', sizes hinted' if hint else ''}"] = {"ms": ms, "tb_s": 28 * n / ms / 1e9}
     flat = torch.cat([g.reshape(-1).float() for g in grads])
     master.grad = flat
     opt = torch.optim.AdamW([master], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    ms = time_ms(opt.step)
+    ms = time_ms(opt.step, device)
     rows["torch fused AdamW (fp32 gradient, no bf16 write)"] = {"ms": ms, "tb_s": 32 * n / ms / 1e9}
     print(f"{n / 1e9:.2f}B parameters on {torch.cuda.get_device_name()}")
     for name, r in rows.items():

@@ -31,10 +31,6 @@ import triton.language as tl
 from megatrain.kernels import sm_count
 from megatrain.kernels.layernorm_triton import BWD_PROGRAMS_PER_SM, _block_and_warps, output_dtype
 
-# Rows the backward loads at once: 1 is the measured kernel, more runs _rms_bwd_tile_kernel, an
-# experiment that ``benchmarks/rmsnorm_skip_bench.py`` sweeps with the programs per SM (not yet timed).
-BWD_ROWS_PER_ITER = 1
-
 
 @triton.jit
 def _rms_fwd_kernel(X, RES, SUM, Y, W, RSTD, N, eps, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -81,36 +77,6 @@ def _rms_bwd_kernel(X, DY, DX, DSUM, W, RSTD, DW_PART, M, N,
     tl.store(DW_PART + pid * N + cols, dw, mask=mask)
 
 
-@triton.jit
-def _rms_bwd_tile_kernel(X, DY, DX, DSUM, W, RSTD, DW_PART, M, N, ROWS_PER_PROGRAM: tl.constexpr,
-                         ROWS_PER_ITER: tl.constexpr, HAS_DSUM: tl.constexpr, BLOCK_N: tl.constexpr):
-    # _rms_bwd_kernel with ROWS_PER_ITER rows loaded at once (a [ROWS_PER_ITER, BLOCK_N] tile):
-    # more bytes in flight per program. An experiment beside the measured kernel, not yet timed.
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)[None, :]
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i in range(0, ROWS_PER_PROGRAM, ROWS_PER_ITER):
-        local = i + tl.arange(0, ROWS_PER_ITER)[:, None]  # [R, 1] rows of this program
-        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + local
-        in_rows = (row < M) & (local < ROWS_PER_PROGRAM)
-        tile_mask = mask[None, :] & in_rows
-        offs = row * N + cols[None, :]
-        x = tl.load(X + offs, mask=tile_mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=tile_mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row, mask=in_rows, other=0.0)
-        xhat = x * rstd
-        wdy = w * dy
-        c = tl.sum(xhat * wdy, axis=1)[:, None] / N
-        dx = (wdy - xhat * c) * rstd
-        if HAS_DSUM:
-            dx += tl.load(DSUM + offs, mask=tile_mask, other=0.0).to(tl.float32)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=tile_mask)
-        dw += tl.sum(dy * xhat, axis=0)
-    tl.store(DW_PART + pid * N + cols, dw, mask=mask)
-
-
 def _forward(x2d, res2d, weight, eps, out_dtype):
     M, N = x2d.shape
     block, warps = _block_and_warps(N)
@@ -130,13 +96,9 @@ def _backward(x2d, dy, dsum, weight, rstd, dx_dtype):
     programs = triton.cdiv(M, rows_per_program)
     dx = torch.empty((M, N), dtype=dx_dtype, device=x2d.device)
     dw_part = torch.empty((programs, N), dtype=torch.float32, device=x2d.device)
-    args = (x2d, dy, dx, dsum if dsum is not None else dy, weight, rstd, dw_part, M, N)
-    if BWD_ROWS_PER_ITER == 1:
-        _rms_bwd_kernel[(programs,)](*args, ROWS_PER_PROGRAM=rows_per_program, HAS_DSUM=dsum is not None,
-                                     BLOCK_N=block, num_warps=warps)
-    else:
-        _rms_bwd_tile_kernel[(programs,)](*args, ROWS_PER_PROGRAM=rows_per_program, ROWS_PER_ITER=BWD_ROWS_PER_ITER,
-                                          HAS_DSUM=dsum is not None, BLOCK_N=block, num_warps=warps)
+    _rms_bwd_kernel[(programs,)](x2d, dy, dx, dsum if dsum is not None else dy, weight, rstd, dw_part, M, N,
+                                 ROWS_PER_PROGRAM=rows_per_program, HAS_DSUM=dsum is not None, BLOCK_N=block,
+                                 num_warps=warps)
     return dx, dw_part.sum(0).to(weight.dtype)
 
 
