@@ -55,7 +55,6 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "pageable-batches": ([], None),
     "rms-bwd-8": ([], None),
     "rms-bwd-16": ([], None),
-    "rms-bwd-rows4": ([], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -82,7 +81,6 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     # the Triton RMSNorm backward's persistent grid, programs per SM (default 4; benchmarks/rmsnorm_skip_bench.py)
     "rms-bwd-8": {("megatrain.kernels.rmsnorm_triton", "BWD_PROGRAMS_PER_SM"): 8},
     "rms-bwd-16": {("megatrain.kernels.rmsnorm_triton", "BWD_PROGRAMS_PER_SM"): 16},
-    "rms-bwd-rows4": {("megatrain.kernels.rmsnorm_triton", "BWD_ROWS_PER_ITER"): 4},  # 4 rows loaded at once
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".
