@@ -339,7 +339,6 @@ class ShardLoader(PositionedLoader):
 
     def next_raw(self) -> np.ndarray:
         """The next batch of every served rank, as stored: [ranks, mb, seq_len + 1]."""
-        self._tensors = None
         if self.prefetch_batches == 0:
             batch = self.stream.batch(self.samples_consumed)
         else:

@@ -79,6 +79,12 @@ def _flatten_aligned(self, tensor_list, alignment, use_cpu_data=False, param_pad
     return type(self).flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data, param_padding)
 
 
+def _valid_norm(norm: torch.Tensor) -> torch.Tensor:
+    """On the device, what ``deepspeed.runtime.utils.is_invalid_grad_norm`` negates on the host:
+    finite and not the -1 an invalid norm is masked to."""
+    return torch.isfinite(norm) & (norm >= 0)
+
+
 def clip_divisor(optimizer, total_norm: torch.Tensor | None) -> torch.Tensor | None:
     """The factor DeepSpeed's ``unscale_and_clip_grads`` divides the gradients by (loss scale times
     the clip), as a device tensor; None when it would not touch them."""
@@ -90,7 +96,7 @@ def clip_divisor(optimizer, total_norm: torch.Tensor | None) -> torch.Tensor | N
     if optimizer.clip_grad > 0.0 and total_norm is not None:  # None: no norm was computed, none to clip by
         # DeepSpeed's guard (an invalid norm, NaN, inf or its -1, clips by inf), on the device: no host sync
         norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
-        clip_norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, float("inf"))
+        clip_norm = torch.where(_valid_norm(norm), norm, float("inf"))
         clip = torch.clamp(((clip_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad, min=1.0)
         combined = (clip * optimizer.loss_scale).to(torch.float32)
     return combined.reshape(())
@@ -140,7 +146,7 @@ def _overflow_and_norm(self) -> tuple[bool, torch.Tensor | None]:
         flags.append(overflow.reshape(()).bool())
     norm = self.scaled_global_norm() if self.compute_grad_norm else None
     if norm is not None and (self.dtype != torch.bfloat16 or self.check_grad_overflow):
-        flags.append(~torch.isfinite(norm) | (norm < 0))  # deepspeed.runtime.utils.is_invalid_grad_norm
+        flags.append(~_valid_norm(norm))
     return (bool(torch.stack(flags).any()) if flags else False), norm
 
 
