@@ -166,11 +166,13 @@ class Keeper:
                 except Exception as exc:  # a bad request must not end the keeper
                     log.exception("request %s failed", request.get("op"))
                     reply, reply_fds = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []
-                send_message(conn, reply, reply_fds)
-                if request.get("op") == "shutdown" and reply.get("ok"):
-                    # only now: set earlier, the accept loop could end the process before the
-                    # reply left, and the asker (stop_keeper) would read "no keeper answered"
-                    self.stopping.set()
+                try:
+                    send_message(conn, reply, reply_fds)
+                finally:  # a shutdown whose asker has gone stops the keeper all the same
+                    if request.get("op") == "shutdown" and reply.get("ok"):
+                        # only now: set earlier, the accept loop could end the process before the
+                        # reply left, and the asker (stop_keeper) would read "no keeper answered"
+                        self.stopping.set()
         except (ConnectionError, OSError):
             pass
         finally:

@@ -78,3 +78,12 @@ def test_a_keeper_stops_only_after_its_shutdown_reply_is_sent(tmp_path):
     served.join(timeout=10)
     assert keeper.stopping.is_set() and not served.is_alive()
     ours.close()
+
+
+def test_a_shutdown_whose_asker_left_before_the_reply_still_stops_the_keeper(tmp_path):
+    keeper = Keeper(tmp_path, idle_s=60)
+    ours, theirs = socket.socketpair()
+    send_message(ours, {"op": "shutdown"})
+    ours.close()  # gone before the reply: sending it fails
+    keeper.serve_connection(theirs)
+    assert keeper.stopping.is_set()
