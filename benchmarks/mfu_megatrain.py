@@ -53,8 +53,7 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "residual-add": ([], None),
     "norm1-inductor": ([], None),
     "pageable-batches": ([], None),
-    "rms-bwd-8": ([], None),
-    "rms-bwd-16": ([], None),
+    "rms-bwd-rows1": ([], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -78,9 +77,10 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     "norm1-inductor": {("megatrain.model.block", "NORM1_CARRIES_SKIP"): False},
     # micro-batches copied to the GPU from pageable memory, not pinned (training/trainer.py)
     "pageable-batches": {("megatrain.training.trainer", "PIN_BATCHES"): False},
-    # the Triton RMSNorm backward's persistent grid, programs per SM (default 4; benchmarks/rmsnorm_skip_bench.py)
-    "rms-bwd-8": {("megatrain.kernels.rmsnorm_triton", "BWD_PROGRAMS_PER_SM"): 8},
-    "rms-bwd-16": {("megatrain.kernels.rmsnorm_triton", "BWD_PROGRAMS_PER_SM"): 16},
+    # the Triton RMSNorm backward as it was: 4 programs per SM, one row at a time (default 8 holding
+    # 4 rows each; benchmarks/rmsnorm_skip_bench.py)
+    "rms-bwd-rows1": {("megatrain.kernels.rmsnorm_triton", "BWD_PROGRAMS_PER_SM"): 4,
+                      ("megatrain.kernels.rmsnorm_triton", "BWD_ROWS_AT_ONCE"): 1},
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".

@@ -6,7 +6,7 @@
 #
 #     bash benchmarks/moe_headline.sh OUT_DIR [NAME] [mfu.py arguments]
 #
-# e.g. `--variants rms-bwd-8` adds that A/B row of megatrain, from the same weights.
+# e.g. `--variants rms-bwd-rows1` adds that A/B row of megatrain, from the same weights.
 #
 # Writes OUT_DIR/moe-warmup-NAME.json and OUT_DIR/mfu-moe-gb512-NAME.json (NAME: warm480).
 set -euo pipefail

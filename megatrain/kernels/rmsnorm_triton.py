@@ -2,8 +2,8 @@
 
 Same layout as ``layernorm_triton.py``: the forward is one program per row (the row read once,
 statistics in fp32, 1/rms saved, 4 bytes a row); the backward is a persistent grid whose programs
-walk rows, write dx, and keep their rows' dweight sum in registers (one fp32 partial row per
-program, summed by torch: no atomics, deterministic).
+walk rows (a few at a time), write dx, and keep their rows' dweight sum in registers (one fp32
+partial row per program, summed by torch: no atomics, deterministic).
 
     y = w * x * r,  r = 1 / sqrt(mean(x^2) + eps)
     dx = r * (w dy - xhat * mean(w dy * xhat)),  xhat = x r;   dw = sum over rows of dy * xhat
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from megatrain.kernels import sm_count
-from megatrain.kernels.layernorm_triton import BWD_PROGRAMS_PER_SM, _block_and_warps, output_dtype
+from megatrain.kernels.layernorm_triton import _block_and_warps, output_dtype
 
 
 @triton.jit
@@ -50,31 +50,42 @@ def _rms_fwd_kernel(X, RES, SUM, Y, W, RSTD, N, eps, HAS_RES: tl.constexpr, BLOC
 
 
 @triton.jit
-def _rms_bwd_kernel(X, DY, DX, DSUM, W, RSTD, DW_PART, M, N,
-                    ROWS_PER_PROGRAM: tl.constexpr, HAS_DSUM: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_bwd_kernel(X, DY, DX, DSUM, W, RSTD, DW_PART, M, N, ROWS_PER_PROGRAM: tl.constexpr,
+                    ROWS_AT_ONCE: tl.constexpr, HAS_DSUM: tl.constexpr, BLOCK_N: tl.constexpr):
     # ROWS_PER_PROGRAM is a constexpr (one compile per row count) because Triton 3.5's interpreter
-    # cannot loop to a runtime bound under numpy 2.4
+    # cannot loop to a runtime bound under numpy 2.4. A program walks its rows ROWS_AT_ONCE at a
+    # time, as [ROWS_AT_ONCE, BLOCK_N] tiles: more loads in flight per program than one row each.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)[None, :]
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i in range(0, ROWS_PER_PROGRAM):
-        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + i
-        in_rows = row < M
-        row_mask = mask & in_rows
-        x = tl.load(X + row * N + cols, mask=row_mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * N + cols, mask=row_mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row, mask=in_rows, other=0.0)
+    for i in range(0, ROWS_PER_PROGRAM, ROWS_AT_ONCE):
+        local = i + tl.arange(0, ROWS_AT_ONCE)[:, None]  # [R, 1] rows of this program
+        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + local
+        in_rows = (row < M) & (local < ROWS_PER_PROGRAM)
+        tile_mask = mask[None, :] & in_rows
+        offs = row * N + cols[None, :]
+        x = tl.load(X + offs, mask=tile_mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=tile_mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row, mask=in_rows, other=0.0)  # [R, 1]
         xhat = x * rstd
         wdy = w * dy
-        c = tl.sum(xhat * wdy, axis=0) / N
+        c = tl.sum(xhat * wdy, axis=1)[:, None] / N
         dx = (wdy - xhat * c) * rstd
         if HAS_DSUM:
-            dx += tl.load(DSUM + row * N + cols, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=row_mask)
-        dw += dy * xhat
+            dx += tl.load(DSUM + offs, mask=tile_mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=tile_mask)
+        dw += tl.sum(dy * xhat, axis=0)
     tl.store(DW_PART + pid * N + cols, dw, mask=mask)
+
+
+# The backward's persistent grid: programs per SM, and rows each program holds at once. At
+# moe-gpu-2b's [65536, 1024] bf16 with the skip's gradient on an H200 (benchmarks/rmsnorm_skip_bench.py,
+# rmsnorm-skip-candidates-h200.json): 0.294 ms with LayerNorm's 4 programs per SM one row at a
+# time, 0.221 with 8, 0.189 with 8 holding 4 rows (2.8 TB/s for its four passes; a copy runs at 3.6).
+BWD_PROGRAMS_PER_SM = 8
+BWD_ROWS_AT_ONCE = 4
 
 
 def _forward(x2d, res2d, weight, eps, out_dtype):
@@ -97,8 +108,8 @@ def _backward(x2d, dy, dsum, weight, rstd, dx_dtype):
     dx = torch.empty((M, N), dtype=dx_dtype, device=x2d.device)
     dw_part = torch.empty((programs, N), dtype=torch.float32, device=x2d.device)
     _rms_bwd_kernel[(programs,)](x2d, dy, dx, dsum if dsum is not None else dy, weight, rstd, dw_part, M, N,
-                                 ROWS_PER_PROGRAM=rows_per_program, HAS_DSUM=dsum is not None, BLOCK_N=block,
-                                 num_warps=warps)
+                                 ROWS_PER_PROGRAM=rows_per_program, ROWS_AT_ONCE=BWD_ROWS_AT_ONCE,
+                                 HAS_DSUM=dsum is not None, BLOCK_N=block, num_warps=warps)
     return dx, dw_part.sum(0).to(weight.dtype)
 
 

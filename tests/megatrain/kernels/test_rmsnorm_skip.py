@@ -56,7 +56,14 @@ def test_fused_matches_reference(dtype):
 @pytest.mark.gpu  # with the GPU tests: it needs Triton, which CPU machines lack
 @pytest.mark.interpreter
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter: TRITON_INTERPRET=1")
-def test_fused_in_the_triton_interpreter():
+@pytest.mark.parametrize("per_sm, rows_at_once", [(8, 4), (1, 4), (1, 1), (2, 8)])
+def test_fused_in_the_triton_interpreter(monkeypatch, per_sm, rows_at_once):
+    # the interpreter counts 4 SMs: 74 rows make programs of 3, 19, 19 and 10 rows, so tiles of
+    # rows run past a program's rows and past the last row
+    from megatrain.kernels import rmsnorm_triton
+
+    monkeypatch.setattr(rmsnorm_triton, "BWD_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(rmsnorm_triton, "BWD_ROWS_AT_ONCE", rows_at_once)
     _compare("cpu", torch.float32)
 
 
