@@ -54,6 +54,7 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "norm1-inductor": ([], None),
     "pageable-batches": ([], None),
     "rms-bwd-rows1": ([], None),
+    "rope-inductor": ([], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -81,6 +82,9 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     # 4 rows each; benchmarks/rmsnorm_skip_bench.py)
     "rms-bwd-rows1": {("megatrain.kernels.rmsnorm_triton", "BWD_PROGRAMS_PER_SM"): 4,
                       ("megatrain.kernels.rmsnorm_triton", "BWD_ROWS_AT_ONCE"): 1},
+    # qkv's split, RoPE and the tokens-first layout left to inductor (default: one Triton pass each
+    # way, model/attention.py QKV_ROPE_ONE_PASS)
+    "rope-inductor": {("megatrain.model.attention", "QKV_ROPE_ONE_PASS"): False},
 }
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".

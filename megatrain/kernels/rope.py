@@ -59,3 +59,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "aut
 
         return rope_fused(x, cos, sin)
     return rope_reference(x, cos, sin)
+
+
+def qkv_rope_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv: int,
+                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [B, T, (H + 2G) hd] (the fused input projection's output) -> q [B, H, T, hd] and
+    k [B, G, T, hd] rotated by cos, sin [T, hd/2], and v [B, G, T, hd]."""
+    q, k, v = (t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+               for t in qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1))
+    return rope_reference(q, cos, sin), rope_reference(k, cos, sin), v
+
+
+def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv: int, head_dim: int,
+             impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``qkv_rope_reference``'s contract. Fused (Triton), one kernel reads qkv once and writes q, k
+    and v stored tokens-first, and one writes qkv's gradient from dq, dk and dv: inductor's kernels
+    for the same (split, rotation, the tokens-first layout, and the concatenation of the
+    gradients) moved each byte about twice in moe-gpu-2b's step on an H200. Fused under
+    torch.compile too (``resolve(..., under_compile=None)``)."""
+    if resolve(impl, qkv, under_compile=None) == "fused":
+        from megatrain.kernels.rope_triton import qkv_rope_fused
+
+        return qkv_rope_fused(qkv, cos, sin, n_head, n_kv, head_dim)
+    return qkv_rope_reference(qkv, cos, sin, n_head, n_kv, head_dim)

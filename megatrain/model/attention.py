@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from megatrain.config import ModelConfig
 from megatrain.kernels.attention import attention_at_offset, causal_attention
+from megatrain.kernels.rope import qkv_rope
 from megatrain.model.cache import LayerKV
 from megatrain.model.position import RotaryEmbedding
 
@@ -34,6 +35,13 @@ from megatrain.model.position import RotaryEmbedding
 # 32, 168,101 against 167,494 tokens/s (benchmarks/mfu.py --variants rope-head-major measures the
 # old layout). Eager mode leaves q as it is: there the copy would be a kernel of its own.
 ROPE_TOKEN_MAJOR = True
+# Training with RoPE: the split of qkv, the rotation and the tokens-first layout as one pass
+# (kernels/rope.qkv_rope; fused on CUDA, compiled or not, unless model.kernels.rope says
+# reference), and its backward writing the projection's gradient in one pass. v is then its own
+# tensor, so attention's backward keeps no qkv alive: moe-gpu-2b at micro-batch 32 on an H200 peaks
+# at 100.4 against 103.4 GiB, at the same tokens/s (182,779 against 182,881 with this off, which
+# leaves it to inductor; benchmarks/RESULTS.md).
+QKV_ROPE_ONE_PASS = True
 
 
 def token_major(x: torch.Tensor) -> torch.Tensor:
@@ -61,16 +69,20 @@ class Attention(nn.Module):
         B, T, width = qkv.shape
         n_kv = width // ((self.group + 2) * self.head_dim)
         n_head = n_kv * self.group
-        # split, not unbind: the backward is then one concatenation of dq, dk, dv (which
-        # inductor writes straight into the fused projection's gradient buffer)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-                   for t in qkv.split([n_head * self.head_dim, n_kv * self.head_dim, n_kv * self.head_dim], dim=-1))
-        # q [B, H, T, hd]; k, v [B, G, T, hd]
         offset = 0 if cache is None else cache.length
-        if self.rope is not None:
-            q, k = self.rope(q, k, offset)
-            if ROPE_TOKEN_MAJOR and torch.compiler.is_compiling():
-                q, k = token_major(q), token_major(k)
+        if self.rope is not None and cache is None and QKV_ROPE_ONE_PASS:
+            cos, sin = self.rope.tables(T, 0, qkv.device)
+            q, k, v = qkv_rope(qkv, cos, sin, n_head, n_kv, self.head_dim, self.rope.impl)
+        else:
+            # split, not unbind: the backward is then one concatenation of dq, dk, dv (which
+            # inductor writes straight into the fused projection's gradient buffer)
+            q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                       for t in qkv.split([n_head * self.head_dim, n_kv * self.head_dim, n_kv * self.head_dim], dim=-1))
+            if self.rope is not None:
+                q, k = self.rope(q, k, offset)
+        # q [B, H, T, hd]; k, v [B, G, T, hd]
+        if self.rope is not None and ROPE_TOKEN_MAJOR and torch.compiler.is_compiling():
+            q, k = token_major(q), token_major(k)  # no copy where they are stored so already
         if cache is None:
             y = causal_attention(q, k, v, self.window, self.impl)  # [B, H, T, hd]
         else:

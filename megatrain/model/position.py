@@ -42,11 +42,13 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = self._tables(self.positions, 0, self.cos.device)
         return self
 
+    def tables(self, T: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, hd/2] (fp32) for positions offset .. offset + T - 1."""
+        if offset + T <= self.positions:
+            return self.cos[offset:offset + T], self.sin[offset:offset + T]
+        return self._tables(T, offset, device)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, H, T, hd], k [B, H_kv, T, hd] at positions offset .. offset + T - 1 -> rotated q, k."""
-        T = q.shape[-2]
-        if offset + T <= self.positions:
-            cos, sin = self.cos[offset:offset + T], self.sin[offset:offset + T]  # [T, hd/2] each
-        else:
-            cos, sin = self._tables(T, offset, q.device)
+        cos, sin = self.tables(q.shape[-2], offset, q.device)
         return rope(q, cos, sin, self.impl), rope(k, cos, sin, self.impl)
