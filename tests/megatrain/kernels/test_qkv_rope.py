@@ -37,7 +37,8 @@ def _compare(device: str, dtype: torch.dtype, B: int, T: int, H: int, G: int, hd
     assert q.transpose(1, 2).is_contiguous()  # stored tokens-first: the attention output's layout too
 
 
-SHAPES = [(2, 33, 4, 2, 16, False), (1, 70, 2, 1, 8, True), (2, 64, 4, 4, 32, True)]  # B, T, H, G, hd, strided
+SHAPES = [(2, 33, 4, 2, 16, False), (1, 70, 2, 1, 8, True), (2, 64, 4, 4, 32, True), (1, 40, 3, 1, 24, False)]
+# B, T, H, G, hd (24: half-rows narrower than their block), strided
 
 
 @pytest.mark.gpu
