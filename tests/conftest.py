@@ -44,14 +44,86 @@ def shard_url(tmp_path_factory) -> str:
     return url
 
 
+def _shared_tmp(tmp_path_factory) -> Path:
+    """The session's temp root that every xdist worker of this run shares (a worker's own basetemp
+    is ``<root>/popen-gwN``)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
-def prefect_api():
-    """A real Prefect server (SQLite in a temp dir) for the flow and task tests, one per session."""
+def prefect_db_template(tmp_path_factory) -> Path:
+    """An empty Prefect SQLite database with every migration applied, built once per ``pytest`` run
+    (by the first worker that needs it; the others wait for it) with Prefect's own command
+    (``prefect server database upgrade``). Migrating a new database costs a server ~8-10 s of CPU
+    on 2 cores, paid once here instead of by every server that starts on a fresh database; a copy
+    (``seed_prefect_db``) is a database such a server would have made itself, each server still
+    gets one of its own, and it still runs its start-up migration check (a no-op at head)."""
+    import sys
+
+    from filelock import FileLock
+
+    shared = _shared_tmp(tmp_path_factory)
+    template = shared / "prefect-migrated.db"
+    with FileLock(str(shared / "prefect-migrated.lock")):
+        if not template.exists():
+            build = Path(tempfile.mkdtemp(prefix="prefect-template-", dir=shared))
+            env = dict(os.environ, PREFECT_HOME=str(build), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                       PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{build / 'prefect.db'}")
+            env.pop("PREFECT_API_URL", None)
+            done = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+                                  env=env, capture_output=True, text=True, timeout=600, check=False)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            seed_prefect_db(build / "prefect.db", template)  # one self-contained file (no -wal/-shm)
+    return template
+
+
+def seed_prefect_db(template: Path, db: Path) -> Path:
+    """Copy the migrated ``template`` to ``db`` (SQLite's backup API: a consistent copy, WAL
+    folded in) for a server to start on; returns ``db``."""
+    import sqlite3
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    source, target = sqlite3.connect(template), sqlite3.connect(db)
+    try:
+        source.backup(target)
+    finally:
+        target.close()
+        source.close()
+    return db
+
+
+@pytest.fixture(scope="session")
+def seeded_prefect_db(prefect_db_template):
+    """``seeded_prefect_db(path)``: a copy of the migrated template at ``path`` (e.g.
+    ``$PREFECT_HOME/prefect.db``, where a server started with that home keeps its state)."""
+    return lambda db: seed_prefect_db(prefect_db_template, Path(db))
+
+
+@pytest.fixture(scope="session")
+def prefect_api(prefect_db_template):
+    """A real Prefect server (SQLite in a temp dir) for the flow and task tests, one per session,
+    on a database of its own copied from the migrated template (Prefect's test harness, with its
+    database folder made by us instead of its ``mkdtemp``)."""
     from prefect.settings import PREFECT_API_URL
+    from prefect.testing import utilities
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    def seeded_mkdtemp(*args, **kwargs) -> str:
+        folder = tempfile.mkdtemp(*args, **kwargs)
+        seed_prefect_db(prefect_db_template, Path(folder) / "prefect-test.db")  # the harness's file name
+        return folder
+
+    real_mkdtemp, utilities.mkdtemp = utilities.mkdtemp, seeded_mkdtemp
+    try:
+        harness = prefect_test_harness(server_startup_timeout=120)
+        harness.__enter__()
+    finally:
+        utilities.mkdtemp = real_mkdtemp
+    try:
         yield PREFECT_API_URL.value()
+    finally:
+        harness.__exit__(None, None, None)
 
 
 @pytest.fixture
@@ -86,11 +158,30 @@ def campaign_file(tmp_path, shard_root):
     return write
 
 
+# What each module's tests took in a full ``make test`` (seconds; the phases of 0.5 s and more, from
+# MEGATRAIN_TEST_TIMES): only the order of the modules comes from it, never what runs. Stale
+# numbers only make the order less good. To refresh after a full run with MEGATRAIN_TEST_TIMES=t.txt:
+#   python -c "import collections,json,sys; s=collections.Counter(); [s.update({l.split('::')[0]: \
+#   float(l.split()[-1])}) for l in open('t.txt')]; json.dump(dict(s.most_common()), sys.stdout, indent=1)" \
+#   > tests/module_seconds.json     (each line is there twice under xdist; only the order matters)
+MODULE_SECONDS_FILE = Path(__file__).with_name("module_seconds.json")
+
+
+def pytest_configure(config):
+    """xdist's ``--dist loadfile`` would otherwise reorder the modules by how many tests each has
+    (``--loadscope-reorder``, its default), whatever order the collection gives them: the longest
+    modules (one or two end-to-end tests each) then ran last, one worker still busy with them
+    while the other had nothing left. The order below is kept instead."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip without CUDA. Modules with multi-process or end-to-end tests (``slow``) run
-    first: with ``make test``'s two xdist workers (whole modules each, ``--dist loadfile``), the long
-    ones start early and the many short ones fill the gaps at the end. The order inside a module
-    stays as written."""
+    """GPU tests skip without CUDA. The modules run longest first (``module_seconds.json``; a
+    module not in it: first if it has multi-process or end-to-end tests (``slow``), else last):
+    with ``make test``'s xdist workers (whole modules each, ``--dist loadfile``), the long ones
+    start early and the many short ones fill the gaps at the end, so that the workers end
+    together. The order inside a module stays as written."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items:
         import torch
@@ -100,8 +191,18 @@ def pytest_collection_modifyitems(config, items):
             for item in gpu_items:
                 if not (interpreting and item.get_closest_marker("interpreter")):
                     item.add_marker(pytest.mark.skip(reason="needs CUDA (run through the device tool)"))
+    import json
+
+    seconds = json.loads(MODULE_SECONDS_FILE.read_text()) if MODULE_SECONDS_FILE.exists() else {}
     slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
+
+    def longest_first(item) -> float:
+        module = item.nodeid.split("::")[0]
+        if module in seconds:
+            return -float(seconds[module])
+        return -float("inf") if module in slow_modules else 0.0
+
+    items.sort(key=longest_first)  # stable: a module's tests stay together and in their order
 
 
 @contextlib.contextmanager

@@ -29,9 +29,13 @@ SLOWED_ONCE = [{**SLOWED[0], "once": True}]
 
 
 @pytest.mark.slow
-def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resume(tmp_path, shard_root, monkeypatch):
+def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resume(tmp_path, shard_root, monkeypatch,
+                                                                                   seeded_prefect_db):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)  # a temporary server, as a user without Prefect gets
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    # the server's database there, migrated already (a copy of the session's template): the
+    # temporary server still starts and stops with the run, without ~10 s of migrations first
+    seeded_prefect_db(tmp_path / "prefect" / "prefect.db")
     path = write_campaign(tmp_path, "ctrl-c", shard_url=shard_root, faults=SLOWED_ONCE)
     campaign = load_campaign(path)
     durable, run_dir = campaign.stage_durable_url(0), campaign.stage_dir(0)
