@@ -52,7 +52,6 @@ class Data:
         from megatrain.data.loader import build_loader
 
         d = cfg.data
-        pin_device = device if device is not None and device.type == "cuda" else None
         return build_loader(self.ready(cfg), micro_batch_size=micro_batch_size, dp_rank=0, dp_size=1, seed=d.seed,
                             prefetch_batches=d.prefetch_batches, on_bad_shard=d.on_bad_shard,
-                            verify_checksums=d.verify_checksums, shuffle_shards=d.shuffle_shards, pin_device=pin_device)
+                            verify_checksums=d.verify_checksums, shuffle_shards=d.shuffle_shards, pin_device=device)

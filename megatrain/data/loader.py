@@ -322,7 +322,9 @@ class ShardLoader(PositionedLoader):
                  seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
                  shuffle_shards: int = 64, vocab_size: int | None = None, rank: int | None = None,
                  pin_device: torch.device | None = None) -> None:
-        self.prefetch_batches, self.pin_device = prefetch_batches, pin_device
+        self.prefetch_batches = prefetch_batches
+        # page-locked memory only helps a copy to a GPU
+        self.pin_device = pin_device if pin_device is not None and pin_device.type == "cuda" else None
         self.cache = ShardCache(source, verify_checksums, on_bad_shard, vocab_size, rank)
         order = stream_order(source, seed=seed, shuffle_shards=shuffle_shards, micro_batch_size=micro_batch_size,
                              dp_size=dp_size)
@@ -330,29 +332,31 @@ class ShardLoader(PositionedLoader):
         # Last, so that the cache's, the order's and the stream's checks of the arguments run first.
         super().__init__(order, micro_batch_size=micro_batch_size, dp_size=dp_size)
         self._prefetcher: _Prefetcher | None = None
-        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # the prefetcher's, of the last next_raw()
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        raw = self.next_raw()
-        tensors, self._tensors = self._tensors, None
+        raw, tensors = self._next()
         return tensors if tensors is not None else self._convert(raw)
 
     def next_raw(self) -> np.ndarray:
         """The next batch of every served rank, as stored: [ranks, mb, seq_len + 1]."""
+        return self._next()[0]
+
+    def _next(self) -> tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The next raw batch, with its tensors where the prefetch thread made them."""
         if self.prefetch_batches == 0:
-            batch = self.stream.batch(self.samples_consumed)
+            item = self.stream.batch(self.samples_consumed), None
         else:
             if self._prefetcher is None:
                 # one served rank: its tensors are made in the thread too (the node loader serves several from raw)
                 convert = self._convert if len(self.stream.dp_ranks) == 1 else None
                 self._prefetcher = _Prefetcher(self.stream, self.samples_consumed, self.prefetch_batches, convert)
             try:
-                batch, self._tensors = self._prefetcher.get()
+                item = self._prefetcher.get()
             except BaseException:
                 self.seek(self.samples_consumed)  # the thread has stopped; the next call retries from here
                 raise
         self._advance()
-        return batch
+        return item
 
     def _convert(self, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pin_device is None:
@@ -391,8 +395,8 @@ def build_loader(source: Any, *, micro_batch_size: int, dp_rank: int, dp_size: i
     """The loader of data-parallel rank ``dp_rank``: ``next(loader) -> (inputs, targets)``.
     ``source``: a ShardIndex or a mixture.Mixture (mixture.build_mixture_loader builds one from
     components). ``vocab_size``: the model's (token ids must be below it); ``rank``: named in
-    bad-shard errors; ``pin_device``: the CUDA device the batches go to, for which they are made in
-    page-locked memory."""
+    bad-shard errors; ``pin_device``: the device the batches go to; on a CUDA device they are made
+    in page-locked memory."""
     return ShardLoader(source, micro_batch_size=micro_batch_size, dp_ranks=[dp_rank], dp_size=dp_size, seed=seed,
                        prefetch_batches=prefetch_batches, on_bad_shard=on_bad_shard,
                        verify_checksums=verify_checksums, shuffle_shards=shuffle_shards, vocab_size=vocab_size,

@@ -186,13 +186,12 @@ class Trainer:
             verify_checksums=cfg.data.verify_checksums, shuffle_shards=cfg.data.shuffle_shards,
             vocab_size=cfg.model.vocab_size, rank=self.env.rank,  # token ids are checked where they enter
         )
-        pin_device = self.env.device if PIN_BATCHES and self.env.device.type == "cuda" else None
         if cfg.parallel.node_loader and self.env.local_world_size > 1:
             from megatrain.data.node_loader import build_node_loader
 
             return build_node_loader(source, local_rank=self.env.local_rank,
                                      local_world_size=self.env.local_world_size, **common)
-        return build_loader(source, pin_device=pin_device, **common)
+        return build_loader(source, pin_device=self.env.device if PIN_BATCHES else None, **common)
 
     def _build_layout(self) -> ProcessGroups:
         p = self.cfg.parallel

@@ -12,21 +12,21 @@ import sys
 from megatrain.data import loader
 from megatrain.training.rank import main
 
-_next_raw = loader.ShardLoader.next_raw
+_next = loader.ShardLoader._next  # where next() and next_raw() both take their batches
 
 
-def _recording_next_raw(self: loader.ShardLoader):
+def _recording_next(self: loader.ShardLoader):
     pos = self.samples_consumed
-    batch = _next_raw(self)  # [ranks, mb, seq_len + 1]
+    batch, tensors = _next(self)  # [ranks, mb, seq_len + 1], and the thread's tensors of it (or None)
     with open(f"{os.environ['RESHARD_SAMPLES']}.{os.environ['RANK']}", "a") as out:
         for k, dp_rank in enumerate(self.stream.dp_ranks):
             for j in range(self.stream.mb):
                 digest = hashlib.sha1(batch[k, j].tobytes()).hexdigest()
                 out.write(json.dumps([pos + dp_rank * self.stream.mb + j, dp_rank, digest]) + "\n")
-    return batch
+    return batch, tensors
 
 
-loader.ShardLoader.next_raw = _recording_next_raw
+loader.ShardLoader._next = _recording_next
 
 if __name__ == "__main__":
     sys.exit(main())
