@@ -61,12 +61,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "aut
     return rope_reference(x, cos, sin)
 
 
+def split_qkv(qkv: torch.Tensor, n_head: int, n_kv: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [B, T, (H + 2G) hd] (the fused input projection's output) -> views q [B, H, T, hd],
+    k and v [B, G, T, hd]. split, not unbind: the backward is then one concatenation of dq, dk, dv
+    (which inductor writes straight into the fused projection's gradient buffer)."""
+    return tuple(t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+                 for t in qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1))
+
+
 def qkv_rope_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv: int,
                        head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [B, T, (H + 2G) hd] (the fused input projection's output) -> q [B, H, T, hd] and
-    k [B, G, T, hd] rotated by cos, sin [T, hd/2], and v [B, G, T, hd]."""
-    q, k, v = (t.unflatten(-1, (-1, head_dim)).transpose(1, 2)
-               for t in qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1))
+    """qkv [B, T, (H + 2G) hd] -> q [B, H, T, hd] and k [B, G, T, hd] rotated by cos, sin [T, hd/2],
+    and v [B, G, T, hd]."""
+    q, k, v = split_qkv(qkv, n_head, n_kv, head_dim)
     return rope_reference(q, cos, sin), rope_reference(k, cos, sin), v
 
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from megatrain.config import ModelConfig
 from megatrain.kernels.attention import attention_at_offset, causal_attention
-from megatrain.kernels.rope import qkv_rope
+from megatrain.kernels.rope import qkv_rope, split_qkv
 from megatrain.model.cache import LayerKV
 from megatrain.model.position import RotaryEmbedding
 
@@ -74,10 +74,7 @@ class Attention(nn.Module):
             cos, sin = self.rope.tables(T, 0, qkv.device)
             q, k, v = qkv_rope(qkv, cos, sin, n_head, n_kv, self.head_dim, self.rope.impl)
         else:
-            # split, not unbind: the backward is then one concatenation of dq, dk, dv (which
-            # inductor writes straight into the fused projection's gradient buffer)
-            q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-                       for t in qkv.split([n_head * self.head_dim, n_kv * self.head_dim, n_kv * self.head_dim], dim=-1))
+            q, k, v = split_qkv(qkv, n_head, n_kv, self.head_dim)
             if self.rope is not None:
                 q, k = self.rope(q, k, offset)
         # q [B, H, T, hd]; k, v [B, G, T, hd]

@@ -23,7 +23,7 @@ def _compare(device: str, dtype: torch.dtype, B: int, T: int, H: int, G: int, hd
     grads = [torch.randn(B, n, T, hd, generator=g).to(device, dtype) for n in (H, G, G)]
     outs = {}
     for impl in ("fused", "reference"):
-        x = qkv.detach().clone().requires_grad_() if not strided else qkv.detach().requires_grad_()
+        x = qkv.detach().requires_grad_()  # a leaf with qkv's strides, its own gradient per run
         q, k, v = qkv_rope(x, cos, sin, H, G, hd, impl)
         # dq laid out as SDPA's backward may give it: tokens-first for q, head-major for k and v
         dq = grads[0].transpose(1, 2).contiguous().transpose(1, 2)
