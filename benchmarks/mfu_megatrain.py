@@ -37,24 +37,13 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     "parallel-block": (["model.block=parallel"], None),  # Llama recipes: MegaScale's block with the same parts
     "llama-fused": (["model.kernels.rmsnorm=fused", "model.kernels.swiglu=fused", "model.kernels.rope=fused"], None),
     "swiglu-fused": (["model.kernels.swiglu=fused"], None),
-    "rope-fused": (["model.kernels.rope=fused"], None),  # Triton RoPE inside the compiled blocks too
+    # Triton RoPE in training; since attention.QKV_ROPE_ONE_PASS also the default on a GPU (auto)
+    "rope-fused": (["model.kernels.rope=fused"], None),
     "rmsnorm-fused": (["model.kernels.rmsnorm=fused"], None),
     "swiglu-reference": (["model.kernels.swiglu=reference"], None),  # inductor's SwiGLU
-    "ce-chunked": ([], None),  # MODULE_SETTINGS below
-    "ds-timer-sync": ([], None),
     # ZeRO's overlap_comm off (on one GPU nothing to overlap; moe-gpu-2b on an H200: the same speed)
     "no-overlap-comm": (["parallel.overlap.dp_overlap_comm=false"], None),
     "router-reference": (["model.kernels.moe_router=reference"], None),  # torch.topk and scatter_add_
-    "rope-head-major": ([], None),  # MODULE_SETTINGS below
-    "ds-norms": ([], None),  # MODULE_SETTINGS below
-    "ds-step": ([], None),
-    "ds-reduce": ([], None),
-    "weighted-combine": ([], None),
-    "residual-add": ([], None),
-    "norm1-inductor": ([], None),
-    "pageable-batches": ([], None),
-    "rms-bwd-rows1": ([], None),
-    "rope-inductor": ([], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -86,6 +75,7 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
     # way, model/attention.py QKV_ROPE_ONE_PASS)
     "rope-inductor": {("megatrain.model.attention", "QKV_ROPE_ONE_PASS"): False},
 }
+VARIANTS.update({name: ([], None) for name in MODULE_SETTINGS})  # their rows change no override
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".
 MODEL_CHANGES = {"nobias", "parallel-block"}
