@@ -74,7 +74,9 @@ def prefect_db_template(tmp_path_factory) -> Path:
             done = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
                                   env=env, capture_output=True, text=True, timeout=600, check=False)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-            seed_prefect_db(build / "prefect.db", template)  # one self-contained file (no -wal/-shm)
+            # one self-contained file (no -wal/-shm), under its name only once whole: a worker that
+            # died mid-copy leaves no half database for the next one to take as built
+            os.replace(seed_prefect_db(build / "prefect.db", build / "template.db"), template)
     return template
 
 
