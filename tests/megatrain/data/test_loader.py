@@ -112,6 +112,18 @@ def test_raw_and_tensor_batches_interleave_in_stream_order(small_index):
     mixed.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_cpu_pin_device_gets_the_plain_batches(small_index, prefetch):
+    """Page-locked memory is for copies to a GPU: a CPU device (a trainer on CPU) is served as without one."""
+    loader = build_loader(small_index, micro_batch_size=3, dp_rank=0, dp_size=1, seed=0, prefetch_batches=prefetch,
+                          pin_device=torch.device("cpu"))
+    plain = build_loader(small_index, micro_batch_size=3, dp_rank=0, dp_size=1, seed=0, prefetch_batches=0)
+    for _ in range(3):
+        (x, y), (want_x, want_y) = next(loader), next(plain)
+        assert torch.equal(x, want_x) and torch.equal(y, want_y) and not x.is_pinned()
+    loader.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("prefetch", [0, 2])
