@@ -15,7 +15,8 @@ import argparse
 import sys
 
 from prefect import flow
-from prefect.states import Cancelled, Failed
+from prefect.events import emit_event
+from prefect.states import Cancelled, Completed, Failed
 
 from flows.lifecycle import campaign_lease, run_from_command_line
 from flows.shard_data import shard_campaign_data
@@ -39,17 +40,36 @@ def pretrain(campaign_path: str = DEFAULT_CAMPAIGN, overrides: list[str] | None 
     another run, a stage that gave up); Cancelled after SIGTERM, SIGINT or a cancel (the ranks
     stopped within seconds, what was staged committed). ``lease_wait_s``: how long to wait for
     another run of the same campaign to finish (0: refuse at once, naming it)."""
-    validated = validate_campaign(campaign_path, with_campaign_id(campaign_path, campaign_id, overrides or []),
-                                  return_state=True)
+    named = with_campaign_id(campaign_path, campaign_id, overrides or [])
+    validated = validate_campaign(campaign_path, named, return_state=True)
     if not validated.is_completed():
         return _ended(validated)
     campaign = validated.result()
+    finished = _already_finished(campaign_path, named)
+    if finished:  # as the command line ends it: no self-check, export or report run again
+        print(finished)
+        # `prefect deployment run --watch` shows events, not prints: this one says it in words
+        emit_event(event="megatrain.campaign.already-finished",
+                   resource={"prefect.resource.id": f"megatrain.config.campaign.{campaign.id}",
+                             "prefect.resource.name": finished.splitlines()[0]})
+        return Completed(message=finished.splitlines()[0])
     with stop_on_signals():
         try:
             with campaign_lease(campaign, lease_wait_s):
                 return _run_stages(campaign)
         except LeaseHeld as exc:
             return Failed(message=str(exc), data=exc)
+
+
+def _already_finished(campaign_path: str, overrides: list[str]) -> str | None:
+    """The command line's "already finished" sentence, or None when there is something to run (or
+    the records cannot tell: then the stages' caches decide)."""
+    from megatrain.report.console import campaign_finished
+
+    try:
+        return campaign_finished(campaign_path, overrides)
+    except Exception:  # noqa: BLE001 (a torn report or status: the flow runs and rewrites it)
+        return None
 
 
 def _ended(state):
@@ -135,13 +155,10 @@ def _main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from megatrain.config.campaign import load_campaign
-    from megatrain.report.console import campaign_finished, quiet_console
+    from megatrain.report.console import quiet_console
 
     load_campaign(args.campaign_path, args.overrides)  # a bad campaign raises, before any server starts
-    try:
-        finished = campaign_finished(args.campaign_path, args.overrides)
-    except Exception:  # noqa: BLE001 (a report or status that cannot be read: the flow decides what to run)
-        finished = None
+    finished = _already_finished(args.campaign_path, args.overrides)
     if finished:
         print(finished)
         return 0

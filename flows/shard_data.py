@@ -32,9 +32,23 @@ def dask_runner(data_config: dict):
     workers = data_config.get("num_workers") or os.cpu_count() or 1
     return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
         "n_workers": workers, "threads_per_worker": 1, "processes": True, "dashboard_address": None,
-        # a worker's tokenizer is single-threaded: one process per core is the parallelism
-        "env": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"},
+        "host": "127.0.0.1",  # scheduler, nannies and workers listen on loopback only
+        "env": _worker_env(),
     })
+
+
+def _worker_env() -> dict[str, str]:
+    """What each local worker process runs with. Its tokenizer is single-threaded: one process
+    per core is the parallelism. Its task runs report to this flow's Prefect server (without
+    the address, each worker started a temporary server of its own, ~10 s of CPU each, and its
+    task runs were recorded there, not where the UI looks), and its console shows warnings
+    only: the task runs' lines still reach the flow run's log through the API."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:  # the running server, temporary or not
+        api_url = str(client.api_url)
+    return {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PREFECT_API_URL": api_url,
+            "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"}
 
 
 @flow(name="shard-corpus", log_prints=True)
@@ -46,15 +60,22 @@ def _shard_corpus(data_config: dict, seq_len: int, vocab_size: int) -> dict:
     return finish_shards(planned["plan_url"], wait_for=[units])
 
 
-def shard_corpus_on_dask(data_config: dict, seq_len: int, vocab_size: int) -> dict:
-    """One corpus on its Dask cluster (a subflow when called from a flow)."""
-    return _shard_corpus.with_options(task_runner=dask_runner(data_config))(data_config, seq_len, vocab_size)
+def shard_corpus_on_dask(data_config: dict, seq_len: int, vocab_size: int, log_path: str | None = None) -> dict:
+    """One corpus on its Dask cluster (a subflow when called from a flow). Dask's own log lines go
+    to ``log_path`` (default: ``dask.log`` beside a local corpus's shards, else in ``./logs/``), not
+    the console."""
+    from megatrain.observe.library_logs import to_file
+
+    shard_url = str(data_config.get("shard_url") or "")
+    default = os.path.join(shard_url if shard_url and "://" not in shard_url else "logs", "dask.log")
+    with to_file(log_path or default):
+        return _shard_corpus.with_options(task_runner=dask_runner(data_config))(data_config, seq_len, vocab_size)
 
 
-def shard_one_corpus(data_config: dict, seq_len: int, vocab_size: int) -> dict:
+def shard_one_corpus(data_config: dict, seq_len: int, vocab_size: int, log_path: str | None = None) -> dict:
     """A corpus on its engine: a task here, or the shard-corpus flow on Dask."""
     if data_config.get("engine", "local") == "dask":
-        return shard_corpus_on_dask(data_config, seq_len, vocab_size)
+        return shard_corpus_on_dask(data_config, seq_len, vocab_size, log_path)
     return shard_stage_data(data_config, seq_len, vocab_size)
 
 
@@ -71,7 +92,8 @@ def shard_campaign_data(campaign: CampaignConfig) -> list[dict]:
         for component, component_data in zip(data.components(), component_configs(data)):
             key = (component_data.model_dump_json(), cfg.seq_len, cfg.model.vocab_size)
             if key not in done:
-                done[key] = shard_one_corpus(component_data.model_dump(mode="json"), cfg.seq_len, cfg.model.vocab_size)
+                done[key] = shard_one_corpus(component_data.model_dump(mode="json"), cfg.seq_len, cfg.model.vocab_size,
+                                             str(campaign.campaign_dir / "logs" / "dask.log"))
             components.append({"name": component.name, "weight": component.weight, **done[key]})
         version = components[0]["version"] if len(components) == 1 else "+".join(c["version"] for c in components)
         results.append({"version": version, "components": components})

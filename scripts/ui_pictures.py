@@ -3,9 +3,19 @@ the pictures are really there: the loss-curve artifact page must show the curve'
 
     python scripts/ui_pictures.py --api http://127.0.0.1:4200/api --flow-run ID --out docs/screenshots
 
+    python scripts/ui_pictures.py --url http://127.0.0.1:4200/runs --out runs.png      # any one page
+
 Writes flow-run.png, artifacts.png, loss-curve.png, report.png and failed-attempt.png (the first launch-ranks
 task run that did not complete, when there is one), and exits 1 when the loss curve is not
-visible. tests/scripts/test_serve_lifecycle.py runs it against a real `make serve`.
+visible or a page came out blank. tests/scripts/test_serve_lifecycle.py runs it against a real `make serve`.
+
+Why not just `chromium --headless --screenshot URL`: the UI is a single-page app that draws
+itself from API calls after the page has loaded, and headless Chromium takes its screenshot at
+load, so the picture is one flat colour. ``--virtual-time-budget`` lets the page's scripts and
+requests run first; ``--no-sandbox`` is needed as root, ``--disable-gpu`` on a machine without
+one. The UI calls the API at the address the server was started with (``PREFECT_UI_API_URL``,
+default http://127.0.0.1:4200/api): a server on another port needs that set, or every page shows
+"Can't connect to Server API".
 """
 
 from __future__ import annotations
@@ -35,6 +45,25 @@ def screenshot(url: str, out: Path, size: tuple[int, int] = (1400, 1000), wait_m
         subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", f"--window-size={size[0]},{size[1]}",
                         f"--virtual-time-budget={wait_ms}", f"--screenshot={out}", url],
                        check=True, capture_output=True, timeout=120)
+    return out
+
+
+def is_blank(png: Path, share: float = 0.97) -> bool:
+    """A page that has not drawn itself yet: one colour covers nearly all of the screenshot."""
+    import numpy as np
+
+    image = np.asarray(Image.open(png).convert("RGB")).reshape(-1, 3)
+    _, counts = np.unique(image, axis=0, return_counts=True)
+    return counts.max() >= share * len(image)
+
+
+def page_shot(url: str, out: Path, size: tuple[int, int] = (1400, 1000), tries: int = 3) -> Path:
+    """A screenshot of a page, taken again with more time while it is still blank (a loaded
+    machine can take longer than the first budget to draw the page)."""
+    for attempt in range(1, tries + 1):
+        screenshot(url, out, size, wait_ms=15000 * attempt)
+        if not is_blank(out):
+            break
     return out
 
 
@@ -81,31 +110,40 @@ def capture(api: str, flow_run_id: str, out: Path) -> dict[str, Path]:
     if found["loss"] is None:
         raise RuntimeError(f"flow run {flow_run_id} has no loss-curve artifact")
     shots = {
-        "flow-run": screenshot(f"{ui}/runs/flow-run/{flow_run_id}", out / "flow-run.png"),
-        "artifacts": screenshot(f"{ui}/artifacts", out / "artifacts.png"),
+        "flow-run": page_shot(f"{ui}/runs/flow-run/{flow_run_id}", out / "flow-run.png"),
+        "artifacts": page_shot(f"{ui}/artifacts", out / "artifacts.png"),
         "loss-curve": picture_shot(f"{ui}/artifacts/artifact/{found['loss'].id}", out / "loss-curve.png", (1400, 1100)),
     }
     if found["report"] is not None:
         shots["report"] = picture_shot(f"{ui}/artifacts/artifact/{found['report'].id}", out / "report.png", (1400, 2000))
     if found["failed"] is not None:
-        shots["failed-attempt"] = screenshot(f"{ui}/runs/task-run/{found['failed'].id}", out / "failed-attempt.png",
-                                             (1400, 2000))  # tall enough for the attempt's last log lines
+        shots["failed-attempt"] = page_shot(f"{ui}/runs/task-run/{found['failed'].id}", out / "failed-attempt.png",
+                                            (1400, 2000))  # tall enough for the attempt's last log lines
     return shots
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--api", required=True, help="the Prefect API URL, e.g. http://127.0.0.1:4200/api")
-    parser.add_argument("--flow-run", required=True, help="the pretrain flow run's id")
+    parser.add_argument("--api", help="the Prefect API URL, e.g. http://127.0.0.1:4200/api")
+    parser.add_argument("--flow-run", help="the pretrain flow run's id")
+    parser.add_argument("--url", help="screenshot this one page instead (written to --out, a .png path)")
     parser.add_argument("--out", default="docs/screenshots")
     parser.add_argument("--min-pixels", type=int, default=400, help="curve-coloured pixels that prove the picture shows")
     args = parser.parse_args(argv)
+    if args.url:
+        out = page_shot(args.url, Path(args.out) if args.out.endswith(".png") else Path(args.out) / "page.png")
+        blank = is_blank(out)
+        print(f"{out}{': blank (is the server up, and PREFECT_UI_API_URL its address?)' if blank else ''}")
+        return 1 if blank else 0
+    if not (args.api and args.flow_run):
+        parser.error("give --api and --flow-run (a campaign's pictures), or --url (one page)")
     shots = capture(args.api, args.flow_run, Path(args.out))
     curve = pixels_near(shots["loss-curve"], TRAIN_COLOR)
+    blank = [name for name, path in shots.items() if is_blank(path)]
     for name, path in shots.items():
-        print(f"{name}: {path}")
+        print(f"{name}: {path}{' (blank)' if name in blank else ''}")
     print(f"loss-curve pixels: {curve} (need {args.min_pixels})")
-    return 0 if curve >= args.min_pixels else 1
+    return 0 if curve >= args.min_pixels and not blank else 1
 
 
 if __name__ == "__main__":

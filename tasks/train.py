@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
 from prefect.states import Cancelled, Failed
 from prefect.transactions import CommitMode, transaction
 
@@ -188,6 +189,7 @@ def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):
             percent = 10 * (10 * _last_step(cfg.train.run_dir) // stage.steps)  # in tens: each update is an event
             if percent != shown_percent:
                 update_progress_artifact(progress, float(percent))
+                _progress_event(campaign.id, stage.name, percent, _last_step(cfg.train.run_dir), stage.steps)
                 shown_percent = percent
             time.sleep(1.0)
         outcome = _outcome(launch)
@@ -220,11 +222,20 @@ def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):
     if problem:  # trained, but not durable: never reported done
         return _failed(f"stage {stage.name}: the ranks finished but {problem}")
     update_progress_artifact(progress, 100.0)
+    _progress_event(campaign.id, stage.name, 100, stage.steps, stage.steps)
     return {
         "stage": stage.name, "steps": stage.steps, "attempts": len(history), "restarts": restarts,
         "rollbacks": rollbacks, "history": history, "run_dir": cfg.train.run_dir,
         "durable_url": cfg.checkpoint.durable_url, "checkpoints": sorted(uploaded),
     }
+
+
+def _progress_event(campaign_id: str, stage: str, percent: int, step: int, steps: int) -> None:
+    """The progress bar's update as an event people can read: `prefect deployment run --watch`
+    prints an event's resource name, and the artifact's own update event names only its id."""
+    emit_event(event="megatrain.stage.progress", payload={"percent": percent, "step": step, "steps": steps},
+               resource={"prefect.resource.id": f"megatrain.config.campaign.{campaign_id}.{stage}",
+                         "prefect.resource.name": f"stage {stage}: {percent}% (step {step} of {steps})"})
 
 
 def final_checkpoint_problem(durable_url: str, step: int) -> str | None:

@@ -52,18 +52,34 @@ def index_bytes(url: str) -> bytes:
     return (Path(url) / "index.json").read_bytes()
 
 
-def test_dask_writes_the_local_engines_index_bit_for_bit(prefect_api, corpus, tmp_path):
+def test_dask_writes_the_local_engines_index_bit_for_bit(prefect_api, corpus, tmp_path, capfd):
     from flows.shard_data import shard_corpus_on_dask
     from megatrain.data.shard import shard_corpus
 
     local = shard_corpus(DataConfig.model_validate(config(corpus, tmp_path / "local", "local")), SEQ_LEN, VOCAB)
+    capfd.readouterr()
     dask = shard_corpus_on_dask(config(corpus, tmp_path / "dask", "dask"), SEQ_LEN, VOCAB)
+    console = "".join(capfd.readouterr())
+    # Dask's own lines go to its log file, not the console; its workers start no Prefect server of
+    # their own: their task runs are recorded by the flow's server, where the UI looks
+    assert "distributed." not in console and "Starting temporary server" not in console, console
+    assert (tmp_path / "dask" / "dask.log").exists()
+    assert len(_task_runs_named("shard-unit")) == 6
     assert dask["version"] == local.version and dask["num_samples"] == local.num_samples
     assert index_bytes(dask["url"]) == index_bytes(local.url)
     assert len(list((Path(dask["url"]) / "units").iterdir())) == 6
     # a second run finds the complete version: no unit runs again
     again = shard_corpus_on_dask(config(corpus, tmp_path / "dask", "dask"), SEQ_LEN, VOCAB)
     assert again == dask
+
+
+def _task_runs_named(prefix: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=prefix)))
+    return [run for run in runs if run.name.startswith(prefix)]
 
 
 def _dask_workers() -> list[int]:

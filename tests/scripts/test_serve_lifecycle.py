@@ -139,16 +139,21 @@ def test_a_deployment_run_trains_a_fresh_campaign_and_recovers(served):
     # --watch streams events: the report's path is one, the progress bar's updates are few
     assert f"megatrain.report.written * {served.campaign_dir / 'report/report.md'}" in output.replace("\n", "")
     assert output.count("prefect.artifact.updated") <= 2 * 11, output
+    # ...and the progress in words: each stage's tens of percent, named by stage and step
+    flat = output.replace("\n", "")
+    assert "megatrain.stage.progress * stage first: 100% (step 6 of 6)" in flat, output
+    assert "megatrain.stage.progress * stage second: 100% (step 6 of 6)" in flat, output
 
 
 def test_the_loss_curve_is_a_picture_in_the_ui(served):
     sys.path.insert(0, str(ROOT / "scripts"))
-    from ui_pictures import TRAIN_COLOR, capture, pixels_near
+    from ui_pictures import TRAIN_COLOR, capture, is_blank, pixels_near
 
     shots = capture(served.api, served.flow_run_id, served.tmp / "screenshots")
     curve = pixels_near(shots["loss-curve"], TRAIN_COLOR)
     assert curve >= 400, f"the loss curve's colour covers {curve} pixels of {shots['loss-curve']}"
     assert pixels_near(shots["report"], TRAIN_COLOR) >= 400  # the report artifact shows it too
+    assert not [name for name, png in shots.items() if is_blank(png)]  # every page drew itself
     if os.environ.get("MEGATRAIN_SCREENSHOTS"):  # keep them (docs/screenshots)
         for name, png in shots.items():
             shutil.copy(png, Path(os.environ["MEGATRAIN_SCREENSHOTS"]) / png.name)
@@ -195,6 +200,16 @@ def test_the_cli_reads_the_campaign_dir_and_a_rerun_says_it_is_finished(served):
     assert report.returncode == 0 and "faults detected and recovered: 2" in report.stdout
     rerun = served.sh(sys.executable, "-m", "flows.pretrain", str(served.tmp / "ui.yaml"), f"id={served.campaign_dir.name}")
     assert rerun.returncode == 0 and "is already finished" in rerun.stdout, rerun.stdout + rerun.stderr
+    # a deployment run of the finished campaign ends as the command line does: nothing runs again
+    again = served.prefect("deployment", "run", "pretrain/local", "-p", f"campaign_path={served.tmp / 'ui.yaml'}",
+                           "-p", f"campaign_id={served.campaign_dir.name}", "--watch", "--watch-timeout", "300",
+                           timeout=360)
+    output = again.stdout + again.stderr
+    assert again.returncode == 0 and "megatrain.campaign.already-finished * campaign" in output, output
+    assert "is already finished" in output.replace("\n", ""), output
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", output).group(1)
+    task_runs = served.api_post("/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    assert [t["name"].rsplit("-", 1)[0] for t in task_runs] == ["validate-campaign"], task_runs
 
 
 def test_make_stop_ends_everything_serve_started_even_mid_training(served):
