@@ -273,6 +273,8 @@ class Checkpointer:
             "shards": reshard.param_map(engine.module, engine.optimizer, g.dp_rank),
             "state_fields": self.identity.state, "schedule_fields": self.identity.schedule, "history": self.history,
             "tokenizer_sha256": self.identity.tokenizer_sha256,
+            # the anomaly detector's windows: the step after a restore is judged as without the restart
+            "anomaly": trainer.anomaly.state_dict() if getattr(trainer, "anomaly", None) is not None else None,
         }
         marker = {"fingerprint": self.fingerprint, "layout": self.layout, "coords": coords,
                   "data_position": loader_state, "versions": self._versions}

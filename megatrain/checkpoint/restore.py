@@ -2,9 +2,13 @@
 
 1. Global rank 0 lists the committed checkpoints (newest first) and checks that this run can
    continue them: the fields that define the model, optimizer, data and seed must match
-   (``compat.state_fields``), the batch size and LR schedule too unless
-   ``checkpoint.allow_schedule_change`` (``compat.schedule_fields``). A mismatch is an error naming
-   each field, not a fallback. It broadcasts the candidates to all ranks. A checkpoint written at
+   (``compat.state_fields``), the batch size and optimizer hyper-parameters too unless
+   ``checkpoint.allow_schedule_change`` (``compat.schedule_fields``). The LR schedule is judged
+   as a function of the step, not by its fields (``optim/schedule.py``): this run must give the
+   steps the checkpoint's run trained the LRs they had, and the steps to come the LRs of the
+   checkpoint's schedule at this run's length, or ask for an explicit transition
+   (``checkpoint.resume_lr``). A mismatch is an error naming each field or the first step whose
+   LR differs, not a fallback. It broadcasts the candidates to all ranks. A checkpoint written at
    another parallel layout is resharded (reshard.py) instead of read as below.
 2. For a candidate, every rank reads the files it needs and checks each file's size and sha256
    against the manifest while it is in memory (a checkpoint is data: safetensors + JSON, never
@@ -17,8 +21,10 @@
    EDP group also reads its slice of the experts and broadcasts it over that group: experts.py);
    optimizer state under ZeRO is a different partition on each DP rank, so each rank reads its
    own rank file (there is nothing to share).
-4. Everything is put back in place: model, optimizer partition and hyper-parameters, LR schedule,
-   DeepSpeed's step counters, data-loader position and, last, the RNG states, so the next step is
+4. Everything is put back in place: the data-loader position first (a position of another
+   order or mixture is refused before anything changed), model, optimizer partition and
+   hyper-parameters, LR schedule (with the restarts the checkpoint's run had), DeepSpeed's step
+   counters, the anomaly detector's windows and, last, the RNG states, so the next step is
    bit-identical to the one an uninterrupted run would take.
 """
 
@@ -31,96 +37,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatrain import errors, storage
+from megatrain import storage
 from megatrain.checkpoint import catalog, experts, reshard, state
 from megatrain.config import compat
 from megatrain.checkpoint.files import (
     ChecksumError, check_bytes, check_parses, parse_json, rank_meta_file, rank_tensor_file, read_safetensors_verified,
     sha256_stream,
 )
+from megatrain.checkpoint.continuity import (  # noqa: F401  (re-exported: the restore's errors and checks)
+    CheckpointError, CheckpointMismatch, LRResume, RunIdentity, _differences, check_compatible, check_loader,
+    check_tokenizer, judge_lr, restore_schedule,
+)
 from megatrain.checkpoint.names import live_names
 from megatrain.observe.laps import Laps
 from megatrain.parallel.dims import ProcessGroups
 
 log = logging.getLogger("megatrain.checkpoint")
-
-
-class CheckpointError(RuntimeError):
-    """No checkpoint can be restored although committed ones exist, or they belong to another run."""
-
-
-class CheckpointMismatch(CheckpointError, errors.CheckpointMismatch):
-    """A committed checkpoint that this run cannot continue: a model-defining field differs, or a
-    schedule field without ``checkpoint.allow_schedule_change`` (deterministic: no restart)."""
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """What this run must share with a checkpoint to continue it (see ``compat.state_fields``)."""
-
-    fingerprint: str
-    state: dict[str, Any]
-    schedule: dict[str, Any]
-    allow_schedule_change: bool = False
-    tokenizer_sha256: str | None = None  # of the data this run trains on: token ids mean text only under it
-
-    @classmethod
-    def of(cls, cfg: Any, tokenizer_sha256: str | None = None) -> RunIdentity:
-        return cls(compat.fingerprint(cfg), compat.state_fields(cfg), compat.schedule_fields(cfg),
-                   cfg.checkpoint.allow_schedule_change, tokenizer_sha256)
-
-
-def check_tokenizer(meta0: dict[str, Any] | None, tokenizer_sha256: str | None, url: str) -> None:
-    """Refuse a checkpoint trained on data of another tokenizer: its embeddings learned other ids."""
-    saved = (meta0 or {}).get("tokenizer_sha256")
-    if saved and tokenizer_sha256 and saved != tokenizer_sha256:
-        raise CheckpointMismatch(
-            f"{url}: trained on data of tokenizer sha256 {saved[:16]}..., this run's data uses tokenizer sha256 "
-            f"{tokenizer_sha256[:16]}... (data.tokenizer): the same ids would mean other text; train on the "
-            "checkpoint's tokenizer, or start from scratch"
-        )
-
-
-def _differences(saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, list]:
-    """Fields whose values differ; a knob added after the checkpoint was written (absent from
-    it) had its default then."""
-    later = compat.later_knob_defaults()
-    old = lambda k: saved[k] if k in saved else later.get(k)  # noqa: E731
-    return {k: [old(k), mine.get(k)] for k in sorted(set(saved) | set(mine)) if old(k) != mine.get(k)}
-
-
-def _describe(diff: dict[str, list]) -> str:
-    return ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in diff.items())
-
-
-def check_compatible(manifest: dict[str, Any], meta0: dict[str, Any] | None, identity: RunIdentity,
-                     url: str) -> dict[str, list]:
-    """Raise CheckpointMismatch when this run cannot continue the checkpoint; returns the schedule
-    fields that change (allowed by the flag). ``meta0`` is the checkpoint's rank-0 JSON (needed
-    only when the fingerprints differ). The parallel layout never blocks: restore reshards."""
-    if manifest.get("fingerprint") == identity.fingerprint:
-        return {}
-    if meta0 is None or "state_fields" not in meta0:
-        raise CheckpointMismatch(
-            f"{url}: written by a different config (fingerprint {manifest.get('fingerprint')} != this run's "
-            f"{identity.fingerprint}) before checkpoints recorded their fields; use another "
-            "checkpoint.durable_url, or checkpoint.resume=false to start over"
-        )
-    model = _differences(meta0["state_fields"], identity.state)
-    if model:
-        raise CheckpointMismatch(
-            f"{url}: written by a config that differs in fields that define the model, optimizer, data or seed: "
-            f"{_describe(model)} (checkpoint -> this run); use another checkpoint.durable_url, or "
-            "checkpoint.resume=false to start over"
-        )
-    schedule = _differences(meta0.get("schedule_fields", {}), identity.schedule)
-    if schedule and not identity.allow_schedule_change:
-        raise CheckpointMismatch(
-            f"{url}: the batch size or learning-rate schedule differs: {_describe(schedule)} (checkpoint -> this "
-            "run); set checkpoint.allow_schedule_change=true to continue with the new values (recorded in the "
-            "checkpoint history), or keep the old ones (e.g. set optim.decay_steps when extending train.steps)"
-        )
-    return schedule
 
 
 def same_layout(saved: dict[str, Any], mine: dict[str, Any]) -> bool:
@@ -228,6 +160,13 @@ class Candidate:
     schedule_changes: dict[str, list]  # field -> [checkpoint's, this run's] (allowed by the flag)
     history: list[dict]  # the checkpoint's record of earlier changes
     last_lr: float | None = None  # the LR the checkpoint's run used at its step (its scheduler state)
+    lr: LRResume = LRResume()  # how this run's LR schedule continues the checkpoint's
+
+    @property
+    def hyperparameters_changed(self) -> bool:
+        """Schedule fields other than the LR's changed (flag), or the LR jumps: this run's values."""
+        fixed = any(k not in compat.LR_SCHEDULE_FIELDS for k in self.schedule_changes)
+        return fixed or self.lr.jump
 
 
 def _candidates(durable_url: str, identity: RunIdentity | None, tokenizer_sha256: str | None) -> list[Candidate]:
@@ -247,9 +186,11 @@ def _candidates(durable_url: str, identity: RunIdentity | None, tokenizer_sha256
                 log.warning("checkpoint %s: rank 0's JSON unreadable (%s)", info.url, exc)
         check_tokenizer(meta0, tokenizer_sha256, info.url)
         changes = {} if identity is None else check_compatible(info.manifest, meta0, identity, info.url)
+        lr = LRResume() if identity is None or info.manifest.get("fingerprint") == identity.fingerprint \
+            else judge_lr(meta0, identity, info.url)  # one fingerprint: one config, one schedule
         history = (meta0 or {}).get("history", [])
         last_lr = ((meta0 or {}).get("scheduler") or {}).get("_last_lr") or [None]
-        found.append(Candidate(info.step, info.url, info.manifest, changes, history, last_lr[0]))
+        found.append(Candidate(info.step, info.url, info.manifest, changes, history, last_lr[0], lr))
     return found
 
 
@@ -291,7 +232,7 @@ def restore_checkpoint(trainer: Any, durable_url: str, identity: RunIdentity | N
             reasons = "; ".join(f"rank {r}: {p}" for r, p in problems)
             log.warning("checkpoint %s rejected, falling back to the one before: %s", c.url, reasons)
             continue
-        put_back(full, bool(c.schedule_changes))
+        put_back(full, c.hyperparameters_changed, c.lr.restarts)
         log.info("restored checkpoint %s (step %d%s)", c.url, c.step, "" if full else ", weights and optimizer only")
         return Restored(c.step, c.history + _changes(c, layout, trainer, announce=groups.rank == 0))
     if candidates:
@@ -307,12 +248,21 @@ def _changes(c: Candidate, layout: dict[str, int], trainer: Any, announce: bool)
     change records the LR at the resume step under the checkpoint's schedule and under this run's
     (an extended cosine run, for one, jumps back up), and says so in the log."""
     entry: dict[str, Any] = {}
-    if c.schedule_changes:
-        entry["schedule"] = c.schedule_changes
+    if c.schedule_changes or c.lr.changed:
+        if c.schedule_changes:
+            entry["schedule"] = c.schedule_changes
         scheduler = getattr(trainer.engine, "lr_scheduler", None)
         now = scheduler.get_last_lr()[0] if scheduler is not None else None
         entry["lr"] = [c.last_lr, now]
-        if announce and c.last_lr is not None and now is not None:
+        if c.lr.restarts:
+            entry["lr_restart"] = c.lr.restarts[-1]
+            if announce:
+                restart = c.lr.restarts[-1]
+                log.warning("resuming step %d with checkpoint.resume_lr=%s: %s; from LR %.3e%s", c.step,
+                            restart["mode"], c.lr.difference.describe() if c.lr.difference else "",
+                            restart["from_lr"], f" back to the schedule over {restart['steps']} steps"
+                            if restart["mode"] == "rewarm" else " down to optim.min_lr by train.steps")
+        elif announce and c.last_lr is not None and now is not None:
             log.warning("resuming step %d with a changed schedule: the LR goes from %.3e (the checkpoint's run) to "
                         "%.3e (this run's schedule at that step)", c.step, c.last_lr, now)
     saved = c.manifest["layout"]
@@ -324,7 +274,8 @@ def _changes(c: Candidate, layout: dict[str, int], trainer: Any, announce: bool)
 def _read_same_layout(trainer: Any, c: Candidate, groups: ProcessGroups):
     """Read this rank's own files; returns the function that puts them in place."""
     rank_state = read_rank_state(c.url, c.manifest, groups)
-    return lambda full, schedule_changed: apply_rank_state(trainer, rank_state, groups, full, schedule_changed)
+    return lambda full, schedule_changed, lr_restarts: apply_rank_state(trainer, rank_state, groups, full,
+                                                                        schedule_changed, lr_restarts=lr_restarts)
 
 
 def _read_other_layout(trainer: Any, c: Candidate, groups: ProcessGroups):
@@ -335,13 +286,15 @@ def _read_other_layout(trainer: Any, c: Candidate, groups: ProcessGroups):
     metas = reshard.read_metas(read, c.manifest, groups)
     loaded = reshard.read_resharded(trainer.engine, read, metas, c.manifest, groups)
 
-    def put_back(full: bool, schedule_changed: bool) -> None:
-        reshard.apply_resharded(trainer.engine, loaded, groups)
+    def put_back(full: bool, schedule_changed: bool, lr_restarts: list[dict] | None) -> None:
         meta0 = metas[0]
+        if full:
+            check_loader(trainer, meta0)
+        reshard.apply_resharded(trainer.engine, loaded, groups)
         if full and not schedule_changed:
             state.load_hyperparameters(trainer.engine.optimizer, meta0["optimizer"]["param_groups"])
         if full:
-            _apply_run_state(trainer, meta0, schedule_changed, loaded.rng)
+            _apply_run_state(trainer, meta0, schedule_changed, loaded.rng, lr_restarts)
     return put_back
 
 
@@ -357,12 +310,17 @@ def newest_restorable_step(durable_url: str) -> int | None:
 
 
 def apply_rank_state(trainer: Any, rank_state: RankState, groups: ProcessGroups, full: bool = True,
-                     schedule_changed: bool = False, seconds: dict[str, float] | None = None) -> None:
+                     schedule_changed: bool = False, seconds: dict[str, float] | None = None,
+                     lr_restarts: list[dict] | None = None) -> None:
     """Put what a rank read back in place. ``full=False`` (a new campaign stage): model weights and
     optimizer tensors only; the stage keeps its own LR schedule, hyper-parameters, step count,
     data position and seeds. ``schedule_changed``: keep this run's LR schedule and hyper-parameters
-    (only the step count of the schedule comes from the checkpoint). ``seconds``: gets each part's time."""
+    (only the step count of the schedule comes from the checkpoint). ``lr_restarts``: the LR
+    schedule's restarts from now on (``judge_lr``; None: the checkpoint's). ``seconds``: gets each
+    part's time."""
     engine, meta = trainer.engine, rank_state.meta
+    if full:
+        check_loader(trainer, meta)
     param = next(engine.module.parameters(), None)
     clock = Laps(seconds, cuda=param is not None and param.is_cuda)
     if rank_state.model is not None:
@@ -374,28 +332,22 @@ def apply_rank_state(trainer: Any, rank_state: RankState, groups: ProcessGroups,
                                hyperparameters=full and not schedule_changed)
     clock.lap("optimizer")
     if full:
-        _apply_run_state(trainer, meta, schedule_changed, (rank_state.tensors, meta["rng"]))
+        _apply_run_state(trainer, meta, schedule_changed, (rank_state.tensors, meta["rng"]), lr_restarts)
         clock.lap("run_state")
 
 
-def _apply_run_state(trainer: Any, meta: dict[str, Any], schedule_changed: bool, rng: tuple | None) -> None:
-    """Schedule, DeepSpeed's counters, data position and (last: nothing may draw after it) RNG."""
+def _apply_run_state(trainer: Any, meta: dict[str, Any], schedule_changed: bool, rng: tuple | None,
+                     lr_restarts: list[dict] | None = None) -> None:
+    """Schedule, DeepSpeed's counters, the anomaly windows and (last: nothing may draw after it) RNG."""
     engine = trainer.engine
     scheduler = getattr(engine, "lr_scheduler", None)
     if meta.get("scheduler") is not None and scheduler is not None:
-        if schedule_changed:  # this run's schedule, at the checkpoint's step
-            scheduler.last_epoch = meta["scheduler"]["last_epoch"]
-            scheduler._step_count = meta["scheduler"].get("_step_count", scheduler.last_epoch + 1)
-            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-                group["lr"] = lr
-            scheduler._last_lr = lrs
-        else:
-            scheduler.load_state_dict(meta["scheduler"])
+        restore_schedule(scheduler, meta, schedule_changed, lr_restarts)
     state.load_engine_counters(engine, meta.get("engine", {}))
     if hasattr(engine, "gradient_accumulation_steps"):  # the micro-batch split may have changed
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    if meta.get("loader") is not None:
-        trainer.loader.load_state_dict(meta["loader"])
+    detector = getattr(trainer, "anomaly", None)
+    if detector is not None and hasattr(detector, "load_state_dict"):
+        detector.load_state_dict(meta.get("anomaly"))
     if rng is not None:
         state.load_rng_state(trainer.env.device, *rng)

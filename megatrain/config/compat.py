@@ -7,9 +7,13 @@ Three views of one ``Config``:
 - ``state_fields(cfg)``: what a checkpoint holds (model shapes and math, optimizer kind,
   precision, data and seeds); a checkpoint written under other values cannot be continued.
 - ``schedule_fields(cfg)``: how that state moves on (global batch, LR schedule, optimizer
-  hyper-parameters); changing one on resume needs ``checkpoint.allow_schedule_change``.
+  hyper-parameters); changing one on resume needs ``checkpoint.allow_schedule_change``, except
+  the fields of the LR schedule (``LR_SCHEDULE_FIELDS``): they are recorded, but restore judges
+  the schedule as a function of the step (``megatrain/optim/schedule.py``), since other values can
+  give the same LRs (a WSD decay given as a share or as steps) and the same values other LRs (a WSD
+  run extended after its decay began).
 
-Restore (``restore.py``) compares the last two field by field, never the hash. Like
+Restore (``checkpoint/restore.py``) compares the last two field by field, never the hash. Like
 ``megatrain.config`` this imports neither torch nor prefect: the flow computes stage fingerprints.
 """
 
@@ -34,7 +38,8 @@ _LATER_KNOBS: dict[str, tuple[str, ...]] = {
 }
 
 # Held-out evaluation and experiment tracking: they change what is measured, never the training math.
-_TRACKING_KNOBS = ("eval_interval", "eval_batches", "tensorboard", "tensorboard_dir", "wandb_project", "mlflow_tracking_uri")
+_TRACKING_KNOBS = ("eval_interval", "eval_batches", "eval_weights", "tensorboard", "tensorboard_dir", "wandb_project",
+                   "mlflow_tracking_uri")
 
 # Fields that change neither the checkpointed state nor how it evolves: the length of the run,
 # the split of the global batch into micro-batches, kernels, compile, activation checkpointing,
@@ -52,6 +57,9 @@ SCHEDULE_FIELDS = (
     "optim.betas", "optim.eps", "optim.weight_decay", "optim.max_trust_ratio", "optim.grad_clip",
     "optim.decay_fraction",
 )
+# What defines the LR of each step (with train.steps): compared as the function they make, not by value.
+LR_SCHEDULE_FIELDS = ("optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.schedule", "optim.decay_steps",
+                      "optim.decay_fraction")
 
 
 def fingerprint(cfg: Config) -> str:

@@ -286,6 +286,18 @@ class CheckpointConfig(_Section):
         "optimizer hyper-parameters (the change is recorded in the checkpoint's history); model, optimizer kind, "
         "data order and seed must still match",
     )
+    resume_lr: Literal["exact", "redecay", "rewarm"] = Field(
+        "exact", description="on resume, when this run's LR schedule would not continue the checkpoint's (it "
+        "gives a step already trained another LR, as when a WSD run is extended after its decay began or after "
+        "it finished; or a step to come another LR than the checkpoint's schedule at this run's length): exact "
+        "refuses, naming the step; redecay decays from the LR the checkpoint's run had at the resume step to "
+        "optim.min_lr by train.steps; rewarm goes linearly from that LR to this run's schedule over "
+        "checkpoint.rewarm_steps, then follows it. Either is recorded in the checkpoint history and kept by later "
+        "resumes; an exact resume is never changed (megatrain/optim/schedule.py)",
+    )
+    rewarm_steps: int | None = Field(
+        None, gt=0, description="resume_lr=rewarm: the steps back up to the schedule (default optim.warmup_steps, "
+        "at least 1)")
 
 
 class Config(_Section):

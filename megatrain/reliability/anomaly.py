@@ -21,6 +21,7 @@ initialised router is skewed and leaves experts idle until the balancing takes h
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 from collections import deque
@@ -34,6 +35,7 @@ from megatrain.reliability._files import atomic_write_text
 VERDICT_FILE = "verdict.json"
 # MAD * 1.4826 estimates the standard deviation of normally distributed data.
 MAD_TO_SIGMA = 1.4826
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -126,6 +128,29 @@ class AnomalyDetector:
             if grad_norm is not None:
                 self.grad_norms.add(float(grad_norm))
         return verdict
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss and gradient-norm windows (JSON), for the checkpoint: an uninterrupted run
+        would judge the step after the checkpoint against them. Any value refused ends the run in a
+        verdict, so a window holds the last ``loss_window`` values whatever the thresholds."""
+        return {"loss_window": self.cfg.loss_window, "losses": list(self.losses.values),
+                "grad_norms": list(self.grad_norms.values)}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Put the windows of a checkpoint back. A window of another ``loss_window`` keeps its last
+        values up to this run's size; a longer one than the checkpoint's (full) window is refilled
+        from the values there are, and the log says so (none: a checkpoint written before windows
+        were recorded starts them empty, also said)."""
+        if not state:
+            log.info("anomaly windows start empty: the checkpoint holds none (written before they were recorded)")
+            return
+        for window, values in ((self.losses, state.get("losses") or []), (self.grad_norms, state.get("grad_norms") or [])):
+            window.values.clear()
+            window.values.extend(float(v) for v in values)
+        saved = int(state.get("loss_window") or self.cfg.loss_window)
+        if self.cfg.loss_window > saved and len(state.get("losses") or []) >= saved:
+            log.warning("anomaly windows: reliability.anomaly.loss_window %d -> %d; the checkpoint's %d values are "
+                        "kept and the window fills up from here", saved, self.cfg.loss_window, saved)
 
     def _ready(self, step: int, window: RobustWindow) -> bool:
         return step >= self.cfg.warmup_steps and len(window) >= self.cfg.min_history

@@ -140,6 +140,10 @@ class Trainer:
                                   cfg.reliability.anomaly.fp8_check_interval, self.groups.dp_group)
         self.batches = self._device_batches()
 
+        # the router checks need every MoE layer's shares on every rank: a pipeline stage sees only its own
+        moe_checked = cfg.model.mlp == "moe" and self.groups.dims.pp == 1
+        self.anomaly = AnomalyDetector(cfg.reliability.anomaly, cfg.model.moe.top_k if moe_checked else None,
+                                       lr_warmup_steps=cfg.optim.warmup_steps)  # before restore: it has windows
         self.step = 0
         with self.startup.phase("checkpoint_restore"):
             self.checkpointer = Checkpointer(cfg, env, self.groups, tokenizer_sha256=self.index.tokenizer_sha256)
@@ -159,10 +163,6 @@ class Trainer:
         if env.rank == 0:  # what export, generate and eval need to rebuild the model from a checkpoint
             write_run_record(cfg, self.index)
         self.heartbeat.beat(step=self.step, phase="data")
-        # the router checks need every MoE layer's shares on every rank: a pipeline stage sees only its own
-        moe_checked = cfg.model.mlp == "moe" and self.groups.dims.pp == 1
-        self.anomaly = AnomalyDetector(cfg.reliability.anomaly, cfg.model.moe.top_k if moe_checked else None,
-                                       lr_warmup_steps=cfg.optim.warmup_steps)
         self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir, model=self.engine.module,
                                                 staging_dir=cfg.checkpoint.staging_dir)
         self.stragglers = StragglerMonitor(env.world_size)

@@ -119,7 +119,8 @@ def test_a_checkpoint_written_before_a_knob_existed_still_matches_at_its_default
 
 @pytest.mark.slow
 def test_extending_a_wsd_run_needs_no_schedule_change_and_a_cosine_one_says_how_its_lr_jumps(tmp_path, shard_url):
-    """WSD: a run stopped in its stable phase and extended resumes at the same LR, with no flag.
+    """WSD: a run stopped in its stable phase and extended resumes at the same LR, with no flag;
+    once its decay began, extending it is refused naming the step, or re-warmed on request.
     Cosine: extending stretches the curve; with the flag, the LR at the resume step jumps, and the
     log and the checkpoint history say from what to what."""
     common = ["optim.decay_steps=null", "optim.warmup_steps=1", "optim.lr=1e-3", "optim.min_lr=1e-4",
@@ -132,6 +133,17 @@ def test_extending_a_wsd_run_needs_no_schedule_change_and_a_cosine_one_says_how_
     rows = {row["step"]: row for row in map(json.loads, (wsd / "metrics.jsonl").read_text().splitlines())}
     assert [rows[s]["lr"] for s in (4, 5, 6)] == pytest.approx([1e-3] * 3)  # stable across the extension
     assert "changed schedule" not in resumed.stderr + resumed.stdout
+    # finished (its decay over steps 13-15 trained): extending it again is refused in one line (exit 4) ...
+    refused = _train(wsd, shard_url, *common, "optim.schedule=wsd", "train.steps=24")
+    assert refused.returncode == EXIT_DETERMINISTIC, refused.stdout[-2000:] + refused.stderr[-2000:]
+    line = next(x for x in refused.stderr.splitlines() if x.startswith(DETERMINISTIC_PREFIX))
+    assert "resuming at step 16" in line and "its WSD decay began at step 13" in line, line
+    assert "checkpoint.resume_lr=redecay" in line and "checkpoint.resume_lr=rewarm" in line, line
+    # ... or re-warmed explicitly: from the LR the run ended at, back to the 24-step schedule in one step
+    # (a row's lr is the one its step leaves for the next step: row 16's is the LR of the resumed step)
+    _ok(_train(wsd, shard_url, *common, "optim.schedule=wsd", "train.steps=24", "checkpoint.resume_lr=rewarm"))
+    rows = {row["step"]: row for row in map(json.loads, (wsd / "metrics.jsonl").read_text().splitlines())}
+    assert [rows[s]["lr"] for s in (15, 16, 17)] == pytest.approx([1e-4, 1e-4, 1e-3])
 
     cosine = tmp_path / "cosine"
     _ok(_train(cosine, shard_url, *common, "train.steps=4"))
