@@ -175,7 +175,21 @@ def stage_config(campaign: CampaignConfig, index: int) -> Config:
         raise ValueError(f"stage {stage.name!r} ({campaign.recipe} + campaign and stage overrides):\n{fields}") from None
     if "://" not in cfg.data.shard_url:  # a relative path is the repository's, whatever the cwd
         cfg.data.shard_url = str(_resolve(cfg.data.shard_url))
+    if cfg.train.eval_weights is None and cfg.data.mixture is not None:
+        cfg.train.eval_weights = first_stage_weights(campaign, cfg, index)
     return cfg
+
+
+def first_stage_weights(campaign: CampaignConfig, cfg: Config, index: int) -> dict[str, float] | None:
+    """A stage's default validation mix (``train.eval_weights``): the first stage's (its
+    ``train.eval_weights`` if set, else its data weights), of the components this stage has, so
+    every stage's val_loss is the same blend; None (the stage's own weights) when the first stage
+    shares no component with it."""
+    first = cfg if index == 0 else stage_config(campaign, 0)
+    mix = first.train.eval_weights or {c.name: c.weight for c in first.data.components()}
+    names = {c.name for c in cfg.data.components()}
+    shared = {name: weight for name, weight in mix.items() if name in names}
+    return shared if any(weight > 0 for weight in shared.values()) else None
 
 
 def load_campaign(path: str | Path, overrides: list[str] | None = None) -> CampaignConfig:

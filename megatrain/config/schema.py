@@ -14,10 +14,11 @@ policy's ``megatrain/config/reliability.py``.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from megatrain.config.data import DataConfig
 from megatrain.config.model import ModelConfig
@@ -222,7 +223,15 @@ class TrainConfig(_Section):
         "the fixed held-out set; 0 = never (runs without a validation split skip it)",
     )
     eval_batches: int = Field(
-        2, gt=0, description="size of the fixed held-out set, in global batches (global_batch_size samples each)"
+        2, gt=0, description="size of the fixed held-out set, in global batches (global_batch_size samples each); "
+        "a mixture holds that many of each component's held-out samples"
+    )
+    eval_weights: dict[str, float] | None = Field(
+        None, description="the validation mix: a weight per data component (normalised over those with a held-out "
+        "split). val_loss is this mix of the components' held-out losses, logged beside each component's "
+        "(val_loss/<name>), so the curve stays comparable when a stage changes the training weights; 0 evaluates a "
+        "component outside the mix. Default: a campaign's first stage's data weights (every stage), else this "
+        "run's own data weights",
     )
     # tracking sinks of the metrics logger (megatrain/observe/metrics.py); metrics.jsonl is always written
     tensorboard: bool = Field(True, description="TensorBoard event files for every run")
@@ -242,6 +251,14 @@ class TrainConfig(_Section):
                 f"= {self.micro_batch_size} * {dp} = {per_step} (dp: the data-parallel size, world size / (tp * pp))"
             )
         return self.global_batch_size // per_step
+
+    @field_validator("eval_weights")
+    @classmethod
+    def _a_mix(cls, weights: dict[str, float] | None) -> dict[str, float] | None:
+        if weights is not None and (any(not (w >= 0 and math.isfinite(w)) for w in weights.values())
+                                    or not any(w > 0 for w in weights.values())):
+            raise ValueError(f"train.eval_weights {weights}: weights must be finite and >= 0, at least one > 0")
+        return weights
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -351,6 +368,12 @@ class Config(_Section):
                 "blocks' linears for megatrain's own column/row-parallel modules, which torchao's Float8Linear "
                 "does not wrap (torchao's FP8 tensor parallelism works on DTensor layouts only); use tp=1"
             )
+        if self.train.eval_weights is not None:
+            names = [c.name for c in self.data.components()]
+            unknown = sorted(set(self.train.eval_weights) - set(names))
+            if unknown:
+                raise ValueError(f"train.eval_weights names {unknown}, which are not components of this run's data "
+                                 f"(its components: {names})")
         if self.train.seq_len is not None and self.train.seq_len > self.model.seq_len:
             raise ValueError(f"train.seq_len ({self.train.seq_len}) must be <= model.seq_len ({self.model.seq_len})")
         # a run owns its files: checkpoints follow train.run_dir unless a field says otherwise

@@ -7,8 +7,8 @@ sha256 digests all come from here, and the loader checks shards against them.
 Formats: the index records the ``format`` its shards were written in (see shard_format.py).
 Format 2 (written today) packs many samples per tar member; format 1 (one member per sample)
 is still read, so versions written before format 2 stay usable without re-sharding. Fields added
-since format 1 (``format``, ``bad_sources``, ``bos_id``) have defaults, so an old index.json,
-and code that builds a ShardIndex with keyword arguments, keep working.
+since format 1 (``format``, ``bad_sources``, ``bos_id``, ``val_documents``, ``val_note``) have
+defaults, so an old index.json, and code that builds a ShardIndex with keyword arguments, keep working.
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ class ShardIndex:
     bos_id: int | None = None  # the tokenizer's beginning-of-sequence id, if it has (and uses) one
     # The shard layout (shard_format.py). New fields go last: positional construction keeps working.
     format: int = FORMAT
+    # The validation split (held_out.py): its documents (None: a version sharded before it was
+    # counted) and, in one line, why there is none, or how the floor made one; "" when rule 1 sufficed
+    val_documents: int | None = None
+    val_note: str = ""
 
     @property
     def val_num_samples(self) -> int:

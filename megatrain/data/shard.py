@@ -42,6 +42,7 @@ from megatrain.data.index import (
     write_index,
 )
 from megatrain.data.legacy import legacy_version
+from megatrain.data.held_out import FLOOR, ReservedDocument, choose_floor
 from megatrain.data.shard_format import write_shard
 from megatrain.data.shard_unit import ShardPlan, is_held_out, load_npy, load_plan, read_unit, shard_unit
 from megatrain.data.sources import SourceFile, expand_sources, plan_units, read_documents
@@ -98,6 +99,12 @@ def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan |
     }
     if cfg.val_fraction:
         params["val_fraction"] = cfg.val_fraction
+        # a version sharded before every version got a held-out floor keeps its name (and so the
+        # data position of the checkpoints trained on it); a new one follows held_out.py's rule 2
+        before_floor = fingerprint(files, params)
+        if (index := _existing(storage.join_url(cfg.shard_url, before_floor), vocab_size)) is not None:
+            return index
+        params["held_out_floor"] = FLOOR
     version = fingerprint(files, params)
     url = storage.join_url(cfg.shard_url, version)
     if (index := _existing(url, vocab_size)) is not None:
@@ -114,6 +121,7 @@ def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan |
         bos_id=tokenizer.bos_id, text_field=cfg.text_field, val_fraction=cfg.val_fraction,
         on_bad_source=cfg.on_bad_source, units=units, bad_sources=[*bad, *unreadable], params=params,
         inputs={"files": [dataclasses.asdict(f) for f in files], "bytes": sum(f.limit for f in files)},
+        held_out_floor=bool(cfg.val_fraction),
     )
     storage.write_bytes(storage.join_url(url, "plan.json"), json.dumps(plan.to_json(), sort_keys=True).encode())
     log.info("planned %s: %d files (%d bytes) in %d units, %d sources refused", url, len(files),
@@ -147,8 +155,9 @@ def _pack(plan: ShardPlan, tokens: np.ndarray, prefix: str) -> list[ShardInfo]:
 
 def finish_sharding(plan: ShardPlan) -> ShardIndex:
     """Every unit done -> the version's index (written last). The units' tails are packed into
-    ``tail-shard-*`` and their held-out documents into ``val-shard-*``, in unit order."""
-    shards, tails, held_out, bad = [], [], [], [dataclasses.asdict(b) for b in plan.bad_sources]
+    ``tail-shard-*`` and their held-out documents into ``val-shard-*``, in unit order; with a
+    held-out floor (held_out.py) the reserves are split between the two first."""
+    shards, tails, held_out, records, bad = [], [], [], [], [dataclasses.asdict(b) for b in plan.bad_sources]
     for i in range(len(plan.units)):
         record, unit_url = read_unit(plan, i), plan.unit_url(i)
         source = storage.join_url(unit_url, "unit.json")
@@ -156,12 +165,15 @@ def finish_sharding(plan: ShardPlan) -> ShardIndex:
         for info in record["shards"]:
             storage.confined(unit_url, info["name"], source)  # a name from unit.json stays in its folder
             shards.append(ShardInfo(**{**info, "name": f"{prefix}/{info['name']}"}))
-        tails.append(load_npy(unit_url, record["tail"], source))
-        held_out.append(load_npy(unit_url, record["heldout"], source))
+        tails.append([load_npy(unit_url, record["tail"], source)])
+        held_out.append([load_npy(unit_url, record["heldout"], source)])
+        records.append(record)
         bad += record["bad_sources"]
     dtype = np.dtype(plan.dtype)
-    shards += _pack(plan, np.concatenate(tails or [np.empty(0, dtype)]), "tail-shard")
-    val_shards = _pack(plan, np.concatenate(held_out or [np.empty(0, dtype)]), "val-shard")
+    val_documents, val_note = (_apply_floor(plan, records, tails, held_out, shards) if plan.held_out_floor
+                               else (None, ""))
+    shards += _pack(plan, np.concatenate([t for unit in tails for t in unit] or [np.empty(0, dtype)]), "tail-shard")
+    val_shards = _pack(plan, np.concatenate([h for unit in held_out for h in unit] or [np.empty(0, dtype)]), "val-shard")
     if not shards:
         raise DataError(f"{plan.url}: the corpus has fewer than {plan.seq_len + 1} tokens, not one sample")
     num_samples = sum(s.num_samples for s in shards)
@@ -170,11 +182,42 @@ def finish_sharding(plan: ShardPlan) -> ShardIndex:
         dtype=plan.dtype, num_samples=num_samples, num_tokens=num_samples * (plan.seq_len + 1), shards=shards,
         tokenizer_file=plan.tokenizer_file, tokenizer_sha256=plan.tokenizer_sha256, inputs=plan.inputs,
         params=plan.params, val_shards=val_shards, bad_sources=bad, bos_id=plan.bos_id,
+        val_documents=val_documents, val_note=val_note,
     )
     write_index(index)
     log.info("wrote %d samples in %d shards (+ %d held-out samples, %d sources refused) to %s", num_samples,
              len(shards), index.val_num_samples, len(bad), plan.url)
+    if val_note:
+        log.warning("held-out split of %s: %s", plan.url, val_note)
     return index
+
+
+def _apply_floor(plan: ShardPlan, records: list[dict], tails: list[list[np.ndarray]],
+                 held_out: list[list[np.ndarray]], shards: list[ShardInfo]) -> tuple[int, str]:
+    """held_out.py's rule 2: each unit's reserved documents join its held-out tokens (those the
+    floor takes) or its tail (the rest), in hash order; without a split, rule 1's held-out
+    tokens train too. Returns the version's held-out documents and its note."""
+    window = plan.seq_len + 1
+    reserves, reserved = [], []
+    for i, record in enumerate(records):
+        unit_url = plan.unit_url(i)
+        tokens = load_npy(unit_url, record["reserve"], storage.join_url(unit_url, "unit.json"))
+        lengths = [n for _, n in record["reserve"]["documents"]]
+        reserves.append(np.split(tokens, np.cumsum(lengths)[:-1]) if lengths else [])
+        reserved += [ReservedDocument(i, j, int(digest, 16), n)
+                     for j, (digest, n) in enumerate(record["reserve"]["documents"])]
+    held_tokens = sum(len(h) for unit in held_out for h in unit)
+    train_tokens = (sum(s.num_samples for s in shards) * window + sum(len(t) for unit in tails for t in unit)
+                    + sum(d.tokens for d in reserved))
+    choice = choose_floor(reserved, sum(r["heldout_documents"] for r in records), held_tokens, train_tokens,
+                          sum(r["documents"] for r in records), window, plan.val_fraction)
+    for i, documents in enumerate(reserves):
+        for j, ids in enumerate(documents):
+            (held_out if (i, j) in choice.taken else tails)[i].append(ids)
+        if not choice.split:  # no window to validate on: the few held-out documents train instead
+            tails[i] += held_out[i]
+            held_out[i] = []
+    return choice.documents, choice.note
 
 
 def _vocab_size(plan: ShardPlan) -> int:

@@ -7,6 +7,8 @@ worker. It writes only below its own folder ``<version>/units/<unit id>/``:
     shard-NNNNNN.tar   its training windows (seq_len + 1 tokens each), ``samples_per_shard`` a shard
     tail.npy           the tokens left after its last full window (fewer than seq_len + 1)
     heldout.npy        the tokens of its held-out documents (data.val_fraction), not packed yet
+    reserve.npy        its not-held-out documents of smallest hash, one window's worth: held out or
+                       trained by the finish (held_out.py: every version gets a held-out split)
     unit.json          written last: what the files above hold, with their sha256
 
 The unit id hashes the unit and every parameter that shapes its output, so a unit whose
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from megatrain import storage
+from megatrain.data.held_out import Reserve, document_hash, is_held_out  # noqa: F401  (is_held_out: re-exported)
 from megatrain.data.index import DataError
 from megatrain.data.shard_format import write_shard
 from megatrain.data.sources import BadSource, SourceFile, WorkUnit, read_documents
@@ -62,6 +65,9 @@ class ShardPlan:
     bad_sources: list[BadSource]  # found while planning (under on_bad_source=skip)
     params: dict[str, Any]  # what names the version
     inputs: dict[str, Any]  # the fingerprinted input description
+    # held_out.py's rule 2: each unit keeps a reserve, and the finish holds out enough of the
+    # version's documents of smallest hash for one window (False in plans written before it)
+    held_out_floor: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -79,6 +85,8 @@ class ShardPlan:
         """A hash of unit ``i`` and of every parameter that shapes its output."""
         shaping = {k: getattr(self, k) for k in ("seq_len", "samples_per_shard", "dtype", "tokenizer_sha256", "eos_id",
                                                  "bos_id", "text_field", "val_fraction", "on_bad_source")}
+        if self.held_out_floor:  # only then: a unit planned before it keeps its id
+            shaping["held_out_floor"] = True
         blob = json.dumps({"unit": self.units[i].describe(), **shaping}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -111,14 +119,6 @@ def _tokenizer(plan: ShardPlan) -> TokenizerSpec:
     if hashlib.sha256(raw).hexdigest() != plan.tokenizer_sha256:
         raise DataError(f"{url}: not the tokenizer this version was planned with (sha256 differs)")
     return TokenizerSpec(raw.decode(), plan.tokenizer_sha256, plan.eos_id, plan.bos_id, url)
-
-
-def is_held_out(document: str, val_fraction: float) -> bool:
-    """A document is validation data when a hash of its text falls in the first ``val_fraction``
-    of the hash range: the same text is on the same side in every run and every file order."""
-    if val_fraction <= 0:
-        return False
-    return int.from_bytes(hashlib.sha256(document.encode()).digest()[:8], "big") < val_fraction * 2**64
 
 
 def _batches(documents, limit: int = ENCODE_CHARS):
@@ -201,11 +201,19 @@ def shard_unit(plan: ShardPlan, i: int) -> dict[str, Any]:
     tokenizer = _tokenizer(plan)
     dtype = np.dtype(plan.dtype)
     writer, held_out, bad = _UnitWriter(plan, unit_url), [], []
+    reserve = Reserve(plan.seq_len + 1) if plan.held_out_floor else None
+    threshold = plan.val_fraction * 2**64  # held_out.is_held_out's rule, on a hash computed once
     documents = tokens = 0
     for batch in _batches(read_documents(unit, plan.text_field, plan.on_bad_source, bad)):
         train: list[list[int]] = []
         for document, ids in zip(batch, tokenizer.encode_documents(batch)):
-            (held_out if is_held_out(document, plan.val_fraction) else train).append(ids)
+            digest = document_hash(document) if plan.val_fraction > 0 else 0
+            if plan.val_fraction > 0 and digest < threshold:
+                held_out.append(ids)
+            elif reserve is not None:
+                train += reserve.offer(digest, ids)  # what leaves the reserve trains
+            else:
+                train.append(ids)
             documents, tokens = documents + 1, tokens + len(ids)
         if train:
             writer.add(_flat(train, dtype))
@@ -217,6 +225,11 @@ def shard_unit(plan: ShardPlan, i: int) -> dict[str, Any]:
         "heldout": _save_npy(storage.join_url(unit_url, "heldout.npy"), heldout),
         "bad_sources": [dataclasses.asdict(b) for b in bad],
     }
+    if reserve is not None:
+        kept = reserve.documents()
+        record["heldout_documents"] = len(held_out)
+        record["reserve"] = {**_save_npy(storage.join_url(unit_url, "reserve.npy"), _flat([ids for _, ids in kept], dtype)),
+                             "documents": [[f"{digest:016x}", len(ids)] for digest, ids in kept]}
     storage.write_bytes(done_url, json.dumps(record, indent=1, sort_keys=True).encode())  # last: the unit is done
     log.info("unit %d/%d: %d documents, %d tokens, %d samples -> %s", i + 1, len(plan.units), documents, tokens,
              writer.samples, unit_url)

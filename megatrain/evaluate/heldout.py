@@ -1,17 +1,24 @@
-"""Held-out evaluation: the validation loss (and perplexity) on a fixed set of held-out samples.
+"""Held-out evaluation: the validation loss (and perplexity) on fixed sets of held-out samples.
 
-The validation set is the first ``train.eval_batches * train.global_batch_size`` windows of the
-shard version's held-out shards (``data.val_fraction``: whole documents that the training shards
-never contain, see ``megatrain/data/shard.py``). It is the same set of samples under every
-parallel layout, cut like a training batch: global batch b, micro-batch m, data-parallel rank r
-reads samples ``b*G + (m*dp + r)*mb ...`` (G = global batch, mb = micro-batch). Every
-micro-batch holds the same number of tokens, so the mean of the micro-batch losses, averaged over
-the DP group, is the mean over every token of the set, whatever dp, tp or pp are:
+What the sets are is ``validation_sets.py``'s: each data component's first held-out windows
+(``data.val_fraction``: whole documents that the training shards never contain, at least one
+window's worth per component where it has enough documents, ``megatrain/data/held_out.py``), and
+``val_loss`` the mix of the components' losses under the validation weights. A run of one corpus
+is one component, ``data``, whose loss is the mix.
 
-- dp: each rank takes its micro-batches, the mean is all-reduced over the DP group;
+Each set is the same samples under every parallel layout, cut like training batches: round b of
+``dp * mb`` windows gives data-parallel rank r the windows ``b*dp*mb + r*mb ...`` (mb the
+micro-batch), so a set of whole global batches is read exactly as a training step reads them.
+The loss of a set is the mean over every token of it, whatever dp, tp or pp are:
+
+- dp: each rank sums its micro-batches' token losses; the sums are all-reduced over the DP group
+  and divided by the set's tokens. A set smaller than a round leaves a rank a short micro-batch or
+  none: that rank runs a forward on a stand-in micro-batch, not counted, so the ranks' collectives
+  (ZeRO-3 gathers, expert all-to-alls) stay in step;
 - tp: the ranks of a TP group read the same samples and compute one (vocab-parallel) loss;
-- pp: DeepSpeed's ``eval_batch`` runs the micro-batches through the stages and averages over
-  micro-batches and DP, broadcasting the result to every stage.
+- pp: DeepSpeed's ``eval_batch`` runs equal micro-batches through the stages and averages over
+  them and DP, broadcasting the result to every stage; a set that is not whole rounds is read
+  ``lcm(n, dp * mb) / n`` times over (each window as often as every other: the same mean).
 
 ``Evaluator.after_step`` is what the training loop calls; ``evaluate_checkpoint`` (and the
 ``megatrain eval`` command) evaluates a committed checkpoint in one process.
@@ -24,7 +31,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,70 +40,76 @@ import torch.distributed as dist
 
 from megatrain.config import Config
 from megatrain.config.run_dirs import CHECKPOINT_HELP
-from megatrain.data.index import DataError, ShardIndex
-from megatrain.data.loader import ShardCache, to_tensors
+from megatrain.data.index import DataError
+from megatrain.data.loader import to_tensors
+from megatrain.evaluate.validation_sets import ValidationSet, describe, held_out_windows, validation_sets, write_record
 from megatrain.observe.metrics import StepMetrics
 from megatrain.parallel.dims import ProcessGroups
 
+__all__ = ["EvalResult", "Evaluator", "evaluate_checkpoint", "held_out_windows", "loss_on_windows", "mix",
+           "perplexity", "rank_rounds", "text_windows"]
+
 log = logging.getLogger("megatrain")
-
-
-def held_out_windows(index: ShardIndex, count: int, split: str = "val", verify_checksums: bool = True) -> np.ndarray:
-    """The first ``count`` windows [count, seq_len + 1] of the held-out shards (``split="val"``)
-    or of the training shards (``"train"``), in shard order; fewer when there are fewer."""
-    shards = index.val_shards if split == "val" else index.shards
-    view = dataclasses.replace(index, shards=shards, num_samples=sum(s.num_samples for s in shards))
-    cache = ShardCache(view, verify_checksums, on_bad_shard="error")
-    parts, have = [], 0
-    for i in range(len(shards)):
-        if have >= count:
-            break
-        windows = cache.get(i)[: count - have]
-        parts.append(windows)
-        have += len(windows)
-    return np.concatenate(parts) if parts else np.empty((0, index.seq_len + 1), index.np_dtype)
 
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 80 else float("inf")
 
 
+def mix(losses: dict[str, float], weights: dict[str, float]) -> float | None:
+    """The validation mix: the weighted mean of the components' losses (None: no weight on any)."""
+    total = sum(weights.get(name, 0.0) for name in losses)
+    return sum(weights.get(name, 0.0) * loss for name, loss in losses.items()) / total if total > 0 else None
+
+
+def rank_rounds(n: int, dp: int, micro_batch: int, dp_rank: int) -> list[tuple[int, int]]:
+    """(first window, count) of data-parallel rank ``dp_rank``'s micro-batch in every round of a
+    set of ``n`` windows; the count is short, or 0, in a last round the set does not fill."""
+    rounds = -(-n // (dp * micro_batch))
+    out = []
+    for b in range(rounds):
+        first = b * dp * micro_batch + dp_rank * micro_batch
+        out.append((first, max(0, min(micro_batch, n - first))))
+    return out
+
+
 @dataclasses.dataclass
 class EvalResult:
-    loss: float  # mean cross-entropy (nats/token) over the set
-    perplexity: float
+    loss: float | None  # the validation mix (nats/token); a run of one corpus: its loss. None: no weight on any set
+    perplexity: float | None
     samples: int
     tokens: int
+    components: dict[str, float] = dataclasses.field(default_factory=dict)  # each set's mean token loss
 
 
 class Evaluator:
-    """Computes the validation loss every ``train.eval_interval`` steps and at the last step."""
+    """Computes the validation losses every ``train.eval_interval`` steps and at the last step."""
 
-    def __init__(self, cfg: Config, index: ShardIndex, groups: ProcessGroups, device: torch.device,
+    def __init__(self, cfg: Config, components: Sequence[Any], groups: ProcessGroups, device: torch.device,
                  grad_accumulation: int):
+        """``components``: the run's data components (``name``, ``index``; the trainer's list)."""
         self.cfg, self.groups, self.device = cfg, groups, device
         self.micro_batch, self.accumulation = cfg.train.micro_batch_size, grad_accumulation
-        self.global_batch = cfg.train.global_batch_size
         self.interval = cfg.train.eval_interval
-        self.windows = np.empty((0, index.seq_len + 1))
+        self.per_component = cfg.data.mixture is not None  # val_loss/<name> beside the mix
+        self.sets: list[ValidationSet] = []
         if self.interval == 0:
             return
-        if not index.val_shards:
-            log.info("no held-out evaluation: shard version %s has no validation split (data.val_fraction)", index.version)
+        if not cfg.data.val_fraction and not any(c.index.val_shards for c in components):
+            log.info("no held-out evaluation: the data has no validation split (data.val_fraction is 0)")
             self.interval = 0
             return
-        wanted = cfg.train.eval_batches * self.global_batch
-        windows = held_out_windows(index, wanted, verify_checksums=cfg.data.verify_checksums)
-        usable = len(windows) // self.global_batch * self.global_batch
-        if usable == 0:
-            log.warning("no held-out evaluation: %d held-out samples, fewer than one global batch (%d); raise "
-                        "data.val_fraction", len(windows), self.global_batch)
+        sets = validation_sets(cfg, components)
+        if groups.rank == 0:
+            for line in describe(cfg, sets):
+                log.info("%s", line)
+            write_record(cfg.train.run_dir, cfg, sets)
+        self.sets = [s for s in sets if len(s.windows)]
+        if not self.sets:
+            log.warning("no held-out evaluation: no data component has a held-out window (see the lines above)")
             self.interval = 0
             return
-        if usable < wanted:
-            log.warning("held-out set: %d samples available, train.eval_batches asks for %d", usable, wanted)
-        self.windows = windows[:usable]
-        log.info("held-out evaluation every %d steps on %d samples", self.interval, usable)
+        log.info("held-out evaluation every %d steps on %d samples", self.interval, sum(len(s.windows) for s in self.sets))
 
     @property
     def enabled(self) -> bool:
@@ -106,41 +119,56 @@ class Evaluator:
         return self.enabled and (step % self.interval == 0 or step == self.cfg.train.steps)
 
     def after_step(self, engine: Any, metrics: StepMetrics) -> None:
-        """The loop's hook: fills ``metrics.val_loss`` / ``val_perplexity`` on evaluation steps."""
+        """The loop's hook: fills ``metrics.val_loss`` / ``val_perplexity`` (the mix) and, for a
+        mixture, ``metrics.val_components`` on evaluation steps."""
         if self.due(metrics.step):
             result = self.evaluate(engine)
             metrics.val_loss, metrics.val_perplexity = result.loss, result.perplexity
-
-    def micro_batches(self, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of global batch ``batch`` (see the module docstring)."""
-        g, mb = self.groups, self.micro_batch
-        start = batch * self.global_batch
-        for m in range(self.accumulation):
-            first = start + (m * g.dims.dp + g.dp_rank) * mb
-            inputs, targets = to_tensors(self.windows[first:first + mb])
-            yield inputs.to(self.device), targets.to(self.device)
+            if self.per_component:
+                metrics.val_components = result.components
 
     @torch.no_grad()
     def evaluate(self, engine: Any) -> EvalResult:
-        batches = len(self.windows) // self.global_batch
-        pipelined = self.groups.dims.pp > 1
         was_training = engine.module.training
         engine.eval()
         try:
-            losses = []
-            for b in range(batches):
-                if pipelined:  # mean over micro-batches and DP, broadcast to every stage
-                    losses.append(engine.eval_batch(self.micro_batches(b), num_micro_batches=self.accumulation).float())
-                else:
-                    losses += [engine(inputs, targets).float() for inputs, targets in self.micro_batches(b)]
-            loss = torch.stack(losses).mean()
-            if not pipelined and self.groups.dims.dp > 1:
-                dist.all_reduce(loss, group=self.groups.dp_group)
-                loss /= self.groups.dims.dp
+            losses = {s.name: self._set_loss(engine, s.windows) for s in self.sets}
         finally:
             engine.train(was_training)
-        value = loss.item()
-        return EvalResult(value, perplexity(value), len(self.windows), self.windows.size - len(self.windows))
+        value = mix(losses, {s.name: s.weight for s in self.sets})
+        samples = sum(len(s.windows) for s in self.sets)
+        tokens = sum(s.windows.size - len(s.windows) for s in self.sets)
+        return EvalResult(value, None if value is None else perplexity(value), samples, tokens, losses)
+
+    def _set_loss(self, engine: Any, windows: np.ndarray) -> float:
+        g, mb = self.groups, self.micro_batch
+        if g.dims.pp > 1:
+            return self._pipelined_loss(engine, windows)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for first, count in rank_rounds(len(windows), g.dims.dp, mb, g.dp_rank):
+            # a rank past the set's end runs a stand-in micro-batch, so every rank's collectives match
+            inputs, targets = to_tensors(windows[first:first + count] if count else windows[:mb])
+            loss = engine(inputs.to(self.device), targets.to(self.device))
+            if count:
+                total += loss.double() * targets.numel()
+        if g.dims.dp > 1:
+            dist.all_reduce(total, group=g.dp_group)
+        return total.item() / (windows.size - len(windows))
+
+    def _pipelined_loss(self, engine: Any, windows: np.ndarray) -> float:
+        g, mb = self.groups, self.micro_batch
+        per_round = g.dims.dp * mb
+        if len(windows) % per_round:  # equal micro-batches: read the set lcm(n, dp * mb) / n times over
+            windows = np.tile(windows, (math.lcm(len(windows), per_round) // len(windows), 1))
+        rounds = rank_rounds(len(windows), g.dims.dp, mb, g.dp_rank)
+
+        def micro_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for first, count in rounds:
+                inputs, targets = to_tensors(windows[first:first + count])
+                yield inputs.to(self.device), targets.to(self.device)
+
+        # the mean over micro-batches and DP, broadcast to every stage
+        return engine.eval_batch(micro_batches(), num_micro_batches=len(rounds)).float().item()
 
 
 # ------------------------------------------------------------------- a finished checkpoint

@@ -36,6 +36,8 @@ class StepMetrics:
     tokens_per_s: float
     val_loss: float | None = None  # held-out loss, on the steps the evaluator ran (megatrain/evaluate/heldout.py)
     val_perplexity: float | None = None
+    # a mixture: each component's held-out loss (val_loss is their mix); a row writes val_loss/<name>
+    val_components: dict[str, float] | None = None
     mfu: float | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
     fp8: dict[str, float] | None = None  # megatrain.precision.FP8Guard.stats() when measured this step
@@ -65,6 +67,8 @@ def scalars(metrics: StepMetrics) -> dict[str, float]:
         out["val/loss"] = metrics.val_loss
     if metrics.val_perplexity is not None:
         out["val/perplexity"] = metrics.val_perplexity
+    for name, loss in (metrics.val_components or {}).items():
+        out[f"val/loss/{name}"] = loss
     for name, stats in (metrics.data or {}).items():
         out[f"data/{name}/tokens"] = float(stats["tokens"])
         out[f"data/{name}/epochs"] = float(stats["epochs"])
@@ -182,6 +186,8 @@ class MetricsLogger:
         for optional in ("startup", "data", "moe"):  # rows without them stay as they were
             if row[optional] is None:
                 del row[optional]
+        for name, loss in (row.pop("val_components") or {}).items():
+            row[f"val_loss/{name}"] = loss
         self._file.write(json.dumps(row) + "\n")
         if self.sinks is not None:
             self.sinks.write(metrics.step, scalars(metrics))

@@ -51,6 +51,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
     results = {r["stage"]: r for r in stage_results or []}
 
     rows, attempts_seen, checkpoints, pictures, samples, problems, resumes, restores = [], [], [], {}, {}, [], [], []
+    validation = []  # a mixture's stages: each component's validation loss beside the mix
     for stage in status.stages:
         result = results.get(stage.name, {})
         summary = summarize_run(stage.run_dir) if stage.loss is not None else None  # rows to summarize
@@ -77,6 +78,8 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
             "rollbacks": result.get("rollbacks", stage.rollbacks),
             "data": describe_data(stage.data) or None,  # per component: tokens and epochs consumed
         })
+        if stage.val_components or stage.validation.get("mixture"):
+            validation.append(_validation_row(stage))
         checkpoints += [{"stage": stage.name, "step": step, "url": f"{stage.durable_url.rstrip('/')}/{step_dir_name(step)}"}
                         for step in stage.committed]
         samples[stage.name] = _read_samples(Path(stage.run_dir) / SAMPLES_FILE)
@@ -108,6 +111,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         "resume_changes": resumes,  # schedule or layout changed on a resume (the checkpoint history)
         "restores": restores,  # every restore of a restarted attempt: its tier (keeper, peer, durable) and cost
         "problems": problems,  # files missing or damaged, per stage
+        "validation": validation,  # per stage of a mixture: the mix, its weights, each component's loss or reason
         "export": _read_export(Path(status.stages[-1].run_dir) / EXPORT_FILE) if status.stages else None,
     }
     head, body = _markdown_body(summary)
@@ -119,6 +123,38 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
 
     files = with_pictures(lambda png, title: f"![{title}]({_relative(png, report_dir)})")
     return CampaignReport(summary, files, with_pictures(markdown_image), pictures)
+
+
+def _validation_row(stage) -> dict:
+    """A stage's validation by component: the mix (val_loss) and, per component, its loss, its
+    weight in the mix, its held-out samples and documents, and why it has none (validation.json)."""
+    record = stage.validation
+    components = {}
+    for name in dict.fromkeys([*stage.val_components, *record.get("components", {})]):
+        held = record.get("components", {}).get(name) or {}
+        components[name] = {"val loss": _round(stage.val_components.get(name)),
+                            "weight": _round((record.get("weights") or {}).get(name)),
+                            "samples": held.get("samples"), "documents": held.get("documents"),
+                            "note": held.get("note") or ""}
+    return {"stage": stage.name, "val loss": _round(stage.val_loss), "weights from": record.get("source"),
+            "components": components}
+
+
+def _validation_markdown(validation: list[dict]) -> list[str]:
+    if not validation:
+        return []
+    lines = ["", "## Validation by component", "",
+             "`val loss` is the mix of the components' held-out losses under the validation weights.", "",
+             "| stage | component | val loss | weight in the mix | held-out samples | documents | note |",
+             "|---|---|---|---|---|---|---|"]
+    for row in validation:
+        lines.append(f"| {row['stage']} | **mix** | {'-' if row['val loss'] is None else row['val loss']} | "
+                     f"{row['weights from'] or '-'} | | | |")
+        for name, c in row["components"].items():
+            cells = [c["val loss"], c["weight"], c["samples"], c["documents"]]
+            lines.append(f"| {row['stage']} | {name} | " + " | ".join("-" if v is None else str(v) for v in cells)
+                         + f" | {c['note'].replace('|', '/')} |")
+    return lines
 
 
 def _tensorboard_problems(stage) -> list[str]:
@@ -280,6 +316,7 @@ def _markdown_body(summary: dict) -> tuple[str, str]:
     if summary.get("problems"):
         lines += ["", "## Missing or damaged files", ""]
         lines += [f"* `{p['stage']}`: {problem}" for p in summary["problems"] for problem in p["problems"]]
+    lines += _validation_markdown(summary.get("validation") or [])
     lines += _restores_markdown(summary.get("restores") or [])
     lines += _resume_changes_markdown(summary.get("resume_changes") or [])
     lines += _samples_markdown(summary["samples"])

@@ -71,7 +71,40 @@ class StageStatus:
     durable_url: str = ""
     logs: list[str] = field(default_factory=list)
     data: dict[str, dict] = field(default_factory=dict)  # per data component: samples, tokens, epochs so far
+    # a mixture's validation: each component's last held-out loss (val_loss is their mix), and
+    # validation.json's record (the mix's weights and source, each component's samples and note)
+    val_components: dict[str, float] = field(default_factory=dict)
+    validation: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # files missing or damaged: "metrics.jsonl missing"
+
+
+VALIDATION_FILE = "validation.json"  # megatrain.evaluate.validation_sets.VALIDATION_FILE (report does not import it)
+VAL_PREFIX = "val_loss/"  # a metrics row's per-component validation loss: val_loss/<component>
+
+
+def describe_validation(stage: StageStatus) -> str:
+    """``code 5.312 (w 0.75), web 4.981 (w 0.25); books: none: <why>``: each component's last
+    validation loss and its weight in the mix (val_loss), and a component without held-out
+    samples with its reason, in one line."""
+    components = stage.validation.get("components", {})
+    weights = stage.validation.get("weights", {})
+    names = list(dict.fromkeys([*stage.val_components, *components]))
+    shown, missing = [], []
+    for name in names:
+        if name in stage.val_components:
+            weight = f" (w {weights[name]:.3g})" if name in weights else " (outside the mix)"
+            shown.append(f"{name} {stage.val_components[name]:.4f}{weight}")
+        elif not (components.get(name) or {}).get("samples"):
+            missing.append(f"{name}: none: {(components.get(name) or {}).get('note') or 'no held-out samples'}")
+    return "; ".join(filter(None, [", ".join(shown), *missing]))
+
+
+def _read_validation(stage_dir: Path) -> dict:
+    try:
+        found = json.loads((stage_dir / VALIDATION_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def describe_data(data: dict[str, dict]) -> str:
@@ -209,6 +242,8 @@ def stage_status(stage_dir: Path, durable_url: str | None = None, target_steps: 
     rollbacks = json.loads(rollbacks_path.read_text()) if rollbacks_path.exists() else []
     steps = [info.step for info in committed(durable)] if durable else []
     val = [r for r in rows if r.get("val_loss") is not None]
+    by_component = next(({k[len(VAL_PREFIX):]: v for k, v in r.items() if k.startswith(VAL_PREFIX)}
+                         for r in reversed(rows) if any(k.startswith(VAL_PREFIX) for k in r)), {})
     recent = [r["tokens_per_s"] for r in rows[-20:] if r.get("tokens_per_s")]
 
     state, fault = _state(stage_dir, target, steps, attempts, rollbacks, cfg, flow, trained=bool(rows))
@@ -224,6 +259,7 @@ def stage_status(stage_dir: Path, durable_url: str | None = None, target_steps: 
         run_dir=str(stage_dir), durable_url=durable,
         logs=[run.where(a["log"]) if run else a["log"] for a in attempts if a.get("log")],
         data=next((r["data"] for r in reversed(rows) if r.get("data")), {}),
+        val_components=by_component, validation=_read_validation(stage_dir),
         notes=_notes(metrics, attempts, steps, live=state == "running"),
     )
 
@@ -316,6 +352,9 @@ def cli(argv: list[str]) -> int:
                    "last fault"):
         table.add_column(column, justify="right" if column in ("step", "loss", "val loss", "tokens/s", "attempts") else "left",
                          overflow="fold")
+    mixture = any(s.val_components or s.validation.get("mixture") for s in status.stages)
+    if mixture:  # a mixture's validation: each component's loss beside the mix (val loss)
+        table.add_column("val by component", overflow="fold")
     colors = {"done": "green", "running": "cyan", "failed": "red", "stopped": "yellow", "pending": "dim"}
     for stage in status.stages:
         table.add_row(
@@ -324,6 +363,7 @@ def cli(argv: list[str]) -> int:
             "-" if stage.tokens_per_s is None else f"{stage.tokens_per_s:,.0f}", escape(describe_data(stage.data) or "-"),
             f"{stage.attempts} ({stage.restarts} restarts, {stage.rollbacks} rollbacks)",
             ", ".join(map(str, stage.committed)) or "-", escape(stage.last_fault or "-"),
+            *([escape(describe_validation(stage) or "-")] if mixture else []),
         )
     import sys
 

@@ -123,8 +123,8 @@ class Trainer:
 
         with self.startup.phase("data_index"):
             self.components = prepare_data(cfg, env)
-            # held-out evaluation, the run record and the tokenizer: the heaviest component's index
-            # (a mixture's components share one tokenizer, which Mixture checks)
+            # the run record and the tokenizer: the heaviest component's index (a mixture's
+            # components share one tokenizer, which Mixture checks); evaluation reads every component
             self.index = max(self.components, key=lambda c: c.weight).index
             check_tokenizer_of_base_model(cfg.checkpoint.init_from, self.index)
             self.loader = self._build_loader()
@@ -159,7 +159,7 @@ class Trainer:
             if env.rank == 0 else []
         self.metrics = MetricsLogger(cfg.train.run_dir, cfg.train.steps, cfg.train.log_interval, enabled=env.rank == 0,
                                      sinks=sinks)
-        self.evaluator = Evaluator(cfg, self.index, self.groups, env.device, self.grad_accumulation)
+        self.evaluator = Evaluator(cfg, self.components, self.groups, env.device, self.grad_accumulation)
         if env.rank == 0:  # what export, generate and eval need to rebuild the model from a checkpoint
             write_run_record(cfg, self.index)
         self.heartbeat.beat(step=self.step, phase="data")

@@ -1,7 +1,8 @@
 """A campaign whose second stage changes the data mixture (an annealing stage), through the real
 ``pretrain`` flow against a real Prefect server: each component is sharded once for both stages,
 each stage trains on its own blend, and the metrics, ``megatrain status`` and the report show
-what each component fed."""
+what each component fed, and each component's validation loss beside the mix, whose weights are
+the first stage's in both stages."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 import yaml
 
 from megatrain.config.campaign import load_campaign, stage_config
+from megatrain.observe.tensorboard import read_scalars
 from megatrain.report.runs import read_metrics
-from megatrain.report.status import campaign_status
+from megatrain.report.status import campaign_status, describe_validation
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +33,9 @@ def test_an_annealing_stage_changes_the_blend_and_shards_nothing_again(prefect_a
     from flows.pretrain import pretrain
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    sources = {"code": str(tmp_path / "code.txt"), "web": str(tmp_path / "web.jsonl.gz")}
-    Path(sources["code"]).write_text((stdlib / "tarfile.py").read_text())
+    sources = {"code": str(tmp_path / "code.jsonl"), "web": str(tmp_path / "web.jsonl.gz")}
+    code = (stdlib / "tarfile.py").read_text()  # 8 documents: too few for data.val_fraction alone
+    Path(sources["code"]).write_text("".join(json.dumps({"text": code[i::8]}) + "\n" for i in range(8)))
     with gzip.open(sources["web"], "wt") as handle:
         text = (stdlib / "argparse.py").read_text()
         for start in range(0, len(text), 2000):
@@ -41,7 +44,8 @@ def test_an_annealing_stage_changes_the_blend_and_shards_nothing_again(prefect_a
         "id": "annealed", "recipe": str(ROOT / "configs/tiny-cpu.yaml"), "nproc_per_node": 1,
         "root_dir": str(tmp_path / "campaigns"), "shard_url": str(tmp_path / "shards"), "self_check": False,
         "overrides": ["model.n_layer=1", "checkpoint.interval=2", "train.log_interval=1",
-                      "reliability.heartbeat_interval_s=0.5", "reliability.heartbeat_timeout_s=60"],
+                      "reliability.heartbeat_interval_s=0.5", "reliability.heartbeat_timeout_s=60",
+                      "data.val_fraction=0.05", "train.eval_interval=2"],
         "stages": [
             {"name": "broad", "steps": 4, "overrides": [blend(sources, {"code": 0.75, "web": 0.25})]},
             {"name": "anneal", "steps": 4, "overrides": [blend(sources, {"code": 0.25, "web": 0.75})]},
@@ -61,10 +65,26 @@ def test_an_annealing_stage_changes_the_blend_and_shards_nothing_again(prefect_a
         served = sum(c["samples"] for c in data.values())
         assert served == 4 * cfg.train.global_batch_size  # each stage starts its own blend at position 0
         assert {name: c["samples"] / served for name, c in data.items()} == weights  # 8/32 and 24/32: exact
+        # validation per component, and val_loss their mix under the first stage's weights in both stages
+        val = [r for r in rows if r.get("val_loss") is not None]
+        assert [r["step"] for r in val] == [2, 4]
+        for r in val:
+            assert 0 < r["val_loss/code"] < 20 and 0 < r["val_loss/web"] < 20
+            assert r["val_loss"] == pytest.approx(0.75 * r["val_loss/code"] + 0.25 * r["val_loss/web"], rel=1e-6)
+        record = json.loads((Path(cfg.train.run_dir) / "validation.json").read_text())
+        assert record["weights"] == {"code": 0.75, "web": 0.25}
+        assert all(c["samples"] > 0 and c["documents"] >= 1 for c in record["components"].values())
+        tb = read_scalars(Path(cfg.train.run_dir) / "tb")
+        assert [v for _, v in tb["val/loss/code"]] == pytest.approx([r["val_loss/code"] for r in val], rel=1e-6)
     # two components, one version each, shared by both stages (plus the BPE trained on both)
     versions = sorted(p.parent.name for p in (tmp_path / "shards").glob("*/index.json"))
     assert len(versions) == 2
     status = campaign_status(loaded.campaign_dir)
     assert [sorted(s.data) for s in status.stages] == [["code", "web"], ["code", "web"]]
+    assert [sorted(s.val_components) for s in status.stages] == [["code", "web"], ["code", "web"]]
+    assert "code " in describe_validation(status.stages[1]) and "(w 0.75)" in describe_validation(status.stages[1])
+    anneal_log = "".join(Path(log).read_text() for log in status.stages[1].logs)
+    assert "validation mix (val_loss), from train.eval_weights" in anneal_log and "code 0.75, web 0.25" in anneal_log
     report_md = Path(report["report"]).read_text()
     assert "code " in report_md and " tok " in report_md
+    assert "## Validation by component" in report_md and "| anneal | code |" in report_md
