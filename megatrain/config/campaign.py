@@ -217,12 +217,26 @@ def find_campaign_dir(target: str | Path, root: str | Path | None = None) -> Pat
                             f"and no campaign of that id under {root or DEFAULT_ROOT}")
 
 
+def _in_campaign(config: dict, key: str) -> str:
+    """A stage config's ``checkpoint.<key>`` relative to the campaign dir it was written in (the
+    parent of its run dir): a campaign moved after one stage was written and before the next
+    still chains (their configs then hold the old and the new absolute paths)."""
+    value = str(config.get("checkpoint", {}).get(key))
+    run_dir = str(config.get("train", {}).get("run_dir") or "")
+    if "://" in value or not os.path.isabs(value) or not os.path.isabs(run_dir):
+        return value
+    return os.path.relpath(os.path.normpath(value), os.path.dirname(os.path.normpath(run_dir)))
+
+
 def stage_dirs(campaign_dir: Path) -> list[Path]:
     """The stage folders, in training order (by their init_from chain)."""
     configs = {d: read_yaml(d / "config.yaml") for d in sorted(campaign_dir.iterdir())
                if d.is_dir() and (d / "config.yaml").is_file()}
+    # as written, else relative to the campaign dir each was written in (a campaign moved between stages)
     by_durable = {str(c.get("checkpoint", {}).get("durable_url")): d for d, c in configs.items()}
-    previous = {d: by_durable.get(str(c.get("checkpoint", {}).get("init_from"))) for d, c in configs.items()}
+    by_relative = {_in_campaign(c, "durable_url"): d for d, c in configs.items()}
+    previous = {d: by_durable.get(str(c.get("checkpoint", {}).get("init_from")))
+                or by_relative.get(_in_campaign(c, "init_from")) for d, c in configs.items()}
     ordered, current = [], [d for d, p in previous.items() if p is None]
     while current:  # walk the chain from the first stage
         ordered += current
