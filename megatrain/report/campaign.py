@@ -199,11 +199,30 @@ def _export_markdown(export: dict | None) -> list[str]:
     lines = ["", "## Final model", "",
              f"`{export['path']}`: {export['architecture']}, step {export['step']}; "
              f"`transformers.AutoModelForCausalLM.from_pretrained(...)` loads it, its logits within "
-             f"{export['max_logit_diff']:.1e} of megatrain's (fp32).", "", "Greedy samples, transformers | megatrain:", ""]
+             f"{export['max_logit_diff']:.1e} of megatrain's (fp32).", "",
+             "Greedy samples, transformers' token ids against megatrain's:", ""]
     for sample in export.get("samples", []):
-        same = "same" if sample["transformers"] == sample["megatrain"] else "DIFFERENT"
-        lines += [f"* `{sample['prompt']}` ({same}):", "", *("    " + line for line in sample["transformers"].splitlines()),
-                  ""]
+        lines += _export_sample(sample)
+    return lines
+
+
+def _export_sample(sample: dict) -> list[str]:
+    """One greedy sample of the export check (evaluate/exported.py): "same" when the generated ids
+    are, else both texts; older export.json files, without ids, compare their texts."""
+    def indent(text: str) -> list[str]:
+        return ["    " + line for line in text.splitlines()]
+
+    same = sample.get("same", sample["transformers"] == sample["megatrain"])
+    if same:
+        lines = [f"* `{sample['prompt']}`: same", "", *indent(sample["megatrain"]), ""]
+    else:
+        at = sample.get("first_difference")
+        lines = [f"* `{sample['prompt']}`: DIFFERENT" + (f" from generated token {at}" if at is not None else ""), "",
+                 "  megatrain:", "", *indent(sample["megatrain"]), "", "  transformers:", "",
+                 *indent(sample["transformers"]), ""]
+    if sample.get("tokenizer_same") is False:
+        lines += [f"  transformers' tokenizer encodes this prompt as {sample.get('transformers_prompt_ids')}, "
+                  f"the run's documents started as {sample.get('prompt_ids')}", ""]
     return lines
 
 
