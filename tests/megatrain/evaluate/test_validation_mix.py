@@ -238,3 +238,31 @@ def test_the_validation_mix_defaults_to_the_first_stages_weights(tmp_path):
         campaign(tmp_path, [[MAIN, "train.eval_weights={news: 1}"]])
     with pytest.raises((ConfigError, ValueError), match="train.eval_weights"):
         campaign(tmp_path, [[MAIN, "train.eval_weights={web: -1}"]])
+
+
+@pytest.mark.slow
+def test_a_mixtures_validation_losses_are_the_same_in_one_process_dp2_and_pp2(run_training, tmp_path):
+    """Through the real trainer: the tiny component's set is smaller than a round (dp2: rank 1 runs
+    a stand-in) and not whole micro-batches (pp2: read lcm(n, 4) / n times over)."""
+    import sysconfig
+
+    stdlib = __import__("pathlib").Path(sysconfig.get_paths()["stdlib"])
+    text = (stdlib / "argparse.py").read_text()
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": text[i:i + 2000]}) + "\n"
+                                                for i in range(0, len(text), 2000)))
+    (tmp_path / "tiny.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(1000, 6, 150)))
+    common = [f"data.mixture=[{{name: big, sources: [{tmp_path / 'big.jsonl'}], weight: 0.7}}, "
+              f"{{name: tiny, sources: [{tmp_path / 'tiny.jsonl'}], weight: 0.3}}]", "data.val_fraction=0.05",
+              "data.max_source_bytes=null", "train.steps=2", "train.eval_interval=1", "train.micro_batch_size=4",
+              "train.global_batch_size=8", "checkpoint.interval=2", "optim.warmup_steps=1", "model.n_layer=2",
+              "model.kernels.cross_entropy=reference"]
+    single, _ = run_training(common, nproc=1, name="single")
+    record = json.loads((tmp_path / "single" / "validation.json").read_text())
+    tiny_samples = record["components"]["tiny"]["samples"]
+    assert 0 < tiny_samples < 8 and tiny_samples % 4, record  # short of a dp2 round and of pp2's micro-batches
+    keys = ("val_loss", "val_loss/big", "val_loss/tiny")
+    reference = [[row[k] for k in keys] for row in single]
+    assert len(reference) == 2 and all(3 < v < 12 for values in reference for v in values)
+    for name, layout in {"dp2": ["parallel.tp=1"], "pp2": ["parallel.pp=2"]}.items():
+        rows, _ = run_training(common + layout, nproc=2, name=name)
+        assert [[row[k] for k in keys] for row in rows] == [pytest.approx(v, abs=1e-5) for v in reference], name
