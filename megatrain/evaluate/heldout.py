@@ -42,7 +42,9 @@ from megatrain.config import Config
 from megatrain.config.run_dirs import CHECKPOINT_HELP
 from megatrain.data.index import DataError
 from megatrain.data.loader import to_tensors
-from megatrain.evaluate.validation_sets import ValidationSet, describe, held_out_windows, validation_sets, write_record
+from megatrain.evaluate.validation_sets import (
+    ValidationSet, component_windows, describe, held_out_windows, read_record, validation_sets, write_record,
+)
 from megatrain.observe.metrics import StepMetrics
 from megatrain.parallel.dims import ProcessGroups
 
@@ -219,13 +221,17 @@ def _is_shard_version(url: str) -> bool:
 def evaluate_checkpoint(checkpoint: str, data: str | None = None, split: str = "val", samples: int | None = None,
                         batch_size: int = 8, config: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """The loss of a committed checkpoint (any layout, gathered into one process) on ``split``
-    of a shard version (``data``: its directory; default the run's own shards), or on text files
-    (``data``: a path or glob without an index.json) tokenized with the run's tokenizer."""
+    of a shard version (``data``: its directory; default the run's own shards: a mixture's each
+    component and their mix, ``components``), or on text files (``data``: a path or glob without
+    an index.json) tokenized with the run's tokenizer."""
     from megatrain.data.index import load_index
     from megatrain.interop.checkpoint import load_run
 
     run = load_run(checkpoint, config=config, device=device)
     count = samples or run.cfg.train.eval_batches * run.cfg.train.global_batch_size
+    record = read_record(run.cfg.train.run_dir) if data is None and split == "val" else None
+    if record is not None and record.get("mixture"):
+        return _mixture_result(run, record, count, samples is None, batch_size)
     if data and not _is_shard_version(data):
         windows, where, split = text_windows(run, [data], count), data, "text"
     else:
@@ -241,11 +247,39 @@ def evaluate_checkpoint(checkpoint: str, data: str | None = None, split: str = "
             "samples": len(windows), "loss": loss, "perplexity": perplexity(loss)}
 
 
+def _mixture_result(run: Any, record: dict[str, Any], count: int, as_trained: bool, batch_size: int) -> dict[str, Any]:
+    """A mixture's checkpoint on each component's held-out set (the training run's own sets when
+    ``as_trained``: whole global batches, as validation_sets cuts them) and their mix under the
+    run's validation weights (validation.json)."""
+    from megatrain.data.index import load_index
+
+    components, losses = {}, {}
+    for name, held in record.get("components", {}).items():
+        if not held.get("url"):
+            continue
+        index = load_index(held["url"])
+        windows = (component_windows(index, count, run.cfg.train.global_batch_size) if as_trained
+                   else held_out_windows(index, count))
+        components[name] = {"data": index.url, "samples": len(windows), "weight": held.get("weight", 0.0),
+                            "note": held.get("note") or ""}
+        if len(windows):
+            losses[name] = components[name]["loss"] = loss_on_windows(run.model, windows, batch_size, run.device)
+    if not losses:
+        raise DataError(f"{run.cfg.train.run_dir}: no mixture component has held-out samples ("
+                        + "; ".join(f"{n}: {c['note']}" for n, c in components.items()) + ")")
+    loss = mix(losses, record.get("weights") or {})
+    return {"checkpoint": run.step_url, "step": run.step, "data": "mixture", "split": "val",
+            "samples": sum(c["samples"] for c in components.values()), "loss": loss,
+            "perplexity": None if loss is None else perplexity(loss), "weights from": record.get("source"),
+            "components": components}
+
+
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatrain eval", description="Validation loss of a committed checkpoint.")
     parser.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     parser.add_argument("--data", help="a shard version directory (holding index.json), or text files (a path or "
-                        "glob: .txt/.jsonl/.py/.md), tokenized with the run's tokenizer; default the run's own shards")
+                        "glob: .txt/.jsonl/.py/.md), tokenized with the run's tokenizer; default the run's own shards (a "
+                        "mixture: each component's held-out set and their mix)")
     parser.add_argument("--split", choices=["val", "train"], default="val")
     parser.add_argument("--samples", type=int, help="windows to evaluate; default train.eval_batches global batches")
     parser.add_argument("--batch-size", type=int, default=8)

@@ -11,7 +11,8 @@ over the components that have held-out windows; a component with weight 0, or on
 weights leave out, is evaluated and logged beside the mix, not in it.
 
 ``validation.json`` in the run dir records the choice (weights, where they came from, each
-component's samples, documents and note): ``megatrain status`` and the report read it.
+component's shard version, samples, documents and note): ``megatrain status`` and the report read
+it, and ``megatrain eval`` evaluates a mixture's checkpoint on the same sets.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def held_out_windows(index: ShardIndex, count: int, split: str = "val", verify_c
 @dataclasses.dataclass
 class ValidationSet:
     name: str  # the data component ("data" for a run of one corpus)
+    url: str  # its shard version
     windows: np.ndarray  # [n, seq_len + 1]
     weight: float  # its share of the validation mix (the shares of the sets with windows sum to 1); 0: outside it
     documents: int | None  # held-out documents of its version (None: not counted when it was sharded)
@@ -75,6 +77,13 @@ def _no_windows(index: ShardIndex) -> str:
     return f"its {index.val_documents} held-out documents make no whole window"
 
 
+def component_windows(index: ShardIndex, wanted: int, batch: int, verify_checksums: bool = True) -> np.ndarray:
+    """A component's set: its first ``wanted`` held-out windows, cut to whole global batches
+    (``batch`` windows, as a training step cuts them) when it has at least one, else all of them."""
+    windows = held_out_windows(index, wanted, verify_checksums=verify_checksums)
+    return windows[: len(windows) // batch * batch] if len(windows) >= batch else windows
+
+
 def validation_sets(cfg: Config, components: Sequence[Any]) -> list[ValidationSet]:
     """One set per data component (``components``: objects with ``name`` and ``index``, the
     trainer's ``Component`` list), in that order, with the mix's normalised shares."""
@@ -83,11 +92,10 @@ def validation_sets(cfg: Config, components: Sequence[Any]) -> list[ValidationSe
     sets = []
     for component in components:
         index = component.index
-        windows = held_out_windows(index, wanted, verify_checksums=cfg.data.verify_checksums)
-        if len(windows) >= batch:  # whole global batches, as a training step cuts them
-            windows = windows[: len(windows) // batch * batch]
+        windows = component_windows(index, wanted, batch, cfg.data.verify_checksums)
         note = index.val_note if len(windows) else _no_windows(index)
-        sets.append(ValidationSet(component.name, windows, weights.get(component.name, 0.0), index.val_documents, note))
+        sets.append(ValidationSet(component.name, index.url, windows, weights.get(component.name, 0.0),
+                                  index.val_documents, note))
     total = sum(s.weight for s in sets if len(s.windows))
     for s in sets:
         s.weight = s.weight / total if total > 0 and len(s.windows) else 0.0
@@ -120,10 +128,19 @@ def write_record(run_dir: str | Path, cfg: Config, sets: Sequence[ValidationSet]
     record = {"weights": {s.name: s.weight for s in sets if s.weight > 0}, "source": source,
               "mixture": cfg.data.mixture is not None,
               "components": {s.name: {"samples": len(s.windows), "documents": s.documents, "weight": s.weight,
-                                      "note": s.note} for s in sets}}
+                                      "note": s.note, "url": s.url} for s in sets}}
     path = Path(run_dir) / VALIDATION_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".tmp{os.getpid()}")
     partial.write_text(json.dumps(record, indent=1))
     os.replace(partial, path)  # whole or absent: status reads it while the run goes on
     return path
+
+
+def read_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """A run dir's validation.json, or None (none written: a run before it, or one that never evaluated)."""
+    try:
+        found = json.loads((Path(run_dir) / VALIDATION_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None

@@ -19,7 +19,7 @@ from megatrain.config.load import ConfigError
 from megatrain.data.held_out import Reserve, document_hash, is_held_out
 from megatrain.data.mixture import Component
 from megatrain.data.shard import shard_corpus
-from megatrain.evaluate.heldout import Evaluator, rank_rounds
+from megatrain.evaluate.heldout import Evaluator, evaluate_checkpoint, rank_rounds
 from megatrain.evaluate.validation_sets import held_out_windows
 from megatrain.model.gpt import GPT
 from megatrain.parallel.dims import ParallelDims, ProcessGroups
@@ -266,3 +266,8 @@ def test_a_mixtures_validation_losses_are_the_same_in_one_process_dp2_and_pp2(ru
     for name, layout in {"dp2": ["parallel.tp=1"], "pp2": ["parallel.pp=2"]}.items():
         rows, _ = run_training(common + layout, nproc=2, name=name)
         assert [[row[k] for k in keys] for row in rows] == [pytest.approx(v, abs=1e-5) for v in reference], name
+    # megatrain eval on a mixture's checkpoint: the same sets, each component and the mix
+    result = evaluate_checkpoint(str(tmp_path / "pp2"))
+    assert result["step"] == 2 and result["samples"] == sum(c["samples"] for c in record["components"].values())
+    assert [result["loss"], result["components"]["big"]["loss"], result["components"]["tiny"]["loss"]] == \
+        pytest.approx(reference[-1], abs=1e-5)
