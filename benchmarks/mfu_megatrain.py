@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from mfu_data import Data
 from mfu_device import allocated_gib, peak_gib, reset_memory
-from mfu_report import Bench, Result, log, median_phases
+from mfu_report import Bench, Result, load_balance, log, median_phases
 
 # A/B rows of the default (``--variants``): config overrides and inductor settings for the
 # compiled blocks. max_autotune benchmarks Triton GEMM templates (epilogues such as bias + GeLU
@@ -196,8 +196,6 @@ def run_megatrain(bench: Bench, spec: Spec, cfg, env, data: Data, steps: int, wa
         res.phases_ms = median_phases(phases, trainer.grad_accumulation)
         res.loss = metrics[-1].loss
         if getattr(metrics[-1], "moe", None):
-            from mfu_moe import load_balance
-
             res.moe = load_balance([metric.moe for metric in metrics])
         res.peak_gib = peak_gib(device)
         bench.cache[key] = res

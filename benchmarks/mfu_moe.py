@@ -29,7 +29,6 @@ dense rows, beside the same shape in transformers' own MoE class, in one process
 
 from __future__ import annotations
 
-import statistics
 import time
 import traceback
 from collections import defaultdict
@@ -100,25 +99,6 @@ def flops_params(m) -> int:
     from megatrain.model import active_parameter_count
 
     return active_parameter_count(m)
-
-
-def load_balance(healths: list[dict | None]) -> dict[str, Any] | None:
-    """Expert load of the timed steps from ``StepMetrics.moe`` (``moe.end_step``): max/mean tokens
-    per expert, per layer; the worst layer and the layer mean, of the last step and over the steps."""
-    healths = [h for h in healths if h]
-    if not healths:
-        return None
-    per_step = [[layer["max_over_mean"] for layer in h["layers"].values()] for h in healths]
-    last = healths[-1]["layers"]
-    return {
-        "steps": len(healths),
-        "worst_layer_max_over_mean": max(per_step[-1]), "mean_layer_max_over_mean": statistics.fmean(per_step[-1]),
-        "worst_over_steps": max(max(s) for s in per_step),
-        "mean_over_steps": statistics.fmean(x for s in per_step for x in s),
-        "per_layer_last_step": {k: round(v["max_over_mean"], 4) for k, v in last.items()},
-        "entropy_last_step": {k: round(v["entropy"], 4) for k, v in last.items()},
-        "aux_loss": healths[-1].get("aux_loss"), "z_loss": healths[-1].get("z_loss"),
-    }
 
 
 def split_by_ranges(prof, on_device: bool) -> dict[str, Any]:

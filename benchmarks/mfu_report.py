@@ -48,7 +48,7 @@ class Result:
     tokens_per_s_at_recipe_batch: float | None = None  # extrapolated, see extrapolate()
     note: str = ""
     error: str | None = None
-    moe: dict[str, Any] | None = None  # MoE rows: expert load of the timed steps (mfu_moe.load_balance)
+    moe: dict[str, Any] | None = None  # MoE rows: expert load of the timed steps (load_balance)
 
 
 def extrapolate(res: Result, seq_len: int, global_batch: int) -> float | None:
@@ -171,3 +171,22 @@ def print_table(bench: Bench) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+def load_balance(healths: list[dict | None]) -> dict[str, Any] | None:
+    """Expert load of the timed steps from ``StepMetrics.moe`` (``moe.end_step``): max/mean tokens
+    per expert, per layer; the worst layer and the layer mean, of the last step and over the steps."""
+    healths = [h for h in healths if h]
+    if not healths:
+        return None
+    per_step = [[layer["max_over_mean"] for layer in h["layers"].values()] for h in healths]
+    last = healths[-1]["layers"]
+    return {
+        "steps": len(healths),
+        "worst_layer_max_over_mean": max(per_step[-1]), "mean_layer_max_over_mean": statistics.fmean(per_step[-1]),
+        "worst_over_steps": max(max(s) for s in per_step),
+        "mean_over_steps": statistics.fmean(x for s in per_step for x in s),
+        "per_layer_last_step": {k: round(v["max_over_mean"], 4) for k, v in last.items()},
+        "entropy_last_step": {k: round(v["entropy"], 4) for k, v in last.items()},
+        "aux_loss": healths[-1].get("aux_loss"), "z_loss": healths[-1].get("z_loss"),
+    }
