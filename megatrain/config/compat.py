@@ -31,7 +31,7 @@ _LATER_KNOBS: dict[str, tuple[str, ...]] = {
     "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp", "moe"),
     "model.kernels": ("rmsnorm", "swiglu", "rope", "experts", "moe_permute", "moe_router"),
     "train.fp8": ("casts", "experts"),  # casts: an implementation choice, like model.kernels: the same e4m3 values
-    "data": ("mixture", "on_exhausted", "on_bad_source", "unit_bytes"),
+    "data": ("mixture", "on_exhausted", "on_bad_source", "unit_bytes", "worker_cores", "max_replaced_fraction"),
     "optim": ("decay_fraction",),
     "parallel": ("ep",),  # expert parallelism: 1 for every run before it
     "parallel.overlap": ("ep_shared_expert",),
@@ -49,7 +49,7 @@ _NOT_STATE = {
     "model": {"kernels", "activation_checkpointing", "compile"},
     "train": {**dict.fromkeys(["steps", "micro_batch_size", "device", "log_interval", "run_dir", *_TRACKING_KNOBS], True),
               "fp8": {"casts"}},  # who casts to FP8 changes no state: checkpoints resume under any
-    "data": {"shard_url", "num_workers", "prefetch_batches", "on_bad_shard", "verify_checksums", "engine", "dask_address"},
+    "data": {"shard_url", "num_workers", "worker_cores", "prefetch_batches", "on_bad_shard", "verify_checksums", "engine", "dask_address"},
 }
 
 SCHEDULE_FIELDS = (

@@ -77,6 +77,15 @@ class DataConfig(_Section):
     )
     dask_address: str | None = Field(None, description="the Dask scheduler (tcp://host:8786) for data.engine=dask")
     num_workers: int = Field(0, ge=0, description="tokenizer processes while sharding; 0 = one per CPU core")
+    worker_cores: int = Field(
+        0, ge=0, description="cores each sharding worker is given, and so its tokenizer's (and Arrow's) threads; "
+        "0 = the machine's cores shared out among its workers (a Dask worker: its cores over its task threads)",
+    )
+    max_replaced_fraction: float = Field(
+        0.001, ge=0.0, le=1.0, description="share of a text or JSONL file's bytes that may be invalid UTF-8 (each such "
+        "byte becomes U+FFFD and is counted per file in the shard index, status and report); a file above it is a bad "
+        "source (data.on_bad_source). The standard library's own files are counted, never refused",
+    )
     seed: int = 1234
     shuffle_shards: int = Field(
         64, ge=0, description="shards shuffled together (each read once per epoch); 0 = one global permutation"
