@@ -10,10 +10,11 @@ import socket
 import numpy as np
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer
 
 from megatrain.config import Config, DataConfig, ModelConfig
-from megatrain.config.campaign import CampaignConfig, stage_config
+from megatrain.config.campaign import CampaignConfig, load_campaign, stage_config
 from megatrain.config.compat import fingerprint
 from megatrain.config.load import ConfigError
 from megatrain.data.held_out import Reserve, document_hash, is_held_out
@@ -234,10 +235,14 @@ def test_the_validation_mix_defaults_to_the_first_stages_weights(tmp_path):
     other = campaign(tmp_path, [[MAIN], ["data.mixture=[{name: math, sources: [m], weight: 1}]"]])
     assert stage_config(other, 1).train.eval_weights is None
 
-    with pytest.raises((ConfigError, ValueError), match=r"train.eval_weights names \['news'\]"):
-        campaign(tmp_path, [[MAIN, "train.eval_weights={news: 1}"]])
-    with pytest.raises((ConfigError, ValueError), match="train.eval_weights"):
-        campaign(tmp_path, [[MAIN, "train.eval_weights={web: -1}"]])
+    for bad, said in [("train.eval_weights={news: 1}", r"train.eval_weights names \['news'\]"),
+                      ("train.eval_weights={web: -1}", r"train.eval_weights .*>= 0")]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump({"id": "bad", "recipe": str(ROOT / "configs/tiny-cpu.yaml"),
+                                        "root_dir": str(tmp_path), "stages": [
+                                            {"name": "s0", "steps": 2, "overrides": [MAIN, bad]}]}))
+        with pytest.raises(ConfigError, match=said):  # one error naming the field, from the campaign file
+            load_campaign(path)
 
 
 @pytest.mark.slow
