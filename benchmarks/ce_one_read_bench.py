@@ -4,7 +4,7 @@
 
 The library's kernel walks a row in blocks of 4096 twice: an online max / sum-exp pass, then the
 gradient pass, which reads the row again: two reads and one write of the logits (4.92 ms on an
-H200, ``ce-launch-sweep-h200.json``). The candidate loads the whole row (its vocabulary padded to
+H200, ``benchmarks/results/ce-launch-sweep-h200.json``). The candidate loads the whole row (its vocabulary padded to
 a power of two) into registers in one load and writes dlogits from them: one read and one write,
 if the row fits the registers of its warps without spilling. It is checked against the library
 before it is timed, and moves into the library only if it wins.

@@ -1,7 +1,7 @@
 """FP8 convergence evidence (issue 16): the same model trained in bf16 and in FP8, in one process,
 on the same real-text shards with the same seed and data order; the loss curves plotted together.
 
-    python benchmarks/fp8_convergence.py --config configs/gpt-125m.yaml --steps 2000 --out benchmarks/fp8_convergence
+    python benchmarks/fp8_convergence.py --config configs/gpt-125m.yaml --steps 2000 --out runs/fp8-convergence/result
 
 Each run is megatrain's real Trainer (DeepSpeed engine, data loader, LR schedule, the FP8 guard)
 stepped ``--steps`` times with ``train.precision`` bf16, then fp8 (no checkpoints). The final
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--tail", type=int, default=100, help="steps averaged for the final loss")
     parser.add_argument("--work", default="runs/fp8-convergence")
-    parser.add_argument("--out", default="benchmarks/fp8_convergence", help="<out>.json and <out>.png")
+    parser.add_argument("--out", default="runs/fp8-convergence/result", help="<out>.json and <out>.png")
     parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for both runs")
     parser.add_argument("--replot", default=None, help="only redraw <out>.png from this JSON of an earlier run")
     args = parser.parse_args(argv)

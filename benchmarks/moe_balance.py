@@ -3,7 +3,7 @@ token load per step (1.0 = every expert equally loaded; top_k / n_experts x E is
 expert), the mean over layers, and the loss, from the run's ``metrics.jsonl``.
 
 The run is the trainer itself, e.g. the GPU recipe on real text with a global batch that one GPU
-steps through in about half a second (``benchmarks/moe-balance-h100.json`` was made so):
+steps through in about half a second (``benchmarks/results/moe-balance-2b-h100.json`` was made so):
 
     python -m megatrain.train --config configs/moe-gpu-2b.yaml train.device=cuda train.steps=2000 \\
         train.micro_batch_size=8 train.global_batch_size=32 optim.warmup_steps=100 \\

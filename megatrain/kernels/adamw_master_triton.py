@@ -74,7 +74,7 @@ def _adamw_master_kernel(
 def _tensor_table(starts: tuple[int, ...], goffs: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The two per-gradient offsets on the device. Cached: the caching allocator mostly puts a
     step's gradients where the last step's were. Copied from pinned memory, without waiting for the
-    GPU's queue (from pageable memory the copy synchronised: benchmarks/host-waits-moe-h200.json)."""
+    GPU's queue (from pageable memory the copy synchronised: benchmarks/results/host-waits-moe-2b-h200.json)."""
     host = torch.tensor([starts, goffs], dtype=torch.int64)
     table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     return table[0], table[1]

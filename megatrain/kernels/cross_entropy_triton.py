@@ -11,7 +11,7 @@ At moe-gpu-2b's micro-batch of 32 (logits [65536, 50304], 6.6 GB) it takes 4.92 
 the two reads and the write at 4.0 TB/s, the copy rate. A persistent grid that keeps few enough
 rows in flight for the second read to come from L2 (1-8 programs per SM, 8-16 warps, blocks of
 4096-8192, evict-last/evict-first hints) measured 5.57-11.4 ms in every combination: too few
-loads in flight to keep memory busy (``benchmarks/ce-launch-sweep-h200.json``; the option was
+loads in flight to keep memory busy (``benchmarks/results/ce-launch-sweep-h200.json``; the option was
 removed after the sweep).
 """
 

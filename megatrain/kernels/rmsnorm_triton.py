@@ -82,7 +82,7 @@ def _rms_bwd_kernel(X, DY, DX, DSUM, W, RSTD, DW_PART, M, N, ROWS_PER_PROGRAM: t
 
 # The backward's persistent grid: programs per SM, and rows each program holds at once. At
 # moe-gpu-2b's [65536, 1024] bf16 with the skip's gradient on an H200 (benchmarks/rmsnorm_skip_bench.py,
-# rmsnorm-skip-candidates-h200.json): 0.294 ms with LayerNorm's 4 programs per SM one row at a
+# benchmarks/results/rmsnorm-skip-candidates-h200.json): 0.294 ms with LayerNorm's 4 programs per SM one row at a
 # time, 0.221 with 8, 0.189 with 8 holding 4 rows (2.8 TB/s for its four passes; a copy runs at 3.6).
 BWD_PROGRAMS_PER_SM = 8
 BWD_ROWS_AT_ONCE = 4

@@ -57,7 +57,7 @@ MOE_TAKES_RESIDUAL = True
 # A serial MoE block's first RMSNorm as a Triton kernel that also carries the skip connection, so
 # its backward adds the two gradients while writing dx (kernels/rmsnorm.rms_norm_with_skip). Left to
 # inductor, the layer's two norm backwards ran as two kernels that re-read their inputs: on
-# moe-gpu-2b (one H200, micro-batch 32) this is +0.48% tokens/s (benchmarks/mfu-moe-ab-norm1-skip-h200.json;
+# moe-gpu-2b (one H200, micro-batch 32) this is +0.48% tokens/s (benchmarks/results/mfu-moe-2b-variant-norm1-skip-h200.json;
 # --variants norm1-inductor measures False). Dense blocks keep inductor's norm: not measured there.
 NORM1_CARRIES_SKIP = True
 

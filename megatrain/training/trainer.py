@@ -59,7 +59,7 @@ log = logging.getLogger("megatrain")
 
 # Micro-batches reach a GPU from pinned host memory, made by the loader's prefetch thread: from
 # pageable memory the driver stages each copy on the host first (9.9 ms against 0.1 for a batch of
-# moe-gpu-2b behind queued work, one H200: benchmarks/host-waits-moe-h200.json). A module setting
+# moe-gpu-2b behind queued work, one H200: benchmarks/results/host-waits-moe-2b-h200.json). A module setting
 # so benchmarks/mfu.py can measure the difference (variant `pageable-batches`).
 PIN_BATCHES = True
 

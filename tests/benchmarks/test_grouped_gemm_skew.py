@@ -21,7 +21,7 @@ def test_without_a_gpu_the_command_says_so(tmp_path):
 
 
 def test_recorded_table_has_every_skew_and_offset_and_its_totals_add_up():
-    report = json.loads((ROOT / "benchmarks/grouped-gemm-skew-h200.json").read_text())
+    report = json.loads((ROOT / "benchmarks/results/grouped-gemm-skew-h200.json").read_text())
     rows = report["rows"]
     assert {(r["zipf_exponent"], r["weight_offset_bytes"]) for r in rows} == {
         (z, o) for z in (0.0, 0.5, 1.0, 1.5) for o in (0, 16, 64)}

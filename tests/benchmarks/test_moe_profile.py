@@ -31,11 +31,11 @@ def test_kernels_fall_in_their_part(kernel, part):
 def test_the_recorded_profiles_parts_are_its_kernels_by_part_of():
     """The recorded JSON's parts are what part_of makes of its kernels (a change to PARTS that the
     recorded parts do not follow fails here)."""
-    report = json.loads((ROOT / "benchmarks/moe-profile-h100.json").read_text())
+    report = json.loads((ROOT / "benchmarks/results/moe-profile-2b-permute-kernels-h100.json").read_text())
     reference, fused = report["variants"]
-    others = [row for name in ("moe-profile-autotune-h100.json", "moe-profile-h200.json", "moe-profile-modes-h200.json",
-                                 "moe-profile-fp8-h200.json")
-              for row in json.loads((ROOT / "benchmarks" / name).read_text())["variants"]]
+    others = [row for name in ("moe-profile-2b-compile-autotune-h100.json", "moe-profile-2b-permute-kernels-h200.json",
+                               "moe-profile-2b-compile-modes-h200.json", "moe-profile-2b-fp8-experts-h200.json")
+              for row in json.loads((ROOT / "benchmarks/results" / name).read_text())["variants"]]
     for row in (reference, fused, *others):
         by_part = {}
         for name, kernel in row["kernels"].items():
