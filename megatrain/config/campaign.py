@@ -20,13 +20,21 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from megatrain.config import compat
-from megatrain.config.load import ConfigError, format_validation_error, load_config, merge, parse_overrides, read_yaml
+from megatrain.config.load import (
+    ConfigError, Override, format_validation_error, load_config, merge, parse_overrides, read_yaml,
+)
 from megatrain.config.schema import Config
 from megatrain.config.schema import ReliabilityConfig  # noqa: F401  (re-exported for flows)
 from megatrain.config.section import _Section
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO_ROOT / "runs" / "campaigns"  # where campaign ids live (a campaign dir per id)
+
+
+class StageConfigError(Exception):
+    """A stage that does not resolve to a valid run config (``load_campaign`` names the file). Not
+    a ValueError, so that pydantic passes it through whole instead of wrapping it as an error of
+    the campaign's top level, whose override (none, or ``id=``) it would then be blamed on."""
 
 
 class StageConfig(_Section):
@@ -76,7 +84,10 @@ class CampaignConfig(_Section):
     @model_validator(mode="after")
     def _every_stage_is_a_valid_run(self) -> CampaignConfig:
         for index in range(len(self.stages)):
-            stage_config(self, index)  # raises ConfigError naming the stage and field
+            try:
+                stage_config(self, index)
+            except ConfigError as exc:  # not a ValueError to pydantic: it would file it under "(top level)"
+                raise StageConfigError(str(exc)) from None
         return self
 
     @property
@@ -131,48 +142,81 @@ _CAMPAIGN_PATHS = {
 }
 
 
-def _overridden(overrides: list[str], dotted: str) -> object | None:
-    """The value ``overrides`` give to the dotted key, or None."""
-    node: object = parse_overrides(overrides)
-    for key in dotted.split("."):
-        node = node.get(key) if isinstance(node, dict) else None
+def _overridden(overrides: list[str | Override], dotted: str) -> Override | None:
+    """The last of ``overrides`` that sets the dotted key or a section holding it, or None."""
+    found = None
+    for override in overrides:
+        key = str(override).split("=", 1)[0].strip()
+        if dotted == key or dotted.startswith(key + "."):
+            node: object = parse_overrides([override])
+            for part in dotted.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            found = override if node is not None else found
+    return found
+
+
+def _value(override: Override | None, dotted: str) -> object | None:
+    node: object = parse_overrides([override]) if override is not None else {}
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
     return node
 
 
-def _staging_dir(campaign: CampaignConfig, index: int, overrides: list[str]) -> Path:
+def _staging_dir(campaign: CampaignConfig, index: int, overrides: list[str | Override]) -> Path:
     """The stage's staging dir: <the user's checkpoint.staging_dir>/<id>/<stage> when the campaign
     or the stage overrides it (a fast local disk, say), else <stage dir>/staging."""
-    chosen = _overridden(overrides, "checkpoint.staging_dir")
+    chosen = _value(_overridden(overrides, "checkpoint.staging_dir"), "checkpoint.staging_dir")
     if chosen is None:
         return campaign.stage_dir(index) / "staging"
     return _resolve(str(chosen)) / campaign.id / campaign.stages[index].name
+
+
+CAMPAIGN_OVERRIDES = "the campaign's overrides"
+
+
+def stage_overrides(campaign: CampaignConfig, index: int) -> list[Override]:
+    """What a person wrote for one stage, each with where: the campaign's overrides, then the stage's."""
+    stage = campaign.stages[index]
+    return [*(Override(o, CAMPAIGN_OVERRIDES) for o in campaign.overrides),
+            *(Override(o, f"the overrides of stage {stage.name!r}") for o in stage.overrides)]
 
 
 def stage_config(campaign: CampaignConfig, index: int) -> Config:
     """The full run config of one stage: recipe + campaign overrides + stage overrides + paths."""
     stage = campaign.stages[index]
     stage_dir = campaign.stage_dir(index)
-    user = [*campaign.overrides, *stage.overrides]
+    user = stage_overrides(campaign, index)
     for dotted, instead in _CAMPAIGN_PATHS.items():
-        if _overridden(user, dotted) is not None:
-            raise ValueError(f"stage {stage.name!r}: {dotted} is set by the campaign for each stage, so an override "
-                             f"of it would be ignored; {instead}")
-    derived = [
-        f"train.steps={stage.steps}",
-        f"train.run_dir={stage_dir}",
-        f"checkpoint.staging_dir={_staging_dir(campaign, index, user)}",
-        f"checkpoint.durable_url={campaign.stage_durable_url(index)}",
-        f"parallel.world_size={campaign.world_size}",
+        override = _overridden(user, dotted)
+        if override is not None:
+            raise ConfigError(f"stage {stage.name!r}: {dotted} is set by the campaign for each stage, so an override "
+                              f"of it would be ignored; {instead} (set by the override {override.text!r} in "
+                              f"{override.origin})")
+
+    def derived(text: str, origin: str) -> Override:
+        return Override(text, f"the campaign's {origin}", by_person=False)
+
+    derived_overrides = [
+        derived(f"train.steps={stage.steps}", f"steps of stage {stage.name!r}"),
+        derived(f"train.run_dir={stage_dir}", "root_dir"),
+        derived(f"checkpoint.staging_dir={_staging_dir(campaign, index, user)}", "staging folder"),
+        derived(f"checkpoint.durable_url={campaign.stage_durable_url(index)}", "durable_url"),
+        derived(f"parallel.world_size={campaign.world_size}", "nproc_per_node x nnodes"),
     ]
     if campaign.shard_url:
-        derived.append(f"data.shard_url={campaign.shard_url}")
+        derived_overrides.append(derived(f"data.shard_url={campaign.shard_url}", "shard_url"))
     if index > 0:
-        derived.append(f"checkpoint.init_from={campaign.stage_durable_url(index - 1)}")
+        derived_overrides.append(derived(f"checkpoint.init_from={campaign.stage_durable_url(index - 1)}",
+                                         "previous stage"))
     try:
-        cfg = load_config(_resolve(campaign.recipe), [*user, *derived])
+        cfg = load_config(_resolve(campaign.recipe), [*user, *derived_overrides])
     except ConfigError as exc:  # name the stage; the fields are those of the resolved run config
-        fields = "\n".join(str(exc).splitlines()[1:]) or str(exc)
-        raise ValueError(f"stage {stage.name!r} ({campaign.recipe} + campaign and stage overrides):\n{fields}") from None
+        where, _, fields = str(exc).partition("\n")
+        if where == f"{_resolve(campaign.recipe)}: invalid config":  # a field of the recipe file itself
+            where = f"{campaign.recipe}: invalid config"
+        elif fields:  # every line names its override and where it was written
+            where = "invalid config"
+        raise ConfigError(f"stage {stage.name!r}: {where}" + (f"\n{fields}" if fields else "")) from None
     if "://" not in cfg.data.shard_url:  # a relative path is the repository's, whatever the cwd
         cfg.data.shard_url = str(_resolve(cfg.data.shard_url))
     if cfg.train.eval_weights is None and cfg.data.mixture is not None:
@@ -193,10 +237,14 @@ def first_stage_weights(campaign: CampaignConfig, cfg: Config, index: int) -> di
 
 
 def load_campaign(path: str | Path, overrides: list[str] | None = None) -> CampaignConfig:
-    """Read and validate a campaign file; every stage is validated as a full run config."""
+    """Read and validate a campaign file; every stage is validated as a full run config. An error
+    names the file, and for a stage its name, the field and the override that set it with where
+    it was written: the campaign's overrides, the stage's, or the command line."""
     raw = merge(read_yaml(path), parse_overrides(overrides))
     try:
         return CampaignConfig.model_validate(raw)
+    except StageConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except ValidationError as exc:
         raise ConfigError(format_validation_error(str(path), exc, CampaignConfig, overrides)) from None
 

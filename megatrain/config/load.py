@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,30 @@ class ConfigError(DeterministicError, ValueError):
     """A config that cannot be used; the message names the file, the field and the reason."""
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+COMMAND_LINE = "the command line"
+
+
+@dataclass(frozen=True)
+class Override:
+    """One ``key=value`` and where it was written, so that an error about its field names that place
+    (a campaign file's overrides, one stage's, the command line) and not another. A plain string
+    in a list of overrides is the command line's."""
+
+    text: str
+    origin: str = COMMAND_LINE
+    by_person: bool = True  # False: a value the campaign derives (paths, world size), blamed only for its own field
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def as_override(item: str | Override) -> Override:
+    return item if isinstance(item, Override) else Override(str(item))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str | Override] | None = None) -> Config:
     """Read a recipe (or the defaults when ``path`` is None), apply overrides, validate. A bad
-    field set by an override is blamed on the override, not on the file."""
+    field set by an override is blamed on the override and where it was written, not on the file."""
     raw = read_yaml(path) if path is not None else {}
     raw = merge(raw, parse_overrides(overrides))
     source = str(path) if path is not None else "<defaults>"
@@ -52,12 +74,14 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
+def parse_overrides(overrides: list[str | Override] | None) -> dict[str, Any]:
     """``["optim.lr=3e-4", "model.block=serial"]`` -> nested dict; values parsed as YAML scalars."""
     tree: dict[str, Any] = {}
-    for item in overrides or []:
+    for override in map(as_override, overrides or []):
+        item = override.text
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. optim.lr=3e-4")
+            where = "" if override.origin == COMMAND_LINE else f" (in {override.origin})"
+            raise ConfigError(f"override {item!r}{where}: expected key=value, e.g. optim.lr=3e-4")
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), _parse_scalar(raw))
     return tree
@@ -97,23 +121,44 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_validation_error(source: str, error: ValidationError, model: type[BaseModel] | None = None,
-                            overrides: list[str] | None = None) -> str:
+                            overrides: list[str | Override] | None = None) -> str:
     """pydantic's errors as ``source: invalid config`` and one ``  field: reason`` line each. With
     the ``model`` validated, an unknown key gets the nearest known one ("did you mean"); a field
-    that one of ``overrides`` set names that override instead of the file."""
-    set_by = {item.split("=", 1)[0].strip(): item for item in overrides or [] if "=" in item}
+    that one of ``overrides`` set names that override and where it was written instead of the
+    file, and when every line is such a field the first line names that place, not the file."""
+    set_by = {o.text.split("=", 1)[0].strip(): o for o in map(as_override, overrides or []) if "=" in o.text}
     lines: list[str] = []
+    blamed: list[str | None] = []
     for item in error.errors():
         loc = [str(part) for part in item["loc"]]
         field = ".".join(loc) or "(top level)"
         message = item["msg"]
         if item["type"] == "extra_forbidden" and model is not None:
             message += _did_you_mean(model, loc)
-        override = next((set_by[k] for k in set_by if field == k or field.startswith(k + ".") or k.startswith(field + ".")),
-                        None)
-        lines.append(f"  {field}: {message}" + (f" (set by the override {override!r})" if override else ""))
-    where = source if len(lines) > sum("(set by the override" in line for line in lines) else "the command line"
+        override = _set_by(field, message, set_by, item["type"] == "extra_forbidden")
+        blamed.append(override.origin if override is not None else None)
+        if override is not None:
+            where = "" if override.origin == COMMAND_LINE else f" in {override.origin}"
+            message += f" (set by the override {override.text!r}{where})"
+        lines.append(f"  {field}: {message}")
+    origins = set(blamed)
+    where = origins.pop() if len(origins) == 1 and None not in origins else source
     return "\n".join([f"{where}: invalid config", *lines])
+
+
+def _set_by(field: str, message: str, set_by: dict[str, Override], unknown: bool) -> Override | None:
+    """The override an error of ``field`` is about: the one that set the field or a value holding
+    it; for an error of a whole section (a check across its fields), the one a person wrote whose
+    key the message names. A section's error is never blamed on a value the campaign derived for
+    one of its other fields (a mixture's duplicate names on ``data.shard_url``). An ``unknown`` key
+    (a section where none belongs) is the one an override under it brought in."""
+    for key, override in set_by.items():
+        if field == key or field.startswith(key + "."):
+            return override
+    for key, override in set_by.items():
+        if override.by_person and key.startswith(field + ".") and (unknown or key in message):
+            return override
+    return None
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

@@ -76,3 +76,62 @@ def test_a_campaign_id_never_leaves_the_root_dir(tmp_path, campaign_id):
 def test_overrides_reach_the_campaign(tmp_path):
     campaign = load_campaign(write(tmp_path, BASE.format(root=tmp_path)), ["id=other"])
     assert campaign.id == "other" and campaign.campaign_dir == tmp_path / "other"
+
+
+# Where a value came from (issue 48): a campaign file's own overrides, a stage's and the command line
+# are each named as themselves.
+
+ORIGINS = """
+id: t
+recipe: {recipe}
+root_dir: {root}
+shard_url: {root}/shards
+overrides: [{campaign}]
+stages:
+  - {{name: warm, steps: 5, overrides: [{stage}]}}
+"""
+
+
+def _refusal(tmp_path, campaign="train.seq_len=64", stage="train.seq_len=64", recipe="configs/tiny-cpu.yaml",
+             command_line=None) -> str:
+    path = write(tmp_path, ORIGINS.format(root=tmp_path, recipe=recipe, campaign=campaign, stage=stage))
+    with pytest.raises(ConfigError) as info:
+        load_campaign(path, command_line)
+    return str(info.value)
+
+
+def test_a_misspelled_key_in_the_campaign_files_overrides_is_blamed_on_them_not_the_command_line(tmp_path):
+    message = _refusal(tmp_path, campaign="optim.lrr=3e-4")
+    assert message.startswith(f"{tmp_path / 'campaign.yaml'}: stage 'warm': invalid config"), message
+    assert "optim.lrr: Extra inputs are not permitted (did you mean 'lr'?) (set by the override 'optim.lrr=3e-4' " \
+           "in the campaign's overrides)" in message
+    assert "command line" not in message
+
+
+def test_a_stage_override_of_a_field_that_does_not_exist_names_the_stage(tmp_path):
+    message = _refusal(tmp_path, stage="model.n_layr=2")
+    assert "(set by the override 'model.n_layr=2' in the overrides of stage 'warm')" in message, message
+    assert "command line" not in message and "campaign's overrides" not in message
+
+
+def test_a_value_of_the_wrong_type_in_the_campaign_file_is_blamed_on_the_file(tmp_path):
+    message = _refusal(tmp_path, campaign="optim.lr=fast")
+    assert "optim.lr: Input should be a valid number" in message
+    assert "(set by the override 'optim.lr=fast' in the campaign's overrides)" in message and "command line" not in message
+
+
+def test_duplicate_mixture_names_are_blamed_on_the_mixture_not_on_the_campaigns_shard_url(tmp_path):
+    mixture = "'data.mixture=[{name: a, sources: [x.txt], weight: 1}, {name: a, sources: [y.txt], weight: 1}]'"
+    message = _refusal(tmp_path, stage=mixture)
+    assert "component names must be unique, ['a'] repeat" in message
+    assert "in the overrides of stage 'warm')" in message and "shard_url" not in message, message
+    recipe = tmp_path / "recipe.yaml"  # the mixture in the recipe: the recipe is named, not a derived value
+    recipe.write_text("data:\n  mixture:\n    - {name: a, sources: [x.txt], weight: 1}\n"
+                      "    - {name: a, sources: [y.txt], weight: 1}\n")
+    message = _refusal(tmp_path, recipe=str(recipe))
+    assert f"stage 'warm': {recipe}: invalid config" in message and "shard_url" not in message, message
+
+
+def test_the_command_line_is_named_for_what_it_set(tmp_path):
+    message = _refusal(tmp_path, command_line=["optim.lr=1"])
+    assert message.startswith("the command line: invalid config") and "(set by the override 'optim.lr=1')" in message
