@@ -24,6 +24,7 @@ from megatrain.launch.run_token import RUN_TOKEN_ENV
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")  # a heartbeat record (a dataclass with rank, host, pid, run_id, signature)
+OPEN_PLACE = "open"  # where records of writers without a token go (a rank started by hand, tests)
 
 
 class Identity:
@@ -33,6 +34,14 @@ class Identity:
     def __init__(self, run_id: str, token: str | None) -> None:
         self.run_id, self._key = run_id, token.encode() if token else None
         self._told: set[tuple[int, str]] = set()
+
+    @property
+    def place(self) -> str:
+        """Where this run's records go: a name only the token's holders can compute (a writer
+        without it, or with another, puts its records elsewhere and cannot take their place)."""
+        if self._key is None:
+            return OPEN_PLACE
+        return hmac.new(self._key, f"heartbeats:{self.run_id}".encode(), hashlib.sha256).hexdigest()[:16]
 
     def _digest(self, record: Any) -> str:
         body = {k: v for k, v in record.to_dict().items() if k != "signature"}
@@ -59,8 +68,6 @@ class Identity:
         return False
 
 
-def admitted(identity: Identity | None, records: dict[int, R], where: str) -> dict[int, R]:
-    """The records ``identity`` admits (all of them without one)."""
-    if identity is None:
-        return records
-    return {rank: record for rank, record in records.items() if identity.admit(record, where)}
+def admitted(identity: Identity | None, records: list[R], where: str) -> list[R]:
+    """The records of a list ``identity`` admits (all of them without one)."""
+    return records if identity is None else [record for record in records if identity.admit(record, where)]

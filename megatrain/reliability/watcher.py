@@ -48,6 +48,9 @@ from megatrain.reliability.stacks import collect_stacks
 log = logging.getLogger(__name__)
 
 FROZEN_MIN_S = 2.0  # heartbeat silence that, with a stuck step, means the process is not running
+# A writer that began this long before the watcher still counts as this attempt's (clocks of two
+# hosts, NTP-synchronised, differ by less); one of an earlier attempt began seconds to hours before.
+START_SKEW_S = 1.0
 
 
 @dataclass
@@ -121,7 +124,11 @@ class HeartbeatWatcher:
 
     Records published before ``since`` (default: when the watcher was made) are ignored: they
     belong to a previous attempt, whose dead ranks must not fail the restart before it begins.
-    A watcher resumed over a running job passes ``since=0``.
+    So are records of writers that began before it (a rank of an earlier attempt that outlived
+    it, signed with the run's token, beating on): they are never news of this attempt's ranks.
+    A watcher resumed over a running job passes ``since=0``. A record refused (another run, no
+    or a wrong signature, an earlier attempt) changes nothing: each rank is judged from the last
+    record of its own that was admitted, and the sinks keep refused records out of its slot.
 
     A store that cannot be read gives a result with ``unknown`` set and no verdict. When it reads
     again, a rank not heard from since is dead only after a full ``timeout_s`` from that moment
@@ -187,7 +194,7 @@ class HeartbeatWatcher:
         now = time.time()
         notes: list[str] = []
         try:
-            read = self.sink.read_all(self.world_size)
+            read = self.sink.read_all(self.world_size, started_after=self.since - START_SKEW_S if self.since else None)
         except Exception as exc:  # the store is down: we know nothing, so we judge nothing
             self._read_failures += 1
             reason = f"{type(exc).__name__}: {exc}"
@@ -203,7 +210,9 @@ class HeartbeatWatcher:
                          f"({self._read_failures} failed reads)")
             log.warning("%s", notes[-1])
             self._unreadable_since, self._read_failures, self._readable_again_at = None, 0, now
-        fresh = {r: rec for r, rec in read.items() if rec.timestamp >= self.since}
+        # never backwards: a record older than the one already seen is no news (and resets no clock)
+        fresh = {r: rec for r, rec in read.items() if rec.timestamp >= self.since
+                 and (r not in self._last or rec.timestamp >= self._last[r].timestamp)}
         self._last.update(fresh)
         result = WatchResult(checked_at=now, records=dict(self._last), notes=notes)
         stall_limit = self._stall_limit()

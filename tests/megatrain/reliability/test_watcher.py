@@ -28,7 +28,7 @@ class _FlakySink:
     def publish(self, record: HeartbeatRecord) -> None:
         self.records[record.rank] = record
 
-    def read_all(self, world_size: int) -> dict[int, HeartbeatRecord]:
+    def read_all(self, world_size: int, started_after: float | None = None) -> dict[int, HeartbeatRecord]:
         if self.down:
             raise ConnectionError("Connection refused")
         return dict(self.records)
@@ -215,8 +215,12 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from megatrain.reliability.heartbeat import DirectorySink, HeartbeatWriter, RedisSink
+    import os
+    from megatrain.reliability.identity import Identity
     kind, where, run_id, rank, mode, stacks = sys.argv[1:]
-    sink = RedisSink(where, run_id) if kind == "redis" else DirectorySink(where)
+    token = os.environ.get("MEGATRAIN_RUN_TOKEN")  # set: records signed, as the launcher's ranks sign them
+    identity = Identity(run_id, token) if token else None
+    sink = RedisSink(where, run_id, identity=identity) if kind == "redis" else DirectorySink(where, identity=identity)
     writer = HeartbeatWriter(sink, int(rank), interval_s=0.2, stacks_dir=stacks)
 
     def stuck_in_allreduce(until=lambda: False):
@@ -324,6 +328,70 @@ def test_a_sigstopped_rank_is_named_alone_and_the_stacks_come_from_its_peers(tmp
         assert "frozen" in stacks_text[1] and "state T: stopped by a signal" in stacks_text[1], stacks_text
         assert "frozen=[1]" in result.message(stacks_text) and "waiting=[0]" in result.message(stacks_text)
     finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        watcher.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forged", ["unsigned", "wrong signature"])
+def test_forged_records_flooding_the_run_dir_change_no_verdict(tmp_path: Path, forged: str) -> None:
+    """Signed ranks, rank 1 stopped (SIGSTOP), and a forger writing records for both ranks into the
+    run's heartbeat folder as fast as it can, from before the watcher's first read: the verdict is
+    the same as without it (frozen=[1], waiting=[0], by the stall rule long before the timeout).
+    Where a forged record took the place of a true one, the watcher lost the ranks' clocks: it
+    called the hang at the timeout or named the beating rank frozen."""
+    import json
+    import os
+    import threading
+
+    from megatrain.reliability.identity import Identity
+
+    hb, stacks = tmp_path / "hb", tmp_path / "stacks"
+    stacks.mkdir()
+    env = dict(os.environ, MEGATRAIN_RUN_TOKEN="the-runs-token")
+    forger_identity = Identity("run", None if forged == "unsigned" else "a-guessed-token")
+    stop = threading.Event()
+
+    def forge() -> None:  # at the places the rank files of a run have: any name of rank0000N in it
+        hb.mkdir(exist_ok=True)
+        while not stop.is_set():
+            for rank in (0, 1):
+                now = time.time()
+                record = forger_identity.stamp(HeartbeatRecord(rank, step=999, phase="forward", timestamp=now,
+                                                               step_since=now, first_step_done=True,
+                                                               recent_step_s=[0.05] * 8))
+                for target in [hb / f"rank{rank:05d}.json", *hb.glob(f"rank{rank:05d}.*.json")]:
+                    spare = target.with_name(f".{target.name}.forged")
+                    spare.write_text(json.dumps(record.to_dict()))
+                    os.replace(spare, target)
+            time.sleep(0.002)
+
+    forger = threading.Thread(target=forge, name="forger", daemon=True)
+    forger.start()
+    procs = {rank: subprocess.Popen([sys.executable, "-c", CHILD, "directory", str(hb), "run", str(rank), mode,
+                                     str(stacks)], env=env) for rank, mode in ((0, "peer"), (1, "lead"))}
+    sink = DirectorySink(hb, identity=Identity("run", "the-runs-token"))
+    watcher = HeartbeatWatcher(sink, world_size=2, timeout_s=60.0, init_timeout_s=60.0, stacks_dir=stacks,
+                               stall_factor=20.0, stall_min_s=3.0, since=0)
+    try:
+        deadline = time.time() + 60
+        while not ((r := watcher.check().records) and len(r) == 2 and r[0].step > 12 and r[1].step > 12):
+            assert time.time() < deadline, "the ranks' records never came through"
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        result = watcher.check()
+        while result.ok:
+            assert time.time() - stopped_at < 30, result.message()  # the timeout is 60 s
+            time.sleep(0.1)
+            result = watcher.check()
+        assert (result.frozen, result.waiting, result.faulty) == ([1], [0], [1]), result.message()
+        assert all(record.step != 999 for record in result.records.values())
+    finally:
+        stop.set()
+        forger.join()
         for proc in procs.values():
             proc.kill()
             proc.wait()
