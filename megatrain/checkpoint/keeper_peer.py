@@ -51,7 +51,7 @@ log = logging.getLogger("megatrain.keeper")
 
 __all__ = ["HOST_ENV", "Channel", "PeerClient", "PeerError", "PeerTier", "Registry"]  # wire names, re-exported
 
-HOST_ENV = "MEGATRAIN_KEEPER_HOST"  # the address keepers bind and advertise (default: all / this host's)
+HOST_ENV = "MEGATRAIN_KEEPER_HOST"  # the address keepers bind and advertise (default 127.0.0.1; a pod's own IP)
 SERVE_TIMEOUT_S = 120.0  # a peer connection silent this long is closed (a dead peer frees its thread)
 IDLE_CHANNEL_S = 60.0  # a sender reconnects rather than reuse a connection idle this long
 
@@ -74,10 +74,9 @@ class PeerTier:
         self.sent: dict[int, dict[str, Any]] = {}  # rank -> the last replication (step, node, bytes, seconds)
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        bind = os.environ.get(HOST_ENV) or "0.0.0.0"
-        self.server.bind((bind, 0))
+        host = os.environ.get(HOST_ENV) or "127.0.0.1"  # one address, never all (launch/listen.py)
+        self.server.bind((host, 0))
         self.server.listen(16)
-        host = os.environ.get(HOST_ENV) or socket.gethostbyname(socket.gethostname())
         self.address = f"{host}:{self.server.getsockname()[1]}"
 
     def start(self) -> None:
