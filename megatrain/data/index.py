@@ -7,8 +7,9 @@ sha256 digests all come from here, and the loader checks shards against them.
 Formats: the index records the ``format`` its shards were written in (see shard_format.py).
 Format 2 (written today) packs many samples per tar member; format 1 (one member per sample)
 is still read, so versions written before format 2 stay usable without re-sharding. Fields added
-since format 1 (``format``, ``bad_sources``, ``bos_id``, ``val_documents``, ``val_note``) have
-defaults, so an old index.json, and code that builds a ShardIndex with keyword arguments, keep working.
+since format 1 (``format``, ``bad_sources``, ``bos_id``, ``val_documents``, ``val_note``,
+``replaced_bytes``) have defaults, so an old index.json, and code that builds a ShardIndex with
+keyword arguments, keep working.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class ShardIndex:
     # counted) and, in one line, why there is none, or how the floor made one; "" when rule 1 sufficed
     val_documents: int | None = None
     val_note: str = ""
+    # Text decoding (decoding.py): per input file, its bytes that were not UTF-8 and became U+FFFD
+    # (files without any are left out; empty for versions sharded before it was counted)
+    replaced_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def val_num_samples(self) -> int:
@@ -116,7 +120,16 @@ class ShardIndex:
             f"{len(self.shards)} shards, {total / 1e6:.1f} MB\n"
             f"  tokenizer {self.tokenizer_file}: vocab {self.vocab_size}, eos id {self.eos_id}, dtype {self.dtype}\n"
             f"  inputs: {len(self.inputs.get('files', []))} files, {self.inputs.get('bytes', 0)} bytes read"
+            + (f"\n  {describe_replaced(self.replaced_bytes)}" if self.replaced_bytes else "")
         )
+
+
+def describe_replaced(replaced: dict[str, int]) -> str:
+    """``text decoding: 312 bytes that are not UTF-8 became U+FFFD in 2 files (most: a.txt 300)``."""
+    worst = max(replaced, key=lambda url: (replaced[url], url))
+    files = len(replaced)
+    return (f"text decoding: {sum(replaced.values()):,} bytes that are not UTF-8 became U+FFFD in {files} "
+            f"file{'' if files == 1 else 's'} (most: {worst.rsplit('/', 1)[-1]} {replaced[worst]:,})")
 
 
 def dtype_for_vocab(vocab_size: int) -> str:

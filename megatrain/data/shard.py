@@ -38,8 +38,8 @@ import numpy as np
 from megatrain import storage
 from megatrain.config import DataConfig
 from megatrain.data.index import (
-    FORMAT, INDEX_NAME, TOKENIZER_NAME, BadShardError, DataError, ShardIndex, ShardInfo, dtype_for_vocab, load_index,
-    write_index,
+    FORMAT, INDEX_NAME, TOKENIZER_NAME, BadShardError, DataError, ShardIndex, ShardInfo, describe_replaced,
+    dtype_for_vocab, load_index, write_index,
 )
 from megatrain.data.legacy import legacy_version
 from megatrain.data.held_out import FLOOR, ReservedDocument, choose_floor
@@ -54,6 +54,8 @@ __all__ = ["BadShardError", "DataError", "ShardIndex", "ShardInfo", "cli", "fini
 log = logging.getLogger(__name__)
 
 GROUP_BYTES = 1 << 20  # small files are grouped into units of about this many bytes (or data.unit_bytes if less)
+UNITS_PER_VERSION = 16  # a corpus is cut into at least this many units when it is large enough (unit_target)
+UNIT_PLAN = 2  # the version's params name it: 2 = unit_target's grain, large pieces cut by rows, decoding counted
 
 
 def fingerprint(files: list[SourceFile], params: dict) -> str:
@@ -76,7 +78,8 @@ def _existing(url: str, vocab_size: int) -> ShardIndex | None:
 def _tokenizer(cfg: DataConfig, units, vocab_size: int) -> TokenizerSpec:
     if cfg.tokenizer != "bpe":
         return load_tokenizer(cfg.tokenizer, cfg.eos_token, vocab_size)
-    documents = (doc for unit in units for doc in read_documents(unit, cfg.text_field, cfg.on_bad_source, []))
+    documents = (doc for unit in units for doc in read_documents(unit, cfg.text_field, cfg.on_bad_source, [],
+                                                                 max_replaced_fraction=cfg.max_replaced_fraction))
     return train_bpe(documents, min(cfg.bpe_vocab_size or vocab_size, vocab_size), cfg.eos_token)
 
 
@@ -105,11 +108,16 @@ def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan |
         if (index := _existing(storage.join_url(cfg.shard_url, before_floor), vocab_size)) is not None:
             return index
         params["held_out_floor"] = FLOOR
+    # likewise a version sharded before text decoding was counted and large pieces were cut by rows
+    if (index := _existing(storage.join_url(cfg.shard_url, fingerprint(files, params)), vocab_size)) is not None:
+        return index
+    params.update(max_replaced_fraction=cfg.max_replaced_fraction, unit_plan=UNIT_PLAN)
     version = fingerprint(files, params)
     url = storage.join_url(cfg.shard_url, version)
     if (index := _existing(url, vocab_size)) is not None:
         return index
-    units, unreadable = plan_units(files, cfg.unit_bytes, _group_bytes(cfg), cfg.on_bad_source, text_field=cfg.text_field)
+    units, unreadable = plan_units(files, unit_target(cfg, files), _group_bytes(cfg), cfg.on_bad_source,
+                                   text_field=cfg.text_field)
     if not units:
         raise DataError(f"sources {cfg.sources}: no readable input ({len(bad) + len(unreadable)} files refused)")
     tokenizer = _tokenizer(cfg, units, vocab_size)
@@ -121,7 +129,7 @@ def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan |
         bos_id=tokenizer.bos_id, text_field=cfg.text_field, val_fraction=cfg.val_fraction,
         on_bad_source=cfg.on_bad_source, units=units, bad_sources=[*bad, *unreadable], params=params,
         inputs={"files": [dataclasses.asdict(f) for f in files], "bytes": sum(f.limit for f in files)},
-        held_out_floor=bool(cfg.val_fraction),
+        held_out_floor=bool(cfg.val_fraction), max_replaced_fraction=cfg.max_replaced_fraction,
     )
     storage.write_bytes(storage.join_url(url, "plan.json"), json.dumps(plan.to_json(), sort_keys=True).encode())
     log.info("planned %s: %d files (%d bytes) in %d units, %d sources refused", url, len(files),
@@ -131,6 +139,14 @@ def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan |
 
 def _group_bytes(cfg: DataConfig) -> int:
     return min(GROUP_BYTES, cfg.unit_bytes)
+
+
+def unit_target(cfg: DataConfig, files: list[SourceFile]) -> int:
+    """The bytes of a work unit: ``data.unit_bytes``, or less for a corpus too small to give
+    UNITS_PER_VERSION units of that size (but never under GROUP_BYTES): a 20 MB corpus is 16
+    units, not one that a single worker shards while the others wait. It depends on the files
+    alone, never on the worker count, so every engine cuts the same units."""
+    return min(cfg.unit_bytes, max(_group_bytes(cfg), sum(f.limit for f in files) // UNITS_PER_VERSION))
 
 
 def _file_sha256(url: str) -> str:
@@ -158,6 +174,7 @@ def finish_sharding(plan: ShardPlan) -> ShardIndex:
     ``tail-shard-*`` and their held-out documents into ``val-shard-*``, in unit order; with a
     held-out floor (held_out.py) the reserves are split between the two first."""
     shards, tails, held_out, records, bad = [], [], [], [], [dataclasses.asdict(b) for b in plan.bad_sources]
+    replaced: dict[str, int] = {}
     for i in range(len(plan.units)):
         record, unit_url = read_unit(plan, i), plan.unit_url(i)
         source = storage.join_url(unit_url, "unit.json")
@@ -169,6 +186,8 @@ def finish_sharding(plan: ShardPlan) -> ShardIndex:
         held_out.append([load_npy(unit_url, record["heldout"], source)])
         records.append(record)
         bad += record["bad_sources"]
+        for file_url, count in record.get("replaced_bytes", {}).items():  # a cut file: the sum of its units
+            replaced[file_url] = replaced.get(file_url, 0) + count
     dtype = np.dtype(plan.dtype)
     val_documents, val_note = (_apply_floor(plan, records, tails, held_out, shards) if plan.held_out_floor
                                else (None, ""))
@@ -182,13 +201,15 @@ def finish_sharding(plan: ShardPlan) -> ShardIndex:
         dtype=plan.dtype, num_samples=num_samples, num_tokens=num_samples * (plan.seq_len + 1), shards=shards,
         tokenizer_file=plan.tokenizer_file, tokenizer_sha256=plan.tokenizer_sha256, inputs=plan.inputs,
         params=plan.params, val_shards=val_shards, bad_sources=bad, bos_id=plan.bos_id,
-        val_documents=val_documents, val_note=val_note,
+        val_documents=val_documents, val_note=val_note, replaced_bytes=dict(sorted(replaced.items())),
     )
     write_index(index)
     log.info("wrote %d samples in %d shards (+ %d held-out samples, %d sources refused) to %s", num_samples,
              len(shards), index.val_num_samples, len(bad), plan.url)
     if val_note:
         log.warning("held-out split of %s: %s", plan.url, val_note)
+    if replaced:
+        log.warning("%s: %s", plan.url, describe_replaced(index.replaced_bytes))
     return index
 
 
@@ -320,7 +341,8 @@ def mixture_tokenizer(cfg: DataConfig, vocab_size: int) -> DataConfig:
             for component, files in planned:
                 units, _ = plan_units(files, cfg.unit_bytes, _group_bytes(cfg), cfg.on_bad_source)
                 for unit in units:
-                    yield from read_documents(unit, component.text_field, cfg.on_bad_source, [])
+                    yield from read_documents(unit, component.text_field, cfg.on_bad_source, [],
+                                              max_replaced_fraction=cfg.max_replaced_fraction)
         storage.write_bytes(url, train_bpe(documents(), vocab, cfg.eos_token).json_text.encode())
         log.info("trained the mixture's BPE on its %d components: %s", len(planned), url)
     return cfg.model_copy(update={"tokenizer": url})

@@ -1,7 +1,7 @@
 """One work unit of sharding, anywhere: its documents -> tokens -> packed shards, content-addressed.
 
-A unit (``sources.WorkUnit``: some small files, a file, a range of Parquet row groups or of JSONL
-bytes) is the grain every engine hands out: a process of the local pool, a Prefect task on a Dask
+A unit (``sources.WorkUnit``: some small files, a file, a range of Parquet row groups, Arrow data
+files, of the rows of one of them, or of JSONL bytes) is the grain every engine hands out: a process of the local pool, a Prefect task on a Dask
 worker. It writes only below its own folder ``<version>/units/<unit id>/``:
 
     shard-NNNNNN.tar   its training windows (seq_len + 1 tokens each), ``samples_per_shard`` a shard
@@ -9,7 +9,8 @@ worker. It writes only below its own folder ``<version>/units/<unit id>/``:
     heldout.npy        the tokens of its held-out documents (data.val_fraction), not packed yet
     reserve.npy        its not-held-out documents of smallest hash, one window's worth: held out or
                        trained by the finish (held_out.py: every version gets a held-out split)
-    unit.json          written last: what the files above hold, with their sha256
+    unit.json          written last: what the files above hold, with their sha256, and per input
+                       file its bytes that were not UTF-8 (``replaced_bytes``: decoding.py)
 
 The unit id hashes the unit and every parameter that shapes its output, so a unit whose
 ``unit.json`` exists is done (a rerun skips it), and a unit killed midway, which has none, is
@@ -68,6 +69,9 @@ class ShardPlan:
     # held_out.py's rule 2: each unit keeps a reserve, and the finish holds out enough of the
     # version's documents of smallest hash for one window (False in plans written before it)
     held_out_floor: bool = False
+    # data.max_replaced_fraction (decoding.py): a file part with more bytes that are not UTF-8 is a
+    # bad source; None in plans written before text decoding was counted (no limit then)
+    max_replaced_fraction: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -87,6 +91,8 @@ class ShardPlan:
                                                  "bos_id", "text_field", "val_fraction", "on_bad_source")}
         if self.held_out_floor:  # only then: a unit planned before it keeps its id
             shaping["held_out_floor"] = True
+        if self.max_replaced_fraction is not None:  # likewise
+            shaping["max_replaced_fraction"] = self.max_replaced_fraction
         blob = json.dumps({"unit": self.units[i].describe(), **shaping}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -95,8 +101,9 @@ class ShardPlan:
 
 
 def unit_from_json(raw: dict[str, Any]) -> WorkUnit:
-    part = raw.get("part")
-    return WorkUnit(files=tuple(SourceFile(**f) for f in raw["files"]), part=None if part is None else tuple(part))
+    part, rows = raw.get("part"), raw.get("rows")
+    return WorkUnit(files=tuple(SourceFile(**f) for f in raw["files"]), part=None if part is None else tuple(part),
+                    size_hint=raw.get("size_hint"), rows=None if rows is None else tuple(rows))
 
 
 _PLANS: dict[str, ShardPlan] = {}
@@ -204,7 +211,9 @@ def shard_unit(plan: ShardPlan, i: int) -> dict[str, Any]:
     reserve = Reserve(plan.seq_len + 1) if plan.held_out_floor else None
     threshold = plan.val_fraction * 2**64  # held_out.is_held_out's rule, on a hash computed once
     documents = tokens = 0
-    for batch in _batches(read_documents(unit, plan.text_field, plan.on_bad_source, bad)):
+    replaced: dict[str, int] = {}  # per file: bytes that were not UTF-8, now U+FFFD (decoding.py)
+    for batch in _batches(read_documents(unit, plan.text_field, plan.on_bad_source, bad, replaced,
+                                         plan.max_replaced_fraction)):
         train: list[list[int]] = []
         for document, ids in zip(batch, tokenizer.encode_documents(batch)):
             digest = document_hash(document) if plan.val_fraction > 0 else 0
@@ -223,7 +232,7 @@ def shard_unit(plan: ShardPlan, i: int) -> dict[str, Any]:
         "unit_id": plan.unit_id(i), "unit": unit.describe(), "documents": documents, "tokens": tokens,
         "shards": writer.shards, "tail": _save_npy(storage.join_url(unit_url, "tail.npy"), tail),
         "heldout": _save_npy(storage.join_url(unit_url, "heldout.npy"), heldout),
-        "bad_sources": [dataclasses.asdict(b) for b in bad],
+        "bad_sources": [dataclasses.asdict(b) for b in bad], "replaced_bytes": replaced,
     }
     if reserve is not None:
         kept = reserve.documents()

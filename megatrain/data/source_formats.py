@@ -3,14 +3,14 @@
 Names lie (gzip bytes named ``.parquet`` were once tokenized as gzip header bytes), so the first
 bytes decide: ``identify`` reads the head of a file (and the tail of a Parquet file) and answers its
 kind and compression, or raises a DataError that starts with the URL and says what the file looks
-like. The readers below turn one file, or one part of it, into documents.
+like. The readers below turn a text or JSONL file, or a byte range of one, into documents (their
+text decoding counted: ``decoding.py``); Parquet and Arrow are read by ``table_formats.py``.
 
 Every byte comes through ``megatrain.storage``, and a failure of the storage itself stays a
 StorageError (an outage: a retry may help) and is never mistaken for a broken file (a DataError,
 which ``on_bad_source: skip`` would drop: an outage must not silently change the corpus). Decoder
 failures (zlib, zstandard, pyarrow) become one DataError naming the file, the library's exception
-chained as its cause. No torch here: this runs in tokenizer worker processes; pyarrow is imported
-only where Parquet or Arrow is read.
+chained as its cause. No torch here: this runs in tokenizer worker processes.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from typing import IO, Any
 import zstandard
 
 from megatrain import storage
+from megatrain.data import decoding
+from megatrain.data.decoding import Tally
 from megatrain.data.index import DataError
 from megatrain.errors import UnsafePathError
 from megatrain.storage.urls import describe, errors_name
@@ -117,7 +119,7 @@ def _inflate_head(url: str, head: bytes, compression: str, whole: bool) -> tuple
     whole file, the stream is read to its end (up to 16 MiB): a small truncated file is refused now."""
     stream, out, total, complete = decompressed(io.BytesIO(head), compression), bytearray(), 0, False
     try:
-        with _broken(url, f"corrupt or truncated {compression} data"):
+        with broken(url, f"corrupt or truncated {compression} data"):
             while not complete and total < (16 << 20 if whole else HEAD):
                 piece = stream.read(8192)
                 out += piece[: HEAD - len(out)]
@@ -170,7 +172,7 @@ def _text_or_jsonl(url: str, content: bytes, whole: bool, named_kind: str | None
 
 
 # --------------------------------------------------------------------------------- streams
-class _Guarded(io.RawIOBase):
+class Guarded(io.RawIOBase):
     """A storage file whose own failures are StorageErrors, whoever reads it (gzip, pyarrow):
     an outage is then never taken for a broken file."""
 
@@ -246,7 +248,7 @@ def decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
 
 
 @contextlib.contextmanager
-def _broken(url: str, what: str) -> Iterator[None]:
+def broken(url: str, what: str) -> Iterator[None]:
     """A decoder's failure -> one DataError naming the file (the library's exception chained)."""
     try:
         yield
@@ -257,34 +259,37 @@ def _broken(url: str, what: str) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------ text, JSONL
-def text_documents(url: str, compression: str | None, limit: int) -> list[str]:
-    """One file, one document (nothing for blank files); the first ``limit`` bytes if uncompressed."""
-    with _Guarded(url) as raw, _broken(url, f"corrupt or truncated {compression} data"):
+def text_documents(url: str, compression: str | None, limit: int, tally: Tally | None = None) -> list[str]:
+    """One file, one document (nothing for blank files); the first ``limit`` bytes if uncompressed.
+    Bytes that are not UTF-8 become U+FFFD, counted into ``tally`` (decoding.py)."""
+    with Guarded(url) as raw, broken(url, f"corrupt or truncated {compression} data"):
         data = decompressed(raw, compression).read(-1 if compression else limit)
     if b"\x00" in data:  # identify saw only the head
         raise DataError(f"{url}: binary (NUL bytes from offset {data.index(0)}), not text")
-    text = data.decode("utf-8", errors="replace")  # the odd latin-1 byte is a replacement character
+    text = decoding.decode(data, tally if tally is not None else Tally())
     return [text] if text.strip() else []
 
 
 def jsonl_documents(url: str, compression: str | None, limit: int, text_field: str,
-                    span: tuple[int, int] | None = None) -> Iterator[str]:
+                    span: tuple[int, int] | None = None, tally: Tally | None = None) -> Iterator[str]:
     """The ``text_field`` of each line. Blank lines are skipped; a line that is not a JSON object
     with a string there is a DataError naming ``file:line`` (``file: the line at byte N`` in a
-    span not starting at 0, where the line number is unknown). An empty string is no document."""
+    span not starting at 0, where the line number is unknown). An empty string is no document.
+    Bytes that are not UTF-8, and unpaired surrogate escapes, become U+FFFD, counted into ``tally``."""
+    tally = tally if tally is not None else Tally()
     start, stop = span or (0, limit)
-    with _Guarded(url) as raw, _broken(url, f"corrupt or truncated {compression or 'JSONL'} data"):
+    with Guarded(url) as raw, broken(url, f"corrupt or truncated {compression or 'JSONL'} data"):
         for number, (offset, line) in enumerate(_lines(raw, compression, limit, start, stop), 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.decode("utf-8", errors="replace").lstrip("\ufeff"))
+                record = json.loads(decoding.decode(line, tally).lstrip("\ufeff"))
                 value = record[text_field] if isinstance(record, dict) else None
             except (ValueError, KeyError) as exc:
                 value = exc
             if isinstance(value, str):
                 if value:
-                    yield value
+                    yield decoding.without_surrogates(value, tally)
                 continue
             where = f"{url}:{number}" if start == 0 else f"{url}: the line at byte {offset}"
             why = (f"not JSON ({value})" if isinstance(value, ValueError)
@@ -316,101 +321,9 @@ def _lines(raw: IO[bytes], compression: str | None, limit: int, start: int, stop
         offset += len(line)
 
 
-# ------------------------------------------------------------------------------ Parquet, Arrow
-def parquet_row_groups(url: str, text_field: str | None = None) -> list[int]:
-    """The compressed bytes of each row group, from the footer alone (and the text column checked)."""
-    import pyarrow.parquet as pq
-
-    with _Guarded(url) as raw, _broken(url, "a broken Parquet footer"):
-        meta = pq.ParquetFile(raw).metadata
-        schema = meta.schema.to_arrow_schema()
-        sizes = [sum(group.column(c).total_compressed_size for c in range(group.num_columns))
-                 for group in map(meta.row_group, range(meta.num_row_groups))]
-    if text_field is not None:
-        check_column(url, schema, text_field)
-    return sizes
-
-
-def check_column(url: str, schema: Any, text_field: str) -> None:
-    """A DataError listing the columns unless ``text_field`` is a string column of ``schema``."""
-    import pyarrow as pa
-
-    columns = ", ".join(f"{f.name} ({f.type})" for f in schema)
-    if text_field not in schema.names:
-        raise DataError(f"{url}: no column {text_field!r} (data.text_field); its columns: {columns}")
-    kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-        raise DataError(f"{url}: column {text_field!r} holds {kind}, not strings; its columns: {columns}")
-
-
-def parquet_documents(url: str, text_field: str, groups: tuple[int, int] | None = None) -> Iterator[str]:
-    """The non-empty strings of the text column, one row group at a time, only that column read."""
-    import pyarrow.parquet as pq
-
-    with _Guarded(url) as raw:
-        with _broken(url, "a broken Parquet footer"):
-            parquet = pq.ParquetFile(raw, page_checksum_verification=True)  # where the writer stored CRCs
-        check_column(url, parquet.schema_arrow, text_field)
-        for group in range(*(groups or (0, parquet.num_row_groups))):
-            with _broken(url, f"a broken Parquet row group {group}"):
-                column = parquet.read_row_group(group, columns=[text_field]).column(0)
-            yield from _strings(column.chunks)
-
-
-def arrow_data_files(folder: str) -> list[str]:
-    """The data files of a ``datasets`` save_to_disk folder, in order; every name read from
-    state.json stays inside the folder (storage.confined)."""
-    state_url = storage.join_url(folder, "state.json")
-    try:
-        state = json.loads(storage.read_bytes(state_url))
-        entries = state["_data_files"]
-        names = [entry["filename"] for entry in entries]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DataError(f"{folder}: an Arrow dataset folder whose state.json has no _data_files list "
-                        f"of filenames ({describe(exc)})") from exc
-    return [storage.confined(folder, name, state_url) for name in names]
-
-
-def arrow_data_info(url: str) -> dict[str, Any]:
-    """storage.info of one Arrow data file, which must exist and start as an IPC stream does."""
-    if not storage.exists(url):
-        raise DataError(f"{url}: an Arrow data file named in state.json does not exist")
-    head = read_range(url, 0, 4)
-    if head != b"\xff\xff\xff\xff":
-        raise DataError(f"{url}: not an Arrow IPC stream (it starts with {head!r}), as datasets writes them")
-    return storage.info(url)
-
-
-def check_arrow_features(folder: str, text_field: str) -> None:
-    """The text column, checked in dataset_info.json's features (metadata: no data file read)."""
-    info_url = storage.join_url(folder, "dataset_info.json")
-    try:
-        features = json.loads(storage.read_bytes(info_url)).get("features")
-    except (ValueError, AttributeError) as exc:
-        raise DataError(f"{info_url}: not a JSON object ({describe(exc)})") from exc
-    if not isinstance(features, dict):
-        return  # no features recorded: the data file's schema is checked when it is read
-    columns = ", ".join(features)
-    feature = features.get(text_field)
-    if feature is None:
-        raise DataError(f"{folder}: no column {text_field!r} (data.text_field); its columns: {columns}")
-    if not (isinstance(feature, dict) and feature.get("dtype") in ("string", "large_string")):
-        raise DataError(f"{folder}: column {text_field!r} holds {feature}, not strings; its columns: {columns}")
-
-
-def arrow_documents(data_urls: list[str], text_field: str) -> Iterator[str]:
-    """The non-empty strings of the text column of each Arrow IPC stream, batch by batch."""
-    import pyarrow as pa
-
-    for url in data_urls:
-        with _Guarded(url) as raw, _broken(url, "a broken Arrow data file"):
-            reader = pa.ipc.open_stream(io.BufferedReader(raw, CHUNK))
-            check_column(url, reader.schema, text_field)
-            index = reader.schema.get_field_index(text_field)
-            for batch in reader:
-                yield from _strings([batch.column(index)])
-
-
-def _strings(arrays: Any) -> Iterator[str]:
-    for array in arrays:
-        yield from filter(None, array.to_pylist())  # nulls and empty strings are no documents
+@contextlib.contextmanager
+def guarded(url: str, what: str) -> Iterator[IO[bytes]]:
+    """The file at ``url`` as a seekable stream whose storage failures stay StorageErrors and whose
+    decoding failures are one DataError ``<url>: <what> (...)``."""
+    with Guarded(url) as raw, broken(url, what):
+        yield raw  # type: ignore[misc]

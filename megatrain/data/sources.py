@@ -7,9 +7,11 @@ The steps, in order, are the functions of this module:
    zstd), Parquet, or a ``datasets`` Arrow folder; cut at ``max_source_bytes``. Anything else is
    refused here, before anything is written.
 2. ``plan_units``: files -> work units of about ``target_bytes``: small text/JSONL files grouped, a
-   Parquet file cut by row groups, an Arrow folder by data files, a large uncompressed JSONL by
-   byte ranges. Reads metadata only (footers, state.json), never the data.
-3. ``read_documents``: one unit -> its documents (str), always in the same order.
+   Parquet file cut by row groups, an Arrow folder by data files, and a row group or data file much
+   larger than a unit by row ranges (``tabular_units.py``), a large uncompressed JSONL by byte
+   ranges. Reads metadata only (footers, state.json, Arrow message headers), never the data.
+3. ``read_documents``: one unit -> its documents (str), always in the same order; bytes that are
+   not UTF-8 counted per file (``decoding.py``).
 
 ``on_bad_source``: under ``"error"`` the first refused or broken file raises its DataError; under
 ``"skip"`` it is logged, left out, and returned as a ``BadSource`` so the index can record it. A
@@ -29,8 +31,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from megatrain import storage
+from megatrain.data import decoding
 from megatrain.data import source_formats as formats
+from megatrain.data import table_formats as tables
+from megatrain.data.decoding import Tally
 from megatrain.data.index import DataError
+from megatrain.data.tabular_units import tabular_units
 from megatrain.errors import UnsafePathError
 
 log = logging.getLogger(__name__)
@@ -66,10 +72,14 @@ class WorkUnit:
     part: tuple[int, int] | None = None  # parquet: row groups [first, stop); arrow: data files
     # [first, stop); uncompressed jsonl: bytes [start, stop) (a line belongs to the range it starts in)
     size_hint: int | None = field(default=None, compare=False)  # plan_units' estimate of ``bytes``
+    rows: tuple[int, int] | None = None  # a cut row group or Arrow data file (part: that one): its rows [first, stop)
 
     def describe(self) -> dict[str, Any]:
         """JSON-able and stable: it content-addresses the unit's output."""
-        return {"files": [asdict(f) for f in self.files], "part": list(self.part) if self.part else None}
+        described = {"files": [asdict(f) for f in self.files], "part": list(self.part) if self.part else None}
+        if self.rows is not None:  # only then: a unit of whole pieces keeps the id it always had
+            described["rows"] = list(self.rows)
+        return described
 
     @property
     def bytes(self) -> int:
@@ -173,8 +183,8 @@ def _identify(url: str, info: dict, hint: str | None) -> SourceFile:
 
 def _arrow_folder(folder: str) -> SourceFile:
     """An Arrow dataset folder: its size is its data files'; its change marker a hash of theirs."""
-    data = formats.arrow_data_files(folder)
-    infos = [storage.info(storage.join_url(folder, "state.json"))] + [formats.arrow_data_info(url) for url in data]
+    data = tables.arrow_data_files(folder)
+    infos = [storage.info(storage.join_url(folder, "state.json"))] + [tables.arrow_data_info(url) for url in data]
     markers = [[int(info.get("size") or 0), _change_marker(info)] for info in infos]
     size = sum(size for size, _ in markers[1:])
     return SourceFile(folder, "arrow", None, size, hashlib.sha256(json.dumps(markers).encode()).hexdigest()[:16], size)
@@ -195,7 +205,8 @@ def plan_units(files: list[SourceFile], target_bytes: int = 64 << 20, group_byte
     Text and JSONL files under ``group_bytes`` are grouped up to ``group_bytes`` per unit (a unit per
     small file would cost more in IPC than in work). A Parquet file is cut by row groups (their
     compressed sizes, from the footer) and an Arrow folder by data files into units of about
-    ``target_bytes``; an uncompressed JSONL above ``target_bytes`` into byte ranges; any other file,
+    ``target_bytes``, a piece much larger than that into row ranges (``tabular_units.py``); an
+    uncompressed JSONL above ``target_bytes`` into byte ranges; any other file,
     compressed ones included, is one unit. With ``text_field`` the Parquet and Arrow text column is
     checked now, from the metadata, rather than when the unit is read.
     """
@@ -203,7 +214,8 @@ def plan_units(files: list[SourceFile], target_bytes: int = 64 << 20, group_byte
     if target_bytes <= 0 or group_bytes <= 0:
         raise ValueError(f"target_bytes {target_bytes} and group_bytes {group_bytes} must be positive")
     tabular = [f for f in files if f.kind in ("parquet", "arrow")]
-    pieces = dict(zip((f.url for f in tabular), _each(lambda f: _piece_sizes(f, text_field), tabular)))
+    pieces = dict(zip((f.url for f in tabular),
+                      _each(lambda f: tabular_units(f, text_field, target_bytes, group_bytes), tabular)))
     units: list[WorkUnit] = []
     bad: list[BadSource] = []
     group: list[SourceFile] = []
@@ -220,11 +232,11 @@ def plan_units(files: list[SourceFile], target_bytes: int = 64 << 20, group_byte
                 close_group()
             continue
         close_group()
-        sizes = pieces.get(file.url)
-        if isinstance(sizes, BaseException):
-            _refused(file.url, sizes, on_bad_source, bad)
-        elif sizes is not None:
-            units += [WorkUnit((file,), part, weight) for part, weight in _cut(sizes, target_bytes)]
+        cut = pieces.get(file.url)
+        if isinstance(cut, BaseException):
+            _refused(file.url, cut, on_bad_source, bad)
+        elif cut is not None:
+            units += [WorkUnit((file,), part, weight, rows) for part, weight, rows in cut]
         elif file.kind == "jsonl" and file.compression is None and file.limit > target_bytes:
             units += [WorkUnit((file,), (start, min(start + target_bytes, file.limit)))
                       for start in range(0, file.limit, target_bytes)]
@@ -234,29 +246,10 @@ def plan_units(files: list[SourceFile], target_bytes: int = 64 << 20, group_byte
     return units, bad
 
 
-def _piece_sizes(file: SourceFile, text_field: str | None) -> list[int]:
-    """Bytes of each row group (Parquet) or data file (Arrow), read from metadata."""
-    if file.kind == "parquet":
-        return formats.parquet_row_groups(file.url, text_field)
-    if text_field is not None:
-        formats.check_arrow_features(file.url, text_field)
-    return [storage.size(url) for url in formats.arrow_data_files(file.url)]
-
-
-def _cut(sizes: list[int], target_bytes: int) -> list[tuple[tuple[int, int], int]]:
-    """Consecutive pieces -> ([first, stop), bytes) spans of at least ``target_bytes`` (the last: the rest)."""
-    spans, first, total = [], 0, 0
-    for index, size in enumerate(sizes):
-        total += size
-        if total >= target_bytes:
-            spans.append(((first, index + 1), total))
-            first, total = index + 1, 0
-    return spans + [((first, len(sizes)), total)] if first < len(sizes) else spans
-
-
 # -------------------------------------------------------------------------------- 3. documents
 def read_documents(unit: WorkUnit, text_field: str, on_bad_source: str = "error",
-                   bad: list[BadSource] | None = None) -> Iterator[str]:
+                   bad: list[BadSource] | None = None, replaced: dict[str, int] | None = None,
+                   max_replaced_fraction: float | None = None) -> Iterator[str]:
     """The unit's documents, file by file, in a fixed order.
 
     Under "skip" a file that fails midway is appended to ``bad`` and contributes nothing: each
@@ -265,38 +258,55 @@ def read_documents(unit: WorkUnit, text_field: str, on_bad_source: str = "error"
     on where the failure happened. The unit of skipping is the unit's part of a file: the other
     row groups, data files or byte ranges of a cut file are units of their own.
     Under "error" documents stream as they are read and the failure raises.
+
+    Text decoding is counted (decoding.py): each file's bytes that were not UTF-8 are added to
+    ``replaced[url]`` once the file's part is read; a part above ``max_replaced_fraction`` of
+    its bytes fails like a broken file (under "error", after its documents streamed).
     """
     _check_policy(on_bad_source)
     for file in unit.files:
-        def documents(file: SourceFile = file) -> Iterator[str]:
-            return _documents(file, unit.part, text_field)
+        def documents(tally: Tally, file: SourceFile = file) -> Iterator[str]:
+            yield from _documents(file, unit.part, unit.rows, text_field, tally)
+            decoding.check(file.url, tally, max_replaced_fraction)
 
         if on_bad_source == "error":
-            yield from documents()
+            tally = Tally()
+            yield from documents(tally)
+            _count(replaced, file.url, tally)
             continue
         weight = (unit.bytes if len(unit.files) == 1 else file.limit) * (4 if file.compression else 1)
+        tally = Tally()
         try:
             if weight <= HOLD_BYTES:
-                held: Iterator[str] = iter(list(documents()))
+                held: Iterator[str] = iter(list(documents(tally)))
             else:
-                for _ in documents():  # read through once: a huge file is read twice, not held
+                for _ in documents(Tally()):  # read through once: a huge file is read twice, not held
                     pass
-                held = documents()
+                held = documents(tally)
         except (DataError, UnsafePathError) as exc:
             _refused(file.url, exc, on_bad_source, bad if bad is not None else [])
             continue
         yield from held
+        _count(replaced, file.url, tally)
 
 
-def _documents(file: SourceFile, part: tuple[int, int] | None, text_field: str) -> Iterator[str]:
+def _count(replaced: dict[str, int] | None, url: str, tally: Tally) -> None:
+    if replaced is not None and tally.replaced:
+        replaced[url] = replaced.get(url, 0) + tally.replaced
+
+
+def _documents(file: SourceFile, part: tuple[int, int] | None, rows: tuple[int, int] | None, text_field: str,
+               tally: Tally) -> Iterator[str]:
     if file.kind == "text":
-        return iter(formats.text_documents(file.url, file.compression, file.limit))
+        return iter(formats.text_documents(file.url, file.compression, file.limit, tally))
     if file.kind == "jsonl":
-        return formats.jsonl_documents(file.url, file.compression, file.limit, text_field, part)
+        return formats.jsonl_documents(file.url, file.compression, file.limit, text_field, part, tally)
     if file.kind == "parquet":
-        return formats.parquet_documents(file.url, text_field, part)
-    data = formats.arrow_data_files(file.url)
-    return formats.arrow_documents(data[slice(*part)] if part else data, text_field)
+        return tables.parquet_documents(file.url, text_field, part, rows)
+    data = tables.arrow_data_files(file.url)
+    if rows is not None:
+        return tables.arrow_rows(data[part[0]], text_field, rows)
+    return tables.arrow_documents(data[slice(*part)] if part else data, text_field)
 
 
 # ------------------------------------------------------------------------------------ helpers
