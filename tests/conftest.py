@@ -236,3 +236,119 @@ def pytest_runtest_logreport(report):
     if path and report.duration >= 0.5:
         with open(path, "a") as out:
             out.write(f"{report.nodeid} {report.when} {report.duration:.2f}\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing a test starts outlives it: a thread or a process left running goes on drawing from the
+# process's random generators, holding ports and files and taking CPU from the tests after it,
+# which then fail for no reason of their own (a fresh clone's make test did, twice).
+
+LEFTOVER_GRACE_S = 2.0  # for a thread or process already told to stop to finish on a loaded machine
+
+# What outlives a test by design. Anything a module- or session-scoped fixture starts belongs to
+# that fixture (the Prefect test server, redis-server, a shared keeper; ``pytest_fixture_setup``
+# below records it). Besides those, started by the first test that needs them and kept for the
+# process's lifetime:
+# - multiprocessing's fork server and its resource tracker: megatrain/launch/forked.py forks CPU
+#   ranks from one warm server per launcher (here: per test worker);
+# - Prefect's client threads: one event loop thread for its sync API, the log and event workers;
+SESSION_THREAD_PREFIXES = ("GlobalEventLoopThread", "APILogWorkerThread", "EventsWorkerThread")
+# - the threads of module-level pools, (module, attribute): the keeper's hashing pool, and the
+#   compile pool torch.compile keeps per process (``AsyncCompile.pool``, an lru_cache'd executor).
+SESSION_POOLS = (("megatrain.checkpoint.keeper_wire", "_HASH_THREADS"),)
+
+_FIXTURE_STARTED: dict[str, set] = {"threads": set(), "pids": set()}
+
+
+def _session_processes() -> set[int]:
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {pid for pid in pids if pid} | _FIXTURE_STARTED["pids"]
+
+
+def _session_threads() -> set:
+    import sys
+
+    threads = set(_FIXTURE_STARTED["threads"])
+    for module, attribute in SESSION_POOLS:
+        pool = getattr(sys.modules.get(module), attribute, None)
+        threads |= set(getattr(pool, "_threads", ()))
+    compile_pools = getattr(sys.modules.get("torch._inductor.async_compile"), "AsyncCompile", None)
+    if compile_pools is not None and compile_pools.pool.cache_info().currsize:
+        threads |= set(compile_pools.pool()._threads)
+    return threads
+
+
+def _child_processes() -> dict[int, str]:
+    """This process's running children (pid -> command line), from /proc (zombies excluded: an
+    exited child that nobody waited for holds nothing)."""
+    me, found = os.getpid(), {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            if int(fields[1]) != me or fields[0] == b"Z":
+                continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+                found[int(entry.name)] = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """What a module- or session-scoped fixture starts lives as long as that fixture: it is not
+    the leftover of the test that happened to need it first."""
+    if fixturedef.scope == "function":
+        yield
+        return
+    import threading
+
+    threads, children = set(threading.enumerate()), set(_child_processes())
+    yield
+    _FIXTURE_STARTED["threads"] |= set(threading.enumerate()) - threads
+    _FIXTURE_STARTED["pids"] |= set(_child_processes()) - children
+
+
+def _leftovers(threads_before: set, children_before: dict[int, str]) -> tuple[list, dict[int, str]]:
+    import threading
+
+    session = _session_threads()
+    threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive() and not t.daemon
+               and t not in session and not t.name.startswith(SESSION_THREAD_PREFIXES)]
+    session_pids = _session_processes()
+    children = {pid: cmd for pid, cmd in _child_processes().items()
+                if pid not in session_pids and pid not in children_before}
+    return threads, children
+
+
+@pytest.fixture(autouse=True)
+def fail_on_leftovers():
+    """Fails the test that leaves a non-daemon thread or a child process running (after
+    ``LEFTOVER_GRACE_S``), naming them, and kills the children it left (by pid), so that the
+    tests after it start clean."""
+    import signal
+    import threading
+    import time
+
+    threads_before, children_before = set(threading.enumerate()), _child_processes()
+    yield
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    threads, children = _leftovers(threads_before, children_before)
+    while (threads or children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        threads, children = _leftovers(threads_before, children_before)
+    if not (threads or children):
+        return
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    what = [f"thread {t.name!r} (target {getattr(t, '_target', None)!r})" for t in threads]
+    what += [f"child process {pid}: {cmd}" for pid, cmd in children.items()]
+    pytest.fail("the test left running (join or stop what it starts):\n  " + "\n  ".join(what), pytrace=False)

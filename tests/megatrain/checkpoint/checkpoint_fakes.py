@@ -1,6 +1,13 @@
 """A small in-process trainer with everything a checkpoint holds (model, optimizer, LR schedule,
 loader position, counters, every RNG), so the checkpoint package is tested in seconds without
-DeepSpeed. The DeepSpeed/ZeRO path is covered end to end by test_resume.py."""
+DeepSpeed. The DeepSpeed/ZeRO path is covered end to end by test_resume.py.
+
+The random generators a checkpoint restores are the process's own (torch's, python's, numpy's):
+in a test worker every thread shares them, a library's retry jitter in a thread left by another
+test included. So a fake trainer draws from them only when asked (``draws_globals``), and the
+check that asks runs in a process of its own (``resume_generators.py``); the others' trainers are
+deterministic without them (weights from a generator of their own, no dropout).
+"""
 
 from __future__ import annotations
 
@@ -50,12 +57,14 @@ class FakeTrainer:
     engine: Any
     loader: FakeLoader
     step: int = 0
+    draws_globals: bool = False  # dropout and a scale from python's and numpy's process-wide generators
 
     def train_step(self) -> None:
         x = next(self.loader)
         model, optimizer = self.engine.module, self.engine.optimizer
-        # Draw from every RNG a checkpoint must restore: torch (dropout), python and numpy.
-        scale = 1.0 + 1e-3 * random.random() + 1e-3 * float(np.random.rand())
+        scale = 1.0
+        if self.draws_globals:  # every generator a checkpoint must restore: torch (dropout), python, numpy
+            scale += 1e-3 * random.random() + 1e-3 * float(np.random.rand())
         loss = (model(x) * scale).square().mean()
         loss.backward()
         optimizer.step()
@@ -72,18 +81,27 @@ def make_config(tmp: Path, **checkpoint: Any) -> Config:
     return load_config(None, overrides)
 
 
-def make_trainer(cfg: Config, seed: int = 0) -> FakeTrainer:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16))
+def make_trainer(cfg: Config, seed: int = 0, draws_globals: bool = False) -> FakeTrainer:
+    """A fake trainer whose weights, data and (with ``draws_globals``) process-wide generators
+    follow from ``seed``."""
+    if draws_globals:
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+    model = nn.Sequential(nn.utils.skip_init(nn.Linear, 16, 32), nn.GELU(),
+                          nn.Dropout(0.1) if draws_globals else nn.Identity(), nn.utils.skip_init(nn.Linear, 32, 16))
+    weights = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=weights) * 0.2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     engine = SimpleNamespace(module=model, optimizer=optimizer, lr_scheduler=scheduler,
                              global_steps=0, global_samples=0, micro_steps=0, skipped_steps=0)
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="gloo")
     groups = ProcessGroups(dims=ParallelDims(dp=1, tp=1, pp=1), rank=0)
-    return FakeTrainer(cfg=cfg, env=env, groups=groups, engine=engine, loader=FakeLoader(seed))
+    return FakeTrainer(cfg=cfg, env=env, groups=groups, engine=engine, loader=FakeLoader(seed),
+                       draws_globals=draws_globals)
 
 
 def run(trainer: FakeTrainer, checkpointer: Checkpointer, until: int) -> None:
@@ -99,9 +117,10 @@ def full_state(trainer: FakeTrainer) -> dict[str, torch.Tensor]:
         for k, v in trainer.engine.optimizer.state[p].items():
             out[f"optim.{i}.{k}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
     out["lr"] = torch.tensor(trainer.engine.optimizer.param_groups[0]["lr"], dtype=torch.float64)
-    out["torch_rng"] = torch.get_rng_state()
-    out["python_rng"] = torch.tensor(random.getstate()[1])
-    out["numpy_rng"] = torch.from_numpy(np.random.get_state()[1].astype(np.int64))
+    if trainer.draws_globals:
+        out["torch_rng"] = torch.get_rng_state()
+        out["python_rng"] = torch.tensor(random.getstate()[1])
+        out["numpy_rng"] = torch.from_numpy(np.random.get_state()[1].astype(np.int64))
     out["position"] = torch.tensor(trainer.loader.position)
     return out
 
