@@ -3,7 +3,8 @@
     python -m megatrain.launch.nodes --config CFG --nodes-dir DIR --nodes 0,1 --nproc-per-node 2 [k=v ...]
 
 Each node is a real torchrun agent in its own process session, and the agents meet through a real
-c10d rendezvous on loopback (node 0 hosts the store), as separate machines would. Each node has
+c10d rendezvous on loopback (node 0 hosts the store, listening on 127.0.0.1 only), as separate
+machines would. Each node has
 its own staging directory (``DIR/node-<i>/staging``: its ranks stage there and upload their own
 files, like a cluster node's local disk; rank 0 commits) and its own node loader (one reader per
 node: the node loader's channel is keyed by the agent's group rank). The node self-check runs per
@@ -55,9 +56,10 @@ def nodes_command(config_path: str | Path, nodes: list[int], nproc_per_node: int
 
 def agent_command(config_path: str, nnodes: int, nproc_per_node: int, port: int, run_id: str, is_host: bool,
                   overrides: list[str]) -> list[str]:
-    """One node's torchrun agent, joining the others through c10d on 127.0.0.1:port."""
+    """One node's torchrun agent, joining the others through c10d on 127.0.0.1:port; its stores
+    listen on 127.0.0.1 only (megatrain.launch.torchrun)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+        sys.executable, "-m", "megatrain.launch.torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
         "--rdzv-conf", f"is_host={int(is_host)}", "--local-addr", "127.0.0.1", "--max-restarts", "0",
         "-m", "megatrain.train", "--config", config_path, *overrides,

@@ -62,9 +62,9 @@ def free_port() -> int:
 
 
 def torchrun_command(config_path: str | Path, nproc_per_node: int, overrides: list[str] | None = None) -> list[str]:
-    """One node's ranks. (A multi-node stage runs one of these per node, e.g. a Kubernetes indexed Job.)"""
+    """One node's ranks, torchrun's agent hosting their store on 127.0.0.1 only (megatrain.launch.torchrun)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
+        sys.executable, "-m", "megatrain.launch.torchrun", "--nproc-per-node", str(nproc_per_node),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         "-m", "megatrain.train", "--config", str(config_path), *(overrides or []),
     ]

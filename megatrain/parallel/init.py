@@ -3,8 +3,9 @@ create the world communicator. Gloo on CPU, NCCL on GPU, timeouts and choices fr
 
 The fast path (MegaScale §3.5), each choice in ``parallel.init`` (``InitConfig``):
 
-- the store: torch's libuv ``TCPStore`` (default; torchrun's agent store under torchrun) or a
-  ``RedisStore`` (any rank can reach it, nothing waits for rank 0 to come up). Its keys are
+- the store: torch's libuv ``TCPStore`` (default; torchrun's agent store under torchrun; the
+  server rank 0 hosts listens on ``MASTER_ADDR`` only, ``launch/listen.py``) or a ``RedisStore``
+  (any rank can reach it, nothing waits for rank 0 to come up). Its keys are
   namespaced per launch and restart (``MASTER_ADDR:MASTER_PORT``, torchrun's restart count), so a
   relaunch never reads an earlier rendezvous;
 - the join barrier (``rendezvous.join``): O(1) store operations per rank, a clear error naming the
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatrain.config import InitConfig
+from megatrain.launch.listen import bound_store_class, is_loopback, pin_to_loopback
 from megatrain.parallel.rendezvous import CountingStore, join
 from megatrain.observe.startup import StartupTimer
 
@@ -82,8 +84,9 @@ def connect_store(init: InitConfig, rank: int, world: int, run_id: str, redis_ur
         return CountingStore(probe)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
-    tcp = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store, timeout=timeout,
-                        wait_for_workers=False, use_libuv=True)
+    # rank 0's server listens on MASTER_ADDR only (torch's own binds every interface, unauthenticated)
+    tcp = bound_store_class(dist.TCPStore)(host, port, world, is_master=rank == 0 and not agent_store,
+                                           timeout=timeout, wait_for_workers=False, use_libuv=True)
     return CountingStore(dist.PrefixStore(f"megatrain/{namespace}/", tcp))
 
 
@@ -128,6 +131,8 @@ def init_distributed(
     import deepspeed
 
     store = None
+    if is_loopback(os.environ["MASTER_ADDR"]):  # every rank on this machine: gloo/NCCL listen on loopback too
+        pin_to_loopback()
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         device_id = device_obj if backend == "nccl" and init.eager_nccl else None

@@ -23,7 +23,7 @@ def test_cpu_ranks_are_forked_unless_turned_off_or_a_standby_is_asked_for():
     else:
         assert isinstance(forked, ForkLaunch) and forked.argv == ["--config", "run.yaml"] and forked.nproc_per_node == 2
     torchrun = rank_launch(load_config(TINY, ["train.device=cpu", "reliability.fork_cpu_ranks=false"]), "run.yaml", 2)
-    assert isinstance(torchrun, list) and torchrun[1:3] == ["-m", "torch.distributed.run"]
+    assert isinstance(torchrun, list) and torchrun[1:3] == ["-m", "megatrain.launch.torchrun"]  # its stores on loopback
     standby = rank_launch(load_config(TINY, ["reliability.warm_standby=true"]), "run.yaml", 2)
     assert isinstance(standby, StandbyLaunch)
     gpu = rank_launch(load_config(TINY, ["train.device=cuda"]), "run.yaml", 1)
