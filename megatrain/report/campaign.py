@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrain.checkpoint.files import step_dir_name
-from megatrain.observe.attempt_log import read_attempts
 from megatrain.report.expert_load import TITLE as EXPERT_LOAD, plot_expert_load
+from megatrain.report.records import human_count, is_fault, is_interrupt, read_stage
 from megatrain.report.status import CampaignStatus, campaign_status, describe_data, stage_status
 from megatrain.report.runs import markdown_image, plot_loss, summarize_run, tensorboard_problems
+from megatrain.report.tb_summary import write_summary_scalars
 
 
 SAMPLES_FILE = "samples.json"  # [{"prompt", "text", "step"}] in a stage's run dir
+SUMMARY_TB = "tb"  # report/tb: the report's numbers as TensorBoard scalars (tb_summary.py)
 EXPORT_FILE = "export.json"  # in the final stage's run dir: the export-model task's result (tasks/export.py)
 
 
@@ -38,11 +40,14 @@ def _round(value, digits: int = 4):
 
 
 def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = None) -> CampaignReport:
-    """``stage_results``: the flow's ``train-stage`` results (attempt history as Prefect saw it);
-    without them the attempts come from each stage's ``attempts.jsonl``."""
+    """``stage_results``: the flow's ``train-stage`` results, which name its stages in order (and
+    hold the attempts as Prefect saw them, for a stage without ``attempts.jsonl``). Everything else
+    is read from the campaign folder where it is now: a result's recorded paths (its ``run_dir``,
+    ``durable_url``) are never used, since a cached result outlives a move of the folder."""
+    campaign_dir = Path(campaign_dir)
     if stage_results:  # the flow's own list of stages: in order, whatever the folders hold
-        status = CampaignStatus(Path(campaign_dir).name, str(campaign_dir), [
-            stage_status(Path(r["run_dir"]), r.get("durable_url"), r.get("steps")) for r in stage_results])
+        status = CampaignStatus(campaign_dir.name, str(campaign_dir), [
+            stage_status(campaign_dir / r["stage"], target_steps=r.get("steps")) for r in stage_results])
     else:
         status = campaign_status(campaign_dir)
     campaign_dir = Path(status.dir)
@@ -57,25 +62,27 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         summary = summarize_run(stage.run_dir) if stage.loss is not None else None  # rows to summarize
         # attempts.jsonl (AttemptLog) holds every attempt with its number, reruns of a stopped
         # campaign included; the flow's own history only this run's
-        attempts = read_attempts(stage.run_dir)
+        attempts = read_stage(stage.run_dir).attempts  # their logs where they are now
         numbered = ([(a.get("attempt", n), a) for n, a in enumerate(attempts, start=1)] if attempts
                     else list(enumerate(result.get("history") or [], start=1)))
         attempts_seen += [{"stage": stage.name, "attempt": number, "status": attempt.get("status"),
-                           "message": attempt.get("message") or "", "log": attempt.get("log")}
+                           "message": attempt.get("message") or "", "log": attempt.get("log") if attempts else None,
+                           "fault": is_fault(attempt), "interrupt": is_interrupt(attempt)}
                           for number, attempt in numbered]
         resumes += [{"stage": stage.name, **change} for change in resume_changes(stage.durable_url, stage.committed)]
         restores += [{"stage": stage.name, **row} for row in read_restores(stage.run_dir)]
         rows.append({
             "stage": stage.name, "state": stage.state,
-            "steps": summary.steps if summary else stage.last_step,  # no metrics: the committed steps
+            "steps": stage.last_step,  # the timeline's last step, or the committed one without metrics
             "first loss": _round(summary.first_loss) if summary else None,
-            "final loss": _round(summary.final_loss) if summary else None,
-            "val loss": _round(summary.val_loss) if summary else None,
-            "tokens/s": round(summary.tokens_per_s) if summary else None,
+            "final loss": _round(stage.loss),
+            "val loss": _round(stage.val_loss),
+            "tokens": stage.tokens, "tokens/s": None if stage.tokens_per_s is None else round(stage.tokens_per_s),
             "MFU %": None if not summary or summary.mfu is None else round(100 * summary.mfu, 1),
             "step ms": round(summary.step_time_ms, 1) if summary else None,
-            "attempts": result.get("attempts", stage.attempts), "restarts": result.get("restarts", stage.restarts),
-            "rollbacks": result.get("rollbacks", stage.rollbacks),
+            "attempts": stage.attempts, "restarts": stage.restarts, "rollbacks": stage.rollbacks,
+            "interrupts": stage.interrupts, "faults": stage.faults,
+            "resumed at": stage.resumed_at, "superseded rows": stage.superseded_rows,
             "data": describe_data(stage.data) or None,  # per component: tokens and epochs consumed
         })
         if stage.val_components or stage.validation.get("mixture"):
@@ -99,11 +106,12 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
                          title=f"campaign {status.id}: loss per stage")
     pictures = {"loss curve": loss_png, **pictures}
     # event files in <stage run dir>/tb (megatrain/observe/tensorboard.py): one logdir for all stages
-    tensorboard = campaign_dir if any(campaign_dir.glob("*/tb")) else None
+    tensorboard = campaign_dir if any((Path(s.run_dir) / "tb").is_dir() for s in status.stages) else None
     summary = {
         "campaign": status.id, "campaign_dir": str(campaign_dir), "finished": status.finished,
         "stages": rows, "attempts": attempts_seen, "checkpoints": checkpoints,
-        "faults": [a for a in attempts_seen if a["status"] != "completed"],
+        "faults": [a for a in attempts_seen if a["fault"]],
+        "interrupts": [a for a in attempts_seen if a["interrupt"]],  # a Ctrl-C, a SIGTERM, a cancel: not faults
         "report": str(report_dir / "report.md"), "loss_curve": str(loss_png),
         "tensorboard": str(tensorboard) if tensorboard else None,
         "pictures": {title: str(png) for title, png in pictures.items()},
@@ -112,8 +120,10 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
         "restores": restores,  # every restore of a restarted attempt: its tier (keeper, peer, durable) and cost
         "problems": problems,  # files missing or damaged, per stage
         "validation": validation,  # per stage of a mixture: the mix, its weights, each component's loss or reason
-        "export": _read_export(Path(status.stages[-1].run_dir) / EXPORT_FILE) if status.stages else None,
+        "export": _read_export(status.stages[-1].run_dir) if status.stages else None,
     }
+    if tensorboard:  # the same numbers in TensorBoard, beside the stages' curves
+        summary["tensorboard_summary"] = str(write_summary_scalars(summary, report_dir / SUMMARY_TB))
     head, body = _markdown_body(summary)
 
     def with_pictures(show) -> str:
@@ -180,14 +190,19 @@ def _read_samples(path: Path) -> list[dict]:
     return [s for s in found if isinstance(s, dict) and {"prompt", "text"} <= s.keys()] if isinstance(found, list) else []
 
 
-def _read_export(path: Path) -> dict | None:
+def _read_export(run_dir: str | Path) -> dict | None:
+    """The final stage's export.json, its model's path where the folder is now."""
     import json
 
     try:
-        found = json.loads(path.read_text())
+        found = json.loads((Path(run_dir) / EXPORT_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return found if isinstance(found, dict) and "exported" in found else None
+    if not isinstance(found, dict) or "exported" not in found:
+        return None
+    if found.get("path"):
+        found["path"] = read_stage(run_dir).where(str(found["path"]))
+    return found
 
 
 def _export_markdown(export: dict | None) -> list[str]:
@@ -318,13 +333,20 @@ def _relative(path: Path, start: Path) -> str:
 
 def _markdown_body(summary: dict) -> tuple[str, str]:
     """The report's text in two parts: its title and stage table, and the rest."""
-    columns = ["stage", "state", "steps", "final loss", "val loss", "tokens/s", "attempts", "restarts", "rollbacks",
-               "data"]
+    columns = ["stage", "state", "steps", "final loss", "val loss", "tokens", "tokens/s", "attempts", "restarts",
+               "rollbacks", "interrupts", "data"]
+    shown = {"tokens": lambda v: human_count(v), "tokens/s": lambda v: f"{v:,}"}
     lines = [f"# Campaign `{summary['campaign']}`", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join("-" if row[c] is None else str(row[c]) for c in columns) + " |" for row in summary["stages"]]
+    lines += ["| " + " | ".join("-" if row.get(c) is None else shown.get(c, str)(row[c]) for c in columns) + " |"
+              for row in summary["stages"]]
+    redone = sum(row.get("superseded rows") or 0 for row in summary["stages"])
+    lines += ["", "tokens/s: the tokens of the steps that led to the final model over the time those steps took"
+              + (f" ({redone} logged rows of steps trained again after a restart, rollback or interrupt left out)."
+                 if redone else ".")]
     head, lines = "\n".join(lines) + "\n", []
-    lines += [f"## Attempts ({len(summary['faults'])} faults detected)", ""]
+    lines += [f"## Attempts ({len(summary['faults'])} faults detected, "
+              f"{len(summary.get('interrupts') or [])} interrupts)", ""]
     lines += [f"* `{a['stage']}` attempt {a['attempt']}: **{a['status']}**" + (f": {a['message']}" if a["message"] else "")
               + (f" (full log: `{a['log']}`)" if a.get("log") else "") for a in summary["attempts"]]
     newest = summary["checkpoints"][-1]["url"] if summary["checkpoints"] else "-"

@@ -65,21 +65,31 @@ def _num(value, fmt: str = "{:.4f}") -> str:
 
 
 def summary_lines(report: dict) -> list[str]:
-    """The end of a campaign on one screen: a row per stage, the faults, where everything is."""
+    """The end of a campaign on one screen: a row per stage, the faults, where everything is. Its
+    numbers are the report's (``campaign.build_report``), as ``megatrain status`` shows them."""
+    from megatrain.report.records import human_count
+
     stages = report["stages"]
     state = "finished" if report.get("finished", True) else "not finished"
     mfu = any(row.get("MFU %") is not None for row in stages)  # known on a GPU (its peak), never on CPU
     lines = [f"\ncampaign {report['campaign']}: {state} ({len(stages)} stages)",
-             f"  {'stage':<16}{'steps':>7}{'loss':>9}{'val loss':>10}{'tokens/s':>10}" + (f"{'MFU %':>7}" if mfu else "")
-             + f"{'attempts':>10}  faults"]
+             f"  {'stage':<16}{'steps':>7}{'loss':>9}{'val loss':>10}{'tokens':>8}{'tokens/s':>10}"
+             + (f"{'MFU %':>7}" if mfu else "") + f"{'attempts':>10}  faults"]
     for row in stages:
         faults = f"{row['restarts']} restarts, {row['rollbacks']} rollbacks"
+        if row.get("interrupts"):
+            faults += f", {row['interrupts']} interrupts"
+        tokens = human_count(row["tokens"]) if row.get("tokens") else "-"
         lines.append(f"  {row['stage']:<16}{row['steps']:>7}{_num(row['final loss']):>9}{_num(row.get('val loss')):>10}"
-                     f"{_num(row['tokens/s'], '{:,.0f}'):>10}" + (f"{_num(row.get('MFU %'), '{:.1f}'):>7}" if mfu else "")
-                     + f"{row['attempts']:>10}  {faults}")
+                     f"{tokens:>8}{_num(row['tokens/s'], '{:,.0f}'):>10}"
+                     + (f"{_num(row.get('MFU %'), '{:.1f}'):>7}" if mfu else "") + f"{row['attempts']:>10}  {faults}")
     faults = report.get("faults", [])
-    lines.append(f"  faults detected and recovered: {len(faults)}")
+    lines.append(f"  faults detected{' and recovered' if report.get('finished', True) else ''}: {len(faults)}")
     lines += [f"    - {f['stage']}, attempt {f['attempt']}: {f['status']}: {f['message'][:110]}" for f in faults]
+    interrupts = report.get("interrupts", [])
+    if interrupts:  # a Ctrl-C or a cancel: the operator's, not a fault
+        lines.append(f"  interrupts (resumed from the last checkpoint): {len(interrupts)}")
+        lines += [f"    - {i['stage']}, attempt {i['attempt']}: {i['message'][:110]}" for i in interrupts]
     newest = report["checkpoints"][-1]["url"] if report["checkpoints"] else "-"
     lines += [f"  checkpoints: {len(report['checkpoints'])} committed, newest {newest}",
               f"  report:      {report['report']}",

@@ -5,7 +5,6 @@ Used by ``megatrain report RUN_DIR...`` (``cli.py``), the campaign report and th
 
 from __future__ import annotations
 
-import json
 import statistics
 import struct
 from dataclasses import dataclass
@@ -20,8 +19,8 @@ class RunSummary:
     steps: int
     first_loss: float
     final_loss: float
-    tokens: int
-    tokens_per_s: float  # median over steps after the first (the first pays for warm-up)
+    tokens: int  # the tokens of the steps in the run's timeline (``records``)
+    tokens_per_s: float  # those tokens over the time their steps took (``records``: the one definition)
     val_loss: float | None  # the last validation loss logged (None: the run does not evaluate)
     mfu: float | None
     step_time_ms: float
@@ -29,18 +28,23 @@ class RunSummary:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """One row per logged step; rows of steps that were redone after a restart or rollback
-    replace the earlier ones, so the result is the run as it finally happened."""
-    return final_rows(read_raw_metrics(run_dir))
+    """One row per logged step: the stage's timeline (``records``), without the rows of steps
+    that were trained again after a restart, rollback or interrupt."""
+    from megatrain.report.records import read_stage
+
+    return _unmarked(read_stage(run_dir).timeline)
 
 
 def final_rows(raw: list[dict]) -> list[dict]:
-    """The last row logged for each step, in step order (see ``read_metrics``)."""
-    by_step: dict[int, dict] = {}
-    for row in raw:
-        if isinstance(row.get("step"), int):
-            by_step[row["step"]] = row
-    return [by_step[s] for s in sorted(by_step)]
+    """The timeline of rows read already (``read_metrics``'s rule: a step logged again supersedes
+    every row from that step on), in step order."""
+    from megatrain.report.records import timeline_of
+
+    return _unmarked(timeline_of(raw))
+
+
+def _unmarked(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in ("attempt", "superseded")} for row in rows]
 
 
 @dataclass
@@ -111,7 +115,10 @@ def tensorboard_problems(tb_dir: str | Path) -> list[str]:
 
 
 def summarize_run(run_dir: str | Path) -> RunSummary:
-    rows = read_metrics(run_dir)
+    from megatrain.report.records import read_stage
+
+    records = read_stage(run_dir)
+    rows = _unmarked(records.timeline)
     if not rows:
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl rows")
     steady = rows[1:] or rows
@@ -123,7 +130,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
             phases.setdefault(name, []).append(ms)
     return RunSummary(
         run_dir=str(run_dir), steps=rows[-1]["step"], first_loss=rows[0]["loss"], final_loss=rows[-1]["loss"],
-        tokens=rows[-1]["tokens"], tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
+        tokens=records.tokens, tokens_per_s=records.tokens_per_s or 0.0,
         val_loss=val[-1] if val else None,
         mfu=statistics.median(mfus) if mfus else None,
         step_time_ms=1000 * statistics.median(r["step_time_s"] for r in steady),
@@ -132,7 +139,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
 
 
 STAGE_COLORS = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#7f7f7f"]
-RESTART_COLOR, ROLLBACK_COLOR = "#d62728", "#ff7f0e"
+RESTART_COLOR, ROLLBACK_COLOR, RESUME_COLOR = "#d62728", "#ff7f0e", "#e377c2"
 
 
 def read_raw_metrics(run_dir: str | Path) -> list[dict]:
@@ -143,32 +150,22 @@ def read_raw_metrics(run_dir: str | Path) -> list[dict]:
 def fault_marks(run_dir: str | Path) -> list[tuple[str, int, int]]:
     """(kind, step where the fault hit, step training resumed from) for each restart (a crashed,
     hung or timed-out attempt, from attempts.jsonl) and each rollback (from rollbacks.json). A
-    run without attempts.jsonl falls back to where the logged steps went back."""
-    run_dir = Path(run_dir)
-    raw = read_raw_metrics(run_dir)
-    path = run_dir / "rollbacks.json"
-    marks = [("rollback", r["anomaly_step"], r["restore_step"]) for r in json.loads(path.read_text())] if path.exists() else []
-    attempts = []
-    if (run_dir / "attempts.jsonl").exists():
-        attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines() if line.strip()]
-    if attempts and all("metrics_rows" in a for a in attempts):
-        for attempt in attempts:
-            ended_at = attempt["metrics_rows"]
-            if attempt.get("status") in ("crashed", "hung", "timeout") and 0 < ended_at <= len(raw):
-                failed_at = raw[ended_at - 1]["step"]
-                resumed = raw[ended_at]["step"] - 1 if ended_at < len(raw) else failed_at
-                marks.append(("restart", failed_at, resumed))
-        return sorted(marks, key=lambda mark: mark[1])
-    restored = [m[2] for m in marks]
-    for previous, row in zip(raw, raw[1:]):
-        if row["step"] <= previous["step"] and row["step"] - 1 not in restored:
-            marks.append(("restart", previous["step"], row["step"] - 1))
+    run without attempts.jsonl counts each resume that no rollback explains as a restart."""
+    from megatrain.report.records import RESTARTED, read_stage
+
+    records = read_stage(run_dir)
+    marks = [("rollback", r["anomaly_step"], r["restore_step"]) for r in records.rollbacks]
+    marks += [("restart", resume.last_step, resume.step) for resume in records.resumes
+              if resume.after in RESTARTED or resume.after == "unknown"]
     return sorted(marks, key=lambda mark: mark[1])
 
 
 def plot_loss(runs: dict[str, str | Path], path: str | Path, title: str = "") -> Path:
     """Training (solid) and validation (dashed) loss per stage on one step axis (stages continue
-    each other's), restarts (red x) and rollbacks (orange v) marked where the stage went back."""
+    each other's), restarts (red x) and rollbacks (orange v) marked where the stage went back, and
+    a pink dash-dot line at each step an attempt resumed from (after a fault or an interrupt)."""
+    from megatrain.report.records import read_stage
+
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -188,6 +185,12 @@ def plot_loss(runs: dict[str, str | Path], path: str | Path, title: str = "") ->
             ax.plot([offset + r["step"] for r in val], [r["val_loss"] for r in val], color=color, linestyle="--",
                     marker="o", markersize=3, label=f"{name} (validation)")
         by_step = {r["step"]: r["loss"] for r in rows}
+        for resume in read_stage(run_dir).resumes:  # every attempt that took up the steps: a line where it did
+            ax.axvline(offset + resume.step, color=RESUME_COLOR, linestyle="-.", linewidth=1, label="resume")
+            cause = "interrupt" if resume.after == "stopped" else resume.after
+            ax.annotate(f"resumed from {resume.step} ({cause})", (offset + resume.step, 1.0),
+                        xycoords=("data", "axes fraction"), textcoords="offset points", xytext=(2, -10),
+                        rotation=90, va="top", color=RESUME_COLOR, fontsize=7)
         for kind, failed_at, resumed in fault_marks(run_dir):
             y = by_step.get(failed_at, by_step.get(resumed, rows[-1]["loss"]))
             mark = ("x", RESTART_COLOR) if kind == "restart" else ("v", ROLLBACK_COLOR)

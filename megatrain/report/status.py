@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,13 +43,13 @@ from pathlib import Path
 from megatrain.config.campaign import DEFAULT_ROOT, find_campaign_dir, stage_dirs
 from megatrain.config.run_dirs import is_stage_dir, read_run_dir
 from megatrain.errors import InputError
+from megatrain.report.records import RESTARTED, human_count, is_fault, read_stage
 
 # How old a lease's heartbeat may be before a holder on another host counts as gone: the
 # holders' own limits (rank 0: ``Lease``'s default; the flow: ``flows.lifecycle.LEASE_STALE_S``).
 RANK_LEASE_STALE_S = 60.0
 FLOW_LEASE_STALE_S = 120.0
 LEASE_FILE = "lease.json"  # megatrain.launch.lease.LEASE_FILE (report does not import launch: layers)
-RESTARTED = ("crashed", "hung", "timeout")  # the outcomes the flow restarts
 
 
 @dataclass
@@ -61,10 +60,15 @@ class StageStatus:
     last_step: int = 0
     loss: float | None = None
     val_loss: float | None = None  # the last logged validation loss, when the run evaluates
-    tokens_per_s: float | None = None  # median of the last 20 logged steps
+    tokens_per_s: float | None = None  # tokens / train seconds of the stage's timeline (``records``)
+    tokens: int = 0  # the tokens of the timeline's steps (redone steps not counted)
     attempts: int = 0
     restarts: int = 0
     rollbacks: int = 0
+    faults: int = 0  # attempts that ended in a fault (``records.is_fault``)
+    interrupts: int = 0  # attempts stopped by a signal or a cancel: not faults
+    resumed_at: list[int] = field(default_factory=list)  # the steps attempts resumed from
+    superseded_rows: int = 0  # metrics rows of steps trained again (not in the timeline)
     committed: list[int] = field(default_factory=list)
     last_fault: str | None = None
     run_dir: str = ""
@@ -108,8 +112,8 @@ def _read_validation(stage_dir: Path) -> dict:
 
 
 def describe_data(data: dict[str, dict]) -> str:
-    """``web 1.2M tok 0 ep, code 0.7M tok 1 ep``: what each data component fed so far."""
-    return ", ".join(f"{name} {stats['tokens'] / 1e6:.1f}M tok {int(stats['epochs'])} ep" for name, stats in data.items())
+    """``web 1.23M tok 0 ep, code 32.9k tok 1 ep``: what each data component fed so far."""
+    return ", ".join(f"{name} {human_count(stats['tokens'])} tok {int(stats['epochs'])} ep" for name, stats in data.items())
 
 
 @dataclass
@@ -167,7 +171,7 @@ def lease_holder(directory: str | Path, stale_after_s: float) -> Holder | None:
 
 
 def _last_fault(attempts: list[dict], rollbacks: list[dict]) -> str | None:
-    faults = [a for a in attempts if a.get("status") != "completed"]
+    faults = [a for a in attempts if is_fault(a)]  # a Ctrl-C is an interrupt, not a fault
     if faults:
         last = faults[-1]
         return f"attempt {last['attempt']} {last['status']}: {last.get('message') or ''}".strip()
@@ -227,24 +231,22 @@ def stage_status(stage_dir: Path, durable_url: str | None = None, target_steps: 
     ``flow``: the campaign's lease holder when this is the stage its flow works on (the first one
     not done), else None."""
     from megatrain.checkpoint.catalog import committed
-    from megatrain.observe.attempt_log import read_attempts
-    from megatrain.report.runs import final_rows, read_jsonl
+    from megatrain.report.runs import read_jsonl
 
     stage_dir = Path(stage_dir)
-    run = read_run_dir(stage_dir)  # its paths where they lie now: a moved campaign still finds its checkpoints
+    metrics = read_jsonl(stage_dir / "metrics.jsonl")
+    records = read_stage(stage_dir, metrics.rows)  # the one reading of its rows, attempts and rollbacks
+    run = records.run
     cfg = run.located() if run else {}
     target = target_steps or int(cfg.get("train", {}).get("steps", 0))
-    durable = durable_url or str(cfg.get("checkpoint", {}).get("durable_url", ""))
-    metrics = read_jsonl(stage_dir / "metrics.jsonl")
-    rows = final_rows(metrics.rows)
-    attempts = read_attempts(stage_dir)
-    rollbacks_path = stage_dir / "rollbacks.json"
-    rollbacks = json.loads(rollbacks_path.read_text()) if rollbacks_path.exists() else []
+    # where the stage's checkpoints are now: never a stored absolute path (a moved or copied campaign)
+    durable = durable_url or records.where(str(cfg.get("checkpoint", {}).get("durable_url", "")))
+    rows = records.timeline
+    attempts, rollbacks = records.attempts, records.rollbacks
     steps = [info.step for info in committed(durable)] if durable else []
     val = [r for r in rows if r.get("val_loss") is not None]
     by_component = next(({k[len(VAL_PREFIX):]: v for k, v in r.items() if k.startswith(VAL_PREFIX)}
                          for r in reversed(rows) if any(k.startswith(VAL_PREFIX) for k in r)), {})
-    recent = [r["tokens_per_s"] for r in rows[-20:] if r.get("tokens_per_s")]
 
     state, fault = _state(stage_dir, target, steps, attempts, rollbacks, cfg, flow, trained=bool(rows))
     return StageStatus(
@@ -253,11 +255,13 @@ def stage_status(stage_dir: Path, durable_url: str | None = None, target_steps: 
         last_step=max([rows[-1]["step"] if rows else 0, *steps[-1:]]),
         loss=rows[-1].get("loss") if rows else None,
         val_loss=val[-1]["val_loss"] if val else None,
-        tokens_per_s=statistics.median(recent) if recent else None,
-        attempts=len(attempts), restarts=sum(a.get("status") in RESTARTED for a in attempts),
-        rollbacks=len(rollbacks), committed=steps, last_fault=fault or _last_fault(attempts, rollbacks),
+        tokens_per_s=records.tokens_per_s, tokens=records.tokens,
+        attempts=records.attempt_count, restarts=records.restarts, rollbacks=len(rollbacks),
+        faults=len(records.faults), interrupts=len(records.interrupts),
+        resumed_at=[r.step for r in records.resumes], superseded_rows=len(records.superseded),
+        committed=steps, last_fault=fault or _last_fault(attempts, rollbacks),
         run_dir=str(stage_dir), durable_url=durable,
-        logs=[run.where(a["log"]) if run else a["log"] for a in attempts if a.get("log")],
+        logs=[a["log"] for a in attempts if a.get("log")],
         data=next((r["data"] for r in reversed(rows) if r.get("data")), {}),
         val_components=by_component, validation=_read_validation(stage_dir),
         notes=_notes(metrics, attempts, steps, live=state == "running"),
@@ -323,6 +327,11 @@ def find_status(target: str | Path, root: str | Path | None = None) -> CampaignS
                          f"{root or DEFAULT_ROOT}") from None
 
 
+def describe_attempts(stage) -> str:
+    """``1 restarts, 1 rollbacks, 1 interrupts``: how a stage's attempts ended, other than done."""
+    return f"{stage.restarts} restarts, {stage.rollbacks} rollbacks, {stage.interrupts} interrupts"
+
+
 def step_text(stage: StageStatus) -> str:
     """``40/40``, or ``40/40 (metrics.jsonl missing)`` when a file is missing or damaged."""
     return f"{stage.last_step}/{stage.target_steps}" + (f" ({'; '.join(stage.notes)})" if stage.notes else "")
@@ -348,10 +357,10 @@ def cli(argv: list[str]) -> int:
 
     table = Table(title=f"{status.kind} {status.id} ({'finished' if status.finished else 'not finished'})",
                   caption=status.dir)
-    for column in ("stage", "state", "step", "loss", "val loss", "tokens/s", "data", "attempts", "checkpoints",
+    for column in ("stage", "state", "step", "loss", "val loss", "tokens", "tokens/s", "data", "attempts", "checkpoints",
                    "last fault"):
-        table.add_column(column, justify="right" if column in ("step", "loss", "val loss", "tokens/s", "attempts") else "left",
-                         overflow="fold")
+        table.add_column(column, justify="right" if column in ("step", "loss", "val loss", "tokens", "tokens/s",
+                                                               "attempts") else "left", overflow="fold")
     mixture = any(s.val_components or s.validation.get("mixture") for s in status.stages)
     if mixture:  # a mixture's validation: each component's loss beside the mix (val loss)
         table.add_column("val by component", overflow="fold")
@@ -360,8 +369,9 @@ def cli(argv: list[str]) -> int:
         table.add_row(
             escape(stage.name), f"[{colors[stage.state]}]{stage.state}[/]", escape(step_text(stage)),
             "-" if stage.loss is None else f"{stage.loss:.4f}", "-" if stage.val_loss is None else f"{stage.val_loss:.4f}",
+            human_count(stage.tokens) if stage.tokens else "-",
             "-" if stage.tokens_per_s is None else f"{stage.tokens_per_s:,.0f}", escape(describe_data(stage.data) or "-"),
-            f"{stage.attempts} ({stage.restarts} restarts, {stage.rollbacks} rollbacks)",
+            f"{stage.attempts} ({describe_attempts(stage)})",
             ", ".join(map(str, stage.committed)) or "-", escape(stage.last_fault or "-"),
             *([escape(describe_validation(stage) or "-")] if mixture else []),
         )

@@ -257,6 +257,7 @@ class Trainer:
     def train_step(self) -> StepMetrics:
         """One optimizer step over the global batch; returns its metrics."""
         start = time.perf_counter()
+        lr = self.engine.get_lr()[0]  # the LR this step uses: the scheduler moves on inside engine.step()
         with self.phase("forward"):  # an injected slowdown counts as this rank's own compute
             self.faults.on_step_start(self.step + 1)
         step_loss = self._pipeline_batch() if self.groups.dims.pp > 1 else self._accumulated_batch()
@@ -265,7 +266,7 @@ class Trainer:
         step_time = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / step_time
         return StepMetrics(
-            step=self.step, loss=step_loss.item(), lr=self.engine.get_lr()[0],
+            step=self.step, loss=step_loss.item(), lr=lr,
             grad_norm=float(self.engine.get_global_grad_norm() or 0.0), tokens=self.step * self.tokens_per_step,
             step_time_s=step_time, tokens_per_s=tokens_per_s,
             mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_flops) if self.peak_flops else None,

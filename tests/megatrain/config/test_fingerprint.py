@@ -140,10 +140,10 @@ def test_extending_a_wsd_run_needs_no_schedule_change_and_a_cosine_one_says_how_
     assert "resuming at step 16" in line and "its WSD decay began at step 13" in line, line
     assert "checkpoint.resume_lr=redecay" in line and "checkpoint.resume_lr=rewarm" in line, line
     # ... or re-warmed explicitly: from the LR the run ended at, back to the 24-step schedule in one step
-    # (a row's lr is the one its step leaves for the next step: row 16's is the LR of the resumed step)
+    # (a row's lr is the one its step trained at: row 17's is the LR of the resumed step)
     _ok(_train(wsd, shard_url, *common, "optim.schedule=wsd", "train.steps=24", "checkpoint.resume_lr=rewarm"))
     rows = {row["step"]: row for row in map(json.loads, (wsd / "metrics.jsonl").read_text().splitlines())}
-    assert [rows[s]["lr"] for s in (15, 16, 17)] == pytest.approx([1e-4, 1e-4, 1e-3])
+    assert [rows[s]["lr"] for s in (16, 17, 18)] == pytest.approx([1e-4, 1e-4, 1e-3])
 
     cosine = tmp_path / "cosine"
     _ok(_train(cosine, shard_url, *common, "train.steps=4"))
