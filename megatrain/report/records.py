@@ -77,6 +77,9 @@ class StageRecords:
     rollbacks: list[dict] = field(default_factory=list)
     unrecorded: list[int] = field(default_factory=list)  # attempts with a log file and no row yet
     run: RunDir | None = None
+    # where the stage folder was when it wrote its records (absolute): its config's run dir, the
+    # folders of the attempts' logs; a campaign moved between stages recorded more than one
+    places: list[str] = field(default_factory=list)
 
     @property
     def timeline(self) -> list[dict]:
@@ -135,18 +138,20 @@ class StageRecords:
         return found
 
     def where(self, recorded: str) -> str:
-        """A path this stage recorded, where it lies now: inside the campaign folder it was
-        recorded in, the same place in the folder as it is now (moved, copied, symlinked); a URL
-        or a path elsewhere as recorded (``RunDir.where``)."""
-        if not recorded or is_url(recorded) or self.run is None:
-            return recorded
-        old_run_dir = os.path.normpath(self.run.recorded_path)
-        if os.path.isabs(recorded) and os.path.isabs(old_run_dir):
-            for old, now in ((old_run_dir, self.run_dir), (os.path.dirname(old_run_dir), self.run_dir.parent)):
-                rel = os.path.relpath(os.path.normpath(recorded), old)
+        """A path this stage recorded, where it lies now: inside a folder the stage was in when it
+        recorded something (``places``), the same place in the folder as it is now (moved,
+        copied, symlinked); inside the campaign folder around it, the same place in the
+        campaign folder now; a URL or a path elsewhere as recorded (``RunDir.where``)."""
+        if not recorded or is_url(recorded) or not os.path.isabs(recorded):
+            return self.run.where(recorded) if self.run is not None and recorded else recorded
+        path = os.path.normpath(recorded)
+        for outer in (False, True):  # the stage's own folder first, then the campaign's around it
+            for place in self.places:
+                old, now = (os.path.dirname(place), self.run_dir.parent) if outer else (place, self.run_dir)
+                rel = os.path.relpath(path, old)
                 if rel != os.pardir and not rel.startswith(os.pardir + os.sep):
-                    return str(now / rel) if rel != "." else str(now)
-        return self.run.where(recorded)
+                    return str(now) if rel == "." else str(now / rel)
+        return self.run.where(recorded) if self.run is not None else recorded
 
 
 def _step_tokens(row: dict) -> float:
@@ -163,16 +168,20 @@ def read_stage(stage_dir: str | Path, metrics_rows: list[dict] | None = None) ->
     stage_dir = Path(stage_dir)
     records = StageRecords(stage_dir.name, stage_dir, run=read_run_dir(stage_dir))
     parsed = read_rows(stage_dir / "metrics.jsonl") if metrics_rows is None else metrics_rows
-    records.attempts = [{**a, "log": _log_here(stage_dir, a.get("log"))} for a in read_attempts(stage_dir)]
+    recorded = read_attempts(stage_dir)
+    records.attempts = [{**a, "log": _log_here(stage_dir, a.get("log"))} for a in recorded]
+    places = [records.run.recorded_path] if records.run else []
+    places += [os.path.dirname(os.path.dirname(str(a["log"]))) for a in reversed(recorded) if a.get("log")]
+    records.places = list(dict.fromkeys(os.path.normpath(p) for p in places if os.path.isabs(p)))
     records.rows = _mark_rows(parsed, records.attempts)
     try:
         found = json.loads((stage_dir / "rollbacks.json").read_text())
         records.rollbacks = [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
     except (OSError, ValueError):
         records.rollbacks = []
-    recorded = {a.get("attempt") for a in records.attempts}
-    records.unrecorded = [n for n in _logged_attempts(stage_dir) if n not in recorded and n > max(
-        (a for a in recorded if isinstance(a, int)), default=0)]
+    numbers = {a.get("attempt") for a in records.attempts}
+    records.unrecorded = [n for n in _logged_attempts(stage_dir) if n not in numbers and n > max(
+        (a for a in numbers if isinstance(a, int)), default=0)]
     _number_unrecorded(records.rows, records.unrecorded)
     return records
 
