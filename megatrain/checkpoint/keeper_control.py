@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.checkpoint.keeper import SOCKET
+from megatrain.checkpoint.keeper_log import gone_message, note_log
 from megatrain.checkpoint.keeper_wire import recv_message, send_message
 
 KEEPER_ROOT_ENV = "MEGATRAIN_KEEPER_ROOT"  # where keeper folders live (default: the temp dir)
@@ -95,11 +96,12 @@ class KeeperClient:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(str(folder / SOCKET))
+                note_log(folder, sock)  # where it writes: its cause of death, should it die
                 return cls(sock)
             except OSError as exc:
                 sock.close()
                 if start_log is None or time.monotonic() > deadline:
-                    raise KeeperError(f"no checkpoint keeper answers at {folder / SOCKET}: {exc}") from None
+                    raise KeeperError(gone_message(folder, folder / SOCKET, exc, start_log)) from None
             if not started:
                 start_keeper(folder, start_log, peer)
                 started = True
