@@ -42,6 +42,19 @@ INTERVAL_S = 0.5  # heartbeat interval in every case
 TABLE: list[dict] = []
 
 
+def measured_step_s(run_dir: Path, last: int = 4) -> float:
+    """The median of the last ``last`` steps' wall time in ``run_dir/metrics.jsonl`` (0 before any):
+    how fast this machine trains right now. A bound on the flow's own reactions is allowed that
+    much more on a busy machine, where the flow process is as slow to act as the ranks to step."""
+    import statistics
+
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0.0
+    times = [json.loads(line)["step_time_s"] for line in path.read_text().splitlines() if '"step_time_s"' in line]
+    return statistics.median(times[-last:]) if times else 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # helpers
 
