@@ -42,8 +42,9 @@ class StepMetrics:
     phases_ms: dict[str, float] = field(default_factory=dict)
     fp8: dict[str, float] | None = None  # megatrain.precision.FP8Guard.stats() when measured this step
     startup: dict | None = None  # a process's first step only: its start-up breakdown (megatrain/observe/startup.py)
-    # per data component (a mixture's, or the one corpus "data"): samples, tokens and completed
-    # epochs consumed so far (megatrain/data/mixture.py's component_stats)
+    # per data component (a mixture's, or the one corpus "data"): samples and tokens consumed so far
+    # in this stage, completed epochs of its own order (earlier stages included) and start (its
+    # samples earlier stages consumed) (megatrain/data/mixture.py's component_stats)
     data: dict[str, dict[str, float]] | None = None
     # model.mlp=moe: expert-load health of the step (megatrain/model/moe.py's end_step): per MoE
     # layer each expert's token share, the router's mean entropy and max/mean load; aux and z-loss
@@ -71,6 +72,7 @@ def scalars(metrics: StepMetrics) -> dict[str, float]:
         out[f"val/loss/{name}"] = loss
     for name, stats in (metrics.data or {}).items():
         out[f"data/{name}/tokens"] = float(stats["tokens"])
+        out[f"data/{name}/samples"] = float(stats["samples"])  # this stage's; epochs count on over stages
         out[f"data/{name}/epochs"] = float(stats["epochs"])
     if metrics.moe is not None:
         for key in ("aux_loss", "z_loss", "max_over_mean"):

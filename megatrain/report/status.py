@@ -112,8 +112,18 @@ def _read_validation(stage_dir: Path) -> dict:
 
 
 def describe_data(data: dict[str, dict]) -> str:
-    """``web 1.23M tok 0 ep, code 32.9k tok 1 ep``: what each data component fed so far."""
-    return ", ".join(f"{name} {human_count(stats['tokens'])} tok {int(stats['epochs'])} ep" for name, stats in data.items())
+    """``web 1.23M tok 0 ep (samples 0-9,599), code 32.9k tok 1 ep (samples 2,400-2,655)``: what
+    each data component fed so far, and which of its own samples (earlier stages' before them)."""
+    return ", ".join(f"{name} {human_count(stats['tokens'])} tok {int(stats['epochs'])} ep{_sample_range(stats)}"
+                     for name, stats in data.items())
+
+
+def _sample_range(stats: dict) -> str:
+    """`` (samples 768-1,023)``: the component's own samples this stage served (none: no range)."""
+    if "samples" not in stats:
+        return ""
+    first, count = int(stats.get("start", 0)), int(stats["samples"])
+    return f" (samples {first:,}-{first + count - 1:,})" if count else " (no samples)"
 
 
 @dataclass
