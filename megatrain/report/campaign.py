@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megatrain.checkpoint.files import step_dir_name
 from megatrain.report.expert_load import TITLE as EXPERT_LOAD, plot_expert_load
-from megatrain.report.records import human_count, is_fault, is_interrupt, read_stage
+from megatrain.report.records import RESTARTED, human_count, is_fault, is_interrupt, read_stage
 from megatrain.report.status import CampaignStatus, campaign_status, describe_data, stage_status
 from megatrain.report.runs import markdown_image, plot_loss, summarize_run, tensorboard_problems
 from megatrain.report.tb_summary import write_summary_scalars
@@ -80,8 +80,7 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
             "tokens": stage.tokens, "tokens/s": None if stage.tokens_per_s is None else round(stage.tokens_per_s),
             "MFU %": None if not summary or summary.mfu is None else round(100 * summary.mfu, 1),
             "step ms": round(summary.step_time_ms, 1) if summary else None,
-            "attempts": stage.attempts, "restarts": stage.restarts, "rollbacks": stage.rollbacks,
-            "interrupts": stage.interrupts, "faults": stage.faults,
+            **_attempt_counts(stage, [] if attempts else [a for _, a in numbered]),
             "resumed at": stage.resumed_at, "superseded rows": stage.superseded_rows,
             "data": describe_data(stage.data) or None,  # per component: tokens and epochs consumed
         })
@@ -133,6 +132,17 @@ def build_report(campaign_dir: str | Path, stage_results: list[dict] | None = No
 
     files = with_pictures(lambda png, title: f"![{title}]({_relative(png, report_dir)})")
     return CampaignReport(summary, files, with_pictures(markdown_image), pictures)
+
+
+def _attempt_counts(stage, history: list[dict]) -> dict:
+    """How the stage's attempts ended: its records' counts (``megatrain status`` shows the same);
+    a stage without ``attempts.jsonl`` counts the flow's history of it instead."""
+    if not history:
+        return {"attempts": stage.attempts, "restarts": stage.restarts, "rollbacks": stage.rollbacks,
+                "interrupts": stage.interrupts, "faults": stage.faults}
+    return {"attempts": len(history), "restarts": sum(a.get("status") in RESTARTED for a in history),
+            "rollbacks": max(stage.rollbacks, sum(a.get("status") == "anomaly" for a in history)),
+            "interrupts": sum(map(is_interrupt, history)), "faults": sum(map(is_fault, history))}
 
 
 def _validation_row(stage) -> dict:
