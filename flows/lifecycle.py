@@ -16,7 +16,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -175,7 +174,9 @@ def run_from_command_line(campaign_flow: Callable, argv: list[str], default_camp
     """``python -m flows.pretrain [campaign.yaml] [key=value ...]`` runs ``campaign_flow`` (the
     ``pretrain`` flow, called ``(path, overrides)``) under a temporary server: 0 when every stage is
     durable; 2 for a bad campaign (one line, nothing started); 130/143 after SIGINT/SIGTERM
-    (the ranks stopped, what was staged committed); 1 otherwise, with the cause in one line."""
+    (the ranks stopped, what was staged committed); otherwise the code of the failure's kind
+    (``megatrain.cli.campaign_exit``: 4 for a stage's deterministic error, 1 for one that gave
+    up), with the cause in one line and the command that resumes where it can get past it."""
     from megatrain.config.campaign import load_campaign
     from megatrain.errors import DeterministicError
     from megatrain.config import ConfigError
@@ -194,11 +195,26 @@ def run_from_command_line(campaign_flow: Callable, argv: list[str], default_camp
     if state.is_completed():
         show(state.result())
         return 0
-    # the campaign's id in the command: a campaign named on the command line resumes only by it
-    resume = " ".join(["python -m flows.pretrain", path, *overrides, *([] if any(
-        o.startswith("id=") for o in overrides) else [f"id={campaign.id}"])])
-    print(f"megatrain: campaign {campaign.id} {state.name.lower()}: {state.message}. Resume: {resume}",
+    from megatrain.cli import campaign_exit
+
+    failure = None if state.is_cancelled() else _failure(state)
+    code, resumable = campaign_exit(failure, (STOP.reason or "cancelled") if state.is_cancelled() else None)
+    if resumable:  # the campaign's id in the command: a campaign named on the command line resumes only by it
+        resume = " ".join(["python -m flows.pretrain", path, *overrides, *([] if any(
+            o.startswith("id=") for o in overrides) else [f"id={campaign.id}"])])
+        after = f"Resume: {resume}"
+    else:  # the same command would fail the same way: no command to offer, what must change instead
+        after = "Not resumable as it is: the same command fails the same way until what this line names changes"
+    print(f"megatrain: campaign {campaign.id} {state.name.lower()}: {state.message.rstrip('.')}. {after}",
           file=sys.stderr)
-    codes = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
-    return codes.get(STOP.reason, 1) if state.is_cancelled() else 1
+    return code
+
+
+def _failure(state) -> BaseException | None:
+    """The error a Failed flow run holds (a stage's, passed up by the flow), or None."""
+    try:
+        found = state.result(raise_on_failure=False)
+    except Exception:  # noqa: BLE001 (its result could not be read back: an unknown failure)
+        return None
+    return found if isinstance(found, BaseException) else None
 

@@ -79,6 +79,19 @@ def _ended(state):
     return Failed(message=state.message, data=state.result(raise_on_failure=False))
 
 
+def _cached_failure(state) -> bool:
+    """A stage "completed from the cache" whose cached result is the error an earlier run failed
+    with (for Prefect a task that returns its Failed state has finished, and it caches the state's
+    data): the stage must run, and fail or succeed, again. Seen as a rerun that reported the
+    campaign finished and then crashed writing the report."""
+    if state.name != "Cached":
+        return False
+    try:
+        return isinstance(state.result(raise_on_failure=False), BaseException)
+    except Exception:  # noqa: BLE001 (a record that cannot be read back is no result either)
+        return True
+
+
 def _run_stages(campaign):
     shards = shard_campaign_data(campaign)
     if campaign.self_check:
@@ -95,6 +108,9 @@ def _run_stages(campaign):
         if problem:
             stage = train_stage.with_options(refresh_cache=True)
         state = stage(campaign, index, shards[index]["version"], return_state=True)
+        if _cached_failure(state):  # Prefect keeps a returned Failed state's data as the cache record
+            state = train_stage.with_options(refresh_cache=True)(campaign, index, shards[index]["version"],
+                                                                 return_state=True)
         if not state.is_completed():
             return _ended(state)
         cached += state.name == "Cached"

@@ -28,8 +28,12 @@ code  meaning (the errors that end in it)
 130   interrupted (Ctrl-C)
 ====  =========================================================================================
 
-``python -m flows.pretrain`` adds (``flows/lifecycle.py``): 1 a campaign that ran and failed, 2
-also for a campaign whose inputs are missing (nothing started), 143 stopped by SIGTERM.
+``python -m flows.pretrain`` ends by the same table (``campaign_exit``): a stage whose ranks failed
+deterministically 4, as ``megatrain train`` would; 1 also for a campaign that ran and gave up
+(restarts or rollbacks used up), 2 also for a campaign whose inputs are missing (nothing started),
+143 stopped by SIGTERM. Its last line offers the command that resumes only where running it again
+can get past the failure (interrupted, temporary, restarts used up); otherwise it says that the
+cause named on the line must change first.
 
 A subcommand that says its own failure in one line and returns a code keeps doing so.
 """
@@ -187,6 +191,21 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
     if is_no_space(exc):  # a buffered write fills the disk at its close: the OS names no file then
         return EXIT_DETERMINISTIC, f"no space left on device (or quota) while {doing(exc)}"
     return None
+
+
+def campaign_exit(failure: BaseException | None, cancelled_by: str | None = None) -> tuple[int, bool]:
+    """How a campaign run that did not complete ends: (exit code, whether rerunning the same
+    command can get past it). ``failure``: what the flow's Failed state holds (a stage's error),
+    ``cancelled_by``: the signal that stopped it (SIGINT, SIGTERM) or "cancelled"."""
+    import signal
+
+    if cancelled_by is not None:
+        return {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}.get(cancelled_by, EXIT_INTERRUPTED), True
+    known = classify(failure) if isinstance(failure, BaseException) else None
+    if known is None:  # a stage that gave up on faults a later run may not meet (restarts used up), a lease held
+        return EXIT_INPUT, True
+    code = known[0]
+    return code, code in (EXIT_TEMPORARY, EXIT_INTERRUPTED)
 
 
 def out_of_memory(exc: BaseException) -> bool:

@@ -37,6 +37,12 @@ class DeterministicError(MegatrainError):
     """Fails identically on every retry; the stage ends at once with this message."""
 
 
+class RanksRefused(DeterministicError):
+    """A stage whose ranks ended with a deterministic error (the message is theirs): the flow
+    ends with EXIT_DETERMINISTIC, as ``megatrain train`` would, and rerunning the same command
+    would fail the same way, so no "Resume:" command is offered."""
+
+
 class CheckpointMismatch(DeterministicError):
     """A checkpoint that cannot be restored into this run (model-changing fields differ)."""
 

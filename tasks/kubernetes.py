@@ -2,8 +2,9 @@
 
 A Prefect flow run on the Kubernetes work pool is itself one pod; the stage's ranks need
 ``nnodes`` pods of ``nproc_per_node`` GPUs each, started together. This renders the objects for
-that (a ConfigMap with the stage's resolved config, a headless Service for rendezvous DNS, an
-Indexed Job running torchrun with ``--node-rank`` from the completion index) and submits them
+that (a ConfigMap with the stage's resolved config, a headless Service for the pods' DNS names, an
+Indexed Job whose pods start their ranks with ``megatrain.launch.pod``, ``--node-rank`` from the
+completion index; the ranks meet in the campaign's Redis: no TCP store listens) and submits them
 with the ``kubernetes`` client when it is installed. No cluster runs in this repository's tests:
 they check the rendered manifests.
 """
@@ -39,10 +40,12 @@ def stage_manifests(campaign: CampaignConfig, index: int, attempt: int, config_y
     labels = {"app.kubernetes.io/name": "megatrain", "app.kubernetes.io/part-of": "megatrain",
               "megatrain/campaign": campaign.id[:63],
               "megatrain/stage": campaign.stages[index].name[:63], "megatrain/job": name}
+    # The node's ranks without torchrun's agent: its TCP store would listen, unauthenticated, to every
+    # pod; the ranks meet in the campaign's Redis instead (megatrain/launch/pod.py).
     torchrun = (
-        f"exec python -m torch.distributed.run --nnodes {campaign.nnodes} --nproc-per-node {campaign.nproc_per_node} "
+        f"exec python -m megatrain.launch.pod --nnodes {campaign.nnodes} --nproc-per-node {campaign.nproc_per_node} "
         f"--node-rank $JOB_COMPLETION_INDEX --master-addr {name}-0.{name} --master-port {RDZV_PORT} "
-        f"-m megatrain.train --config /etc/megatrain/config.yaml"
+        f"--config /etc/megatrain/config.yaml"
     )
     gpus = campaign.nproc_per_node
     pod_spec = {
@@ -55,6 +58,8 @@ def stage_manifests(campaign: CampaignConfig, index: int, attempt: int, config_y
             "ports": [{"containerPort": RDZV_PORT}],
             "envFrom": [{"secretRef": {"name": STORAGE_SECRET, "optional": True}},
                         {"secretRef": {"name": REDIS_SECRET}}],  # MEGATRAIN_REDIS_PASSWORD
+            # the keepers' peer port listens on the pod's own address (the default is loopback)
+            "env": [{"name": "MEGATRAIN_KEEPER_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
             "resources": {"limits": {"nvidia.com/gpu": gpus}, "requests": {"nvidia.com/gpu": gpus}},
             "volumeMounts": [{"name": "config", "mountPath": "/etc/megatrain"}, {"name": "dshm", "mountPath": "/dev/shm"}],
         }],

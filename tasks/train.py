@@ -25,9 +25,10 @@ from prefect.events import emit_event
 from prefect.states import Cancelled, Failed
 from prefect.transactions import CommitMode, transaction
 
-from megatrain.config.campaign import CampaignConfig, stage_config
+from megatrain.config.campaign import CampaignConfig, in_campaign_terms, stage_config
 from megatrain.config import compat
 from megatrain.config import load_config
+from megatrain.errors import RanksRefused
 from megatrain.observe.attempt_log import next_attempt
 from tasks._artifacts import create_markdown_artifact  # secrets hidden
 from tasks.checkpoint import staged_steps, upload_checkpoint
@@ -207,7 +208,8 @@ def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):
                 return _failed(f"stage {stage.name}: {exc}")
             continue
         if outcome["status"] == "deterministic":  # a config, input or checkpoint error: no restart can help
-            return _failed(f"stage {stage.name}: {outcome['message']}")
+            message = f"stage {stage.name}: {in_campaign_terms(outcome['message'], stage.name)}"
+            return Failed(message=message, data=RanksRefused(message))  # exit 4, no "Resume:" (megatrain/cli.py)
         restarts += 1
         if restarts > policy.max_restarts:
             return _failed(f"stage {stage.name}: {restarts - 1} restarts used up; last attempt "

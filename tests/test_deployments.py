@@ -71,6 +71,12 @@ def test_a_multi_node_stage_renders_as_an_indexed_job_with_rendezvous():
     command = container["command"][-1]
     assert "--nnodes 1536 --nproc-per-node 8 --node-rank $JOB_COMPLETION_INDEX" in command
     assert f"--master-addr {name}-0.{name}" in command and "--config /etc/megatrain/config.yaml" in command
+    # no torchrun agent, whose TCP store would listen to every pod unauthenticated: the ranks meet in Redis
+    assert command.startswith("exec python -m megatrain.launch.pod ") and "torch.distributed.run" not in command
+    from megatrain.config.campaign import stage_config
+
+    assert all(stage_config(campaign, i).parallel.init.store == "redis" for i in range(len(campaign.stages)))
+    assert {"name": "MEGATRAIN_KEEPER_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert len(name) <= 52 and name == name.lower()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -142,6 +143,19 @@ _CAMPAIGN_PATHS = {
 }
 
 
+# A run's ways to start over that a campaign takes away (it sets each stage's checkpoint.durable_url;
+# checkpoint.resume=false would start the stage from nothing, not from the previous stage): in the
+# campaign's own terms.
+_START_OVER = re.compile(r"(?:use another checkpoint\.durable_url, or |repair or remove them, or )(?:set )?"
+                         r"checkpoint\.resume=false(?: to start over)?")
+
+
+def in_campaign_terms(message: str, stage: str) -> str:
+    """A rank's refusal with the remedies a campaign accepts in place of those it refuses."""
+    return _START_OVER.sub(f"change stage {stage!r} back to what the checkpoint has, or start a new campaign "
+                           "(another id: every stage trains anew)", message)
+
+
 def _overridden(overrides: list[str | Override], dotted: str) -> Override | None:
     """The last of ``overrides`` that sets the dotted key or a section holding it, or None."""
     found = None
@@ -203,6 +217,13 @@ def stage_config(campaign: CampaignConfig, index: int) -> Config:
         derived(f"checkpoint.durable_url={campaign.stage_durable_url(index)}", "durable_url"),
         derived(f"parallel.world_size={campaign.world_size}", "nproc_per_node x nnodes"),
     ]
+    if campaign.launcher == "kubernetes":  # no TCP store on a cluster network: it has no authentication
+        store = _value(_overridden(user, "parallel.init.store"), "parallel.init.store")
+        if store not in (None, "redis", "auto"):
+            raise ConfigError(f"stage {stage.name!r}: parallel.init.store={store}: on launcher kubernetes the ranks "
+                              "meet in the campaign's Redis, which requires a password (torch's TCP store, open to "
+                              "every pod, has none); leave parallel.init.store out")
+        derived_overrides.append(derived("parallel.init.store=redis", "launcher (kubernetes)"))
     if campaign.shard_url:
         derived_overrides.append(derived(f"data.shard_url={campaign.shard_url}", "shard_url"))
     if index > 0:
@@ -217,6 +238,9 @@ def stage_config(campaign: CampaignConfig, index: int) -> Config:
         elif fields:  # every line names its override and where it was written
             where = "invalid config"
         raise ConfigError(f"stage {stage.name!r}: {where}" + (f"\n{fields}" if fields else "")) from None
+    if campaign.launcher == "kubernetes" and not (cfg.parallel.init.redis_url or cfg.reliability.redis_url):
+        raise ConfigError(f"stage {stage.name!r}: launcher kubernetes needs reliability.redis_url: the ranks meet in "
+                          "the campaign's Redis (password in MEGATRAIN_REDIS_PASSWORD), not in a TCP store")
     if "://" not in cfg.data.shard_url:  # a relative path is the repository's, whatever the cwd
         cfg.data.shard_url = str(_resolve(cfg.data.shard_url))
     if cfg.train.eval_weights is None and cfg.data.mixture is not None:

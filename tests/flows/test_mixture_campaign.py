@@ -29,7 +29,7 @@ def blend(sources: dict[str, str], weights: dict[str, float]) -> str:
     return "data.mixture=[" + ", ".join(parts) + "]"
 
 
-def test_an_annealing_stage_changes_the_blend_and_shards_nothing_again(prefect_api, tmp_path):
+def test_an_annealing_stage_changes_the_blend_and_shards_nothing_again(prefect_api, tmp_path, capsys):
     from flows.pretrain import pretrain
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -88,3 +88,20 @@ def test_an_annealing_stage_changes_the_blend_and_shards_nothing_again(prefect_a
     report_md = Path(report["report"]).read_text()
     assert "code " in report_md and " tok " in report_md
     assert "## Validation by component" in report_md and "| anneal | code |" in report_md
+
+    # The annealing stage's blend changed on a rerun: its checkpoints hold the old blend, so the
+    # stage is refused with the README's code for it (4, as `megatrain train` ends), the remedies a
+    # campaign accepts (not checkpoint.durable_url, which it sets itself) and no "Resume:" command
+    # (the same command fails alike); twice: the refusal is not taken from the cache as a finished
+    # stage the second time.
+    from flows.pretrain import main
+
+    campaign["stages"][1]["overrides"] = [blend(sources, {"code": 0.5, "web": 0.5})]
+    path.write_text(yaml.safe_dump(campaign, sort_keys=False))
+    for _ in range(2):
+        capsys.readouterr()
+        assert main([str(path), "--verbose"]) == 4
+        (last,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatrain: campaign")]
+        assert "stage anneal: CheckpointMismatch: " in last and "data.mixture" in last, last
+        assert "change stage 'anneal' back to what the checkpoint has, or start a new campaign" in last, last
+        assert "Resume:" not in last and "checkpoint.durable_url" not in last and "Not resumable as it is" in last

@@ -135,3 +135,11 @@ def test_duplicate_mixture_names_are_blamed_on_the_mixture_not_on_the_campaigns_
 def test_the_command_line_is_named_for_what_it_set(tmp_path):
     message = _refusal(tmp_path, command_line=["optim.lr=1"])
     assert message.startswith("the command line: invalid config") and "(set by the override 'optim.lr=1')" in message
+
+
+def test_a_cluster_campaign_never_uses_the_unauthenticated_tcp_store(tmp_path):
+    cluster = ROOT / "configs/campaign-cluster.yaml"
+    with pytest.raises(ConfigError, match=r"stage 'main': parallel.init.store=tcp: on launcher kubernetes .*Redis"):
+        load_campaign(cluster, ["overrides=[parallel.init.store=tcp, reliability.redis_url=redis://r:6379/0]"])
+    with pytest.raises(ConfigError, match=r"stage 'main': launcher kubernetes needs reliability.redis_url"):
+        load_campaign(cluster, ["overrides=[]"])
