@@ -4,7 +4,7 @@ recipe (``--config configs/llama-1b.yaml``, issue 15) the baseline is Hugging Fa
 ``LlamaForCausalLM`` of the same shape (``llama_baseline.py``); use ``--only`` without
 ``ablation`` (its rows are the GPT's).
 
-    python benchmarks/mfu.py --quick --out runs/mfu.json          # one device call (< 8 min)
+    python benchmarks/mfu.py --quick --out runs/mfu.json          # under 8 minutes on one H200
     python benchmarks/mfu.py --out runs/mfu.json                  # longer steps, more micro-batches
     python benchmarks/mfu.py --quick --config configs/tiny-cpu.yaml --device cpu   # smoke test
     python benchmarks/mfu.py --quick --config configs/moe-gpu-2b.yaml             # MoE (mfu_moe.py, issue 32)
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/gpt-1.3b.yaml")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--quick", action="store_true", help="fewer/shorter steps: fits one device call")
+    parser.add_argument("--quick", action="store_true", help="fewer/shorter steps: under 8 minutes on one H200")
     parser.add_argument("--out", default="runs/mfu/mfu.json")
     parser.add_argument("--work", default=None, help="shards and run dirs (default: a folder beside --out)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip what would not finish by then")

@@ -13,8 +13,8 @@
   without that row scale (``kernels/swiglu_triton.py``).
 
 Each pass's floor is the bytes it must move (every input read once, every output written once)
-over ``--copy-tbs``, the device-to-device copy rate (4.22 TB/s read + write on an H200,
-shared/NOTES.md). At ``--tokens`` 16,384 (micro-batch 8) x is 32 MB and fits an H200's 50-MB L2;
+over ``--copy-tbs``, the device-to-device copy rate (4.22 TB/s read + write, measured on an
+H200). At ``--tokens`` 16,384 (micro-batch 8) x is 32 MB and fits an H200's 50-MB L2;
 at 65,536 (micro-batch 32, the recipe's benchmark) it is 128 MB and does not. Per row: the
 median of ``--iters`` CUDA-event timings after a warm-up, and the largest difference from the
 row it replaces. ``--sweep`` also times each token-major kernel at every warp count in SWEEP and

@@ -18,7 +18,7 @@ meet the same, warmed-up routing:
 
 The second reads the text the warm-up trained on (``--source-bytes`` as its ``data.max_source_bytes``);
 quick mode's default 6-MB slice of it routes less evenly. ``benchmarks/results/mfu-moe-2b-gb512-480-step-weights-permute-by-token-h200.json``
-was made so, on one H200, in one 474-s device call (the warm-up 236 s with its export).
+was made so, on one H200, in one 474-s run (the warm-up 236 s with its export).
 """
 
 from __future__ import annotations

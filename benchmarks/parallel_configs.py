@@ -14,8 +14,8 @@ GPU_DATA = ["data.max_source_bytes=8000000", "data.num_workers=16"]
 CPU_DATA: list[str] = []  # the tiny recipe's own corpus
 WARMUP = 4  # steps left out of the throughput (compile, first DeepSpeed step, allocator growth)
 LOSS_TOLERANCE = 2e-2  # max |loss - loss of the one-GPU run|, bf16 (see compare_losses)
-# NCCL multicast (NVLS) stays off on the lent machines: a program that uses it can take a shared
-# host's GPUs out of service (KINDS.md).
+# NCCL multicast (NVLS) stays off: on a host whose GPUs are shared with other jobs, a program that
+# uses it can take them out of service.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # TP's chunked all-gather/reduce-scatter overlaps the GEMMs only if the GPU starts kernels in
 # issue order (one hardware queue), as Megatron-LM requires too.

@@ -136,7 +136,7 @@ def temporary_server() -> Iterator[None]:
 
     server = ServerDyingWithUs()
     try:
-        # Prefect's default (20 s) is too short on 2 busy cores (NOTES.md: 60)
+        # Prefect's default (20 s) is too short on 2 busy cores; 60 s holds
         server.start(timeout=max(60, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             try:

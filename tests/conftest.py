@@ -192,7 +192,7 @@ def pytest_collection_modifyitems(config, items):
             interpreting = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's kernels on CPU tensors
             for item in gpu_items:
                 if not (interpreting and item.get_closest_marker("interpreter")):
-                    item.add_marker(pytest.mark.skip(reason="needs CUDA (run through the device tool)"))
+                    item.add_marker(pytest.mark.skip(reason="needs CUDA (make test-gpu on a machine with a GPU)"))
     import json
 
     seconds = json.loads(MODULE_SECONDS_FILE.read_text()) if MODULE_SECONDS_FILE.exists() else {}

@@ -16,7 +16,7 @@ when it falls well below its kind rather than below a fixed floor:
   through host memory where peer-to-peer is usually off), and a card on an NVLink bridge
   (H100/H200 NVL, A100 PCIe) beats its PCIe figure rather than being judged by the bridge.
 
-Measured here (KINDS.md of the device machines, 2026-10/11, torch 2.11, cu130): H100 SXM 769-798
+Measured on the GPU machines this project runs on (2026-10/11, torch 2.11, cu130): H100 SXM 769-798
 TFLOP/s and ~3.0 TB/s copy; H200 788 TFLOP/s and ~4.3 TB/s copy; 2-8 H100 SXM all-reduce of
 1 GiB 329-361 GB/s bus bandwidth. The self-check itself (2026-11-26): 2 H200s GEMM 680-706 TFLOP/s
 (0.92-0.95 of 742), copy 4120-4152 GB/s (1.01-1.02), all-reduce of 1 GiB 328-329 GB/s (0.97 of

@@ -1,5 +1,5 @@
 """benchmarks/bound.py: its GEMM list is the model's, its traffic floors are consistent, and the
-script runs end to end on CPU (a tiny model; the real numbers come from the device tool)."""
+script runs end to end on CPU (a tiny model; the real numbers come from a GPU: benchmarks/RESULTS.md)."""
 
 import json
 import sys

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the device tool)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8          # per stage; checkpoint.interval 2, so each fault resumes from step 4

@@ -101,7 +101,7 @@ def test_shapes_the_fp8_gemm_cannot_take_are_refused_naming_them():
 
 needs_fp8_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9 or not hasattr(torch, "_scaled_grouped_mm"),
-    reason="needs a Hopper GPU (torch._scaled_grouped_mm; run through the device tool)")
+    reason="needs a Hopper GPU (torch._scaled_grouped_mm)")
 
 
 @pytest.mark.gpu
