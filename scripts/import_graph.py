@@ -30,7 +30,7 @@ PACKAGES = ("megatrain", "flows", "tasks")
 
 # Bottom first. A unit may import units of lower layers only; units of one layer are independent.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("ground", ["megatrain", "megatrain.errors", "megatrain.kernels"]),
+    ("ground", ["megatrain", "megatrain.errors", "megatrain.waits", "megatrain.kernels"]),
     ("definitions", ["megatrain.config", "megatrain.storage"]),
     ("parts", ["megatrain.model", "megatrain.optim", "megatrain.data", "megatrain.observe", "megatrain.launch"]),
     ("precision", ["megatrain.precision"]),

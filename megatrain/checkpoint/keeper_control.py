@@ -17,6 +17,7 @@ import hashlib
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -30,14 +31,24 @@ from typing import Any
 from megatrain.checkpoint.keeper import SOCKET
 from megatrain.checkpoint.keeper_log import gone_message, note_log
 from megatrain.checkpoint.keeper_wire import recv_message, send_message
+from megatrain.waits import waiting
 
 KEEPER_ROOT_ENV = "MEGATRAIN_KEEPER_ROOT"  # where keeper folders live (default: the temp dir)
 KEEPER_IDLE_ENV = "MEGATRAIN_KEEPER_IDLE_S"  # a keeper with no rank connected exits after this long
 DEFAULT_IDLE_S = 600.0  # long enough for a flow to relaunch its ranks; short enough not to hoard RAM
+# A keeper answers list, get, alloc and drop in milliseconds; one that is stopped (SIGSTOP) or
+# wedged never does, while the kernel still accepts connections on its socket.
+REQUEST_DEADLINE_S = 5.0
+SEAL_DEADLINE_S = 120.0  # a seal hashes the whole copy in the keeper (18 GB: ~2 s on an H200 host)
 
 
 class KeeperError(RuntimeError):
     """The keeper refused a request or could not be reached."""
+
+
+class KeeperTimeout(KeeperError):
+    """The keeper did not answer within the request's deadline (stopped, wedged): the caller takes
+    the next tier, and does not ask it again for a while."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +93,12 @@ def start_keeper(folder: Path, log_path: Path, peer: PeerSettings | None = None,
 
 
 class KeeperClient:
-    """One connection to a keeper; requests are serialised (the training and seal threads share it)."""
+    """One connection to a keeper; requests are serialised (the training and seal threads share it).
+    Each request has a deadline and shows in the heartbeat while it waits (megatrain/waits.py)."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock, self._lock = sock, threading.Lock()
+    def __init__(self, sock: socket.socket, path: str = "?"):
+        self.sock, self._lock, self.path = sock, threading.Lock(), path
+        self.pid = _peer_pid(sock)  # the keeper's, from the kernel: a stopped keeper tells nothing
 
     @classmethod
     def connect(cls, folder: Path, start_log: Path | None = None, timeout_s: float = 30.0,
@@ -95,9 +108,10 @@ class KeeperClient:
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
+                sock.settimeout(REQUEST_DEADLINE_S)  # a full backlog of a stopped keeper blocks connect too
                 sock.connect(str(folder / SOCKET))
                 note_log(folder, sock)  # where it writes: its cause of death, should it die
-                return cls(sock)
+                return cls(sock, str(folder / SOCKET))
             except OSError as exc:
                 sock.close()
                 if start_log is None or time.monotonic() > deadline:
@@ -107,11 +121,16 @@ class KeeperClient:
                 started = True
             time.sleep(0.05)
 
-    def request(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
-        with self._lock:
+    def request(self, op: str, deadline_s: float | None = None, **fields: Any) -> tuple[dict[str, Any], list[int]]:
+        deadline_s = deadline_s or (SEAL_DEADLINE_S if op == "seal" else REQUEST_DEADLINE_S)
+        with self._lock, waiting(f"checkpoint keeper: {op}", self.path, deadline_s, self.pid) as wait:
             try:
+                self.sock.settimeout(wait.remaining())
                 send_message(self.sock, {"op": op, **fields})
-                reply, fds = recv_message(self.sock)
+                reply, fds = recv_message(self.sock, until=time.monotonic() + wait.remaining())
+            except TimeoutError:  # a late reply would answer the next request: this connection is done
+                self.sock.close()
+                raise KeeperTimeout(str(wait.timeout(_state(self.pid)))) from None
             except OSError as exc:  # ConnectionError included: the keeper died
                 raise KeeperError(f"checkpoint keeper: {op}: {exc}") from exc
         if not reply.get("ok"):
@@ -131,6 +150,27 @@ def ask(folder: Path, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]
         return client.request(op, **fields)
     finally:
         client.close()
+
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    try:
+        return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    except (OSError, AttributeError, struct.error):
+        return None
+
+
+def _state(pid: int | None) -> str:
+    """What /proc says of the keeper's process (``T``: stopped by a signal), for the timeout's line."""
+    if pid is None:
+        return "pid unknown"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            code = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "process not visible here"
+    return {"T": "process stopped by a signal", "t": "process stopped by a debugger", "D": "process in "
+            "uninterruptible I/O", "Z": "process exited"}.get(code, f"process state {code}")
 
 
 def _gone(pid: int) -> bool:

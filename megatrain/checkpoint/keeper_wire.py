@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,11 +43,21 @@ def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] = 
     sock.sendall(payload)
 
 
-def recv_message(sock: socket.socket, limit: int = 1 << 30) -> tuple[dict[str, Any], list[int]]:
+def recv_message(sock: socket.socket, limit: int = 1 << 30,
+                 until: float | None = None) -> tuple[dict[str, Any], list[int]]:
     """One message and the descriptors that came with it. ConnectionError when the peer is gone;
-    ValueError for a length over ``limit`` (a stranger on TCP must not make us allocate at will)."""
+    ValueError for a length over ``limit`` (a stranger on TCP must not make us allocate at will);
+    TimeoutError once ``until`` (time.monotonic()) passes, however the bytes trickle in."""
+    def bound() -> None:
+        if until is not None:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(left)
+
     header, fds = b"", []
     while len(header) < _HEADER.size:
+        bound()
         data, ancdata, _, _ = sock.recvmsg(_HEADER.size - len(header), socket.CMSG_SPACE(4 * 16))
         if not data:
             raise ConnectionError("keeper connection closed")
@@ -61,6 +72,7 @@ def recv_message(sock: socket.socket, limit: int = 1 << 30) -> tuple[dict[str, A
         raise ValueError(f"a message of {size} bytes (at most {limit} here)")
     payload = bytearray()
     while len(payload) < size:
+        bound()
         data = sock.recv(min(size - len(payload), 1 << 20))
         if not data:
             raise ConnectionError("keeper connection closed")

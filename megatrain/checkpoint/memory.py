@@ -45,6 +45,7 @@ from megatrain.checkpoint.keeper_control import (  # noqa: F401  (KEEPER_*_ENV, 
     KEEPER_ROOT_ENV,
     KeeperClient,
     KeeperError,
+    KeeperTimeout,
     PeerSettings,
     keeper_dir,
 )
@@ -60,6 +61,7 @@ log = logging.getLogger("megatrain.checkpoint")
 
 ALIGN = 64
 SMALL = 1 << 20  # tensors under this many bytes are read from the host copy even when it is staged on the GPU
+SILENCE_FIRST_S, SILENCE_MAX_S = 60.0, 600.0  # a keeper that timed out is left alone this long, then longer
 
 
 def _map(fd: int, nbytes: int) -> torch.Tensor:
@@ -119,11 +121,25 @@ class MemoryCheckpoints:
         self._pending: Future | None = None
         self.last_timing: SnapshotTiming | None = None
         self.last_restore_phases: dict[str, float] = {}  # the last restore_from_memory's seconds by phase
+        # A keeper that did not answer in time (stopped, wedged) is not asked again before this
+        # (time.monotonic()); the pause doubles with every timeout, so a save waits on it rarely.
+        self._silent_until, self._silence_s, self._silent_why = 0.0, SILENCE_FIRST_S, ""
 
-    def client(self) -> KeeperClient:
+    def client(self, start: bool = True) -> KeeperClient:
+        """The connection to the node's keeper (``start``: start one when none answers)."""
+        if time.monotonic() < self._silent_until:
+            raise KeeperTimeout(f"{self._silent_why}; not asked again for {self._silent_until - time.monotonic():.0f} s")
         if self._client is None:
-            self._client = KeeperClient.connect(self.folder, start_log=self.log_path, peer=self.peer)
+            self._client = KeeperClient.connect(self.folder, start_log=self.log_path if start else None, peer=self.peer)
         return self._client
+
+    def _failed(self, exc: KeeperError) -> None:
+        """After a failed request: forget the connection; after a timeout, leave the keeper alone a while."""
+        if isinstance(exc, KeeperTimeout) and time.monotonic() >= self._silent_until:
+            self._silent_why = str(exc).split("; not asked again")[0]
+            self._silent_until = time.monotonic() + self._silence_s
+            self._silence_s = min(2 * self._silence_s, SILENCE_MAX_S)
+        self._reset()
 
     def _reset(self) -> None:
         """Forget the connection and mappings (the keeper died: a new one has new slots)."""
@@ -176,8 +192,13 @@ class MemoryCheckpoints:
             self._copy(buffer, snap.tensor_files, entries)
             text = json.dumps(snap.json_files)
         except (KeeperError, OSError) as exc:
-            log.warning("memory checkpoint of step %d failed (%s); the next one starts a new keeper", snap.step, exc)
-            self._reset()
+            silent = time.monotonic() < self._silent_until
+            log.log(logging.DEBUG if silent and isinstance(exc, KeeperTimeout) else logging.WARNING,
+                    "memory checkpoint of step %d failed (%s); the next one starts a new keeper", snap.step, exc)
+            if isinstance(exc, KeeperError):
+                self._failed(exc)
+            else:
+                self._reset()
             return None
         self.last_timing = SnapshotTiming(wait_s=waited - start, copy_s=time.perf_counter() - waited, allocated=allocated)
         self._pending = self._sealer.submit(self.client().request, "seal", rank=self.rank, slot=reply["slot"],
@@ -207,10 +228,11 @@ class MemoryCheckpoints:
     def held_steps(self) -> list[int]:
         """The steps this rank's keeper holds sealed for it (none when no keeper answers)."""
         try:
-            self._client = self._client or KeeperClient.connect(self.folder)
-            reply, _ = self._client.request("list")
-        except KeeperError:
-            self._reset()
+            reply, _ = self.client(start=False).request("list")
+        except KeeperError as exc:
+            if isinstance(exc, KeeperTimeout):  # no answer is no copy: the restore takes the next tier
+                log.warning("rank %d: keeper not asked for its copies: %s", self.rank, exc)
+            self._failed(exc)
             return []
         return sorted(entry["step"] for entry in reply["ranks"].get(str(self.rank), []))
 
@@ -227,7 +249,11 @@ class MemoryCheckpoints:
         from that peer keeper's replica; every chunk's sha256 and the JSON's checked first;
         ChecksumError when a check fails."""
         if peer is None:
-            reply, fds = self.client().request("get", rank=self.rank, step=step)
+            try:
+                reply, fds = self.client().request("get", rank=self.rank, step=step)
+            except KeeperError as exc:
+                self._failed(exc)
+                raise
             # The restore's mapping stays as the slot's mapping: unmapping an 18 GB one at the end of
             # the restore costs a fraction of a second, and a save into this slot reuses it anyway.
             buffer, where = self._maps.get(reply.get("id")), "keeper"
@@ -279,10 +305,9 @@ class MemoryCheckpoints:
     def drop_after(self, step: int) -> None:
         """Forget copies newer than ``step``: they belong to a timeline this attempt does not continue."""
         try:
-            self._client = self._client or KeeperClient.connect(self.folder)
-            dropped = self._client.request("drop", rank=self.rank, after_step=step)[0]["dropped"]
-        except KeeperError:
-            self._reset()
+            dropped = self.client(start=False).request("drop", rank=self.rank, after_step=step)[0]["dropped"]
+        except KeeperError as exc:
+            self._failed(exc)
             dropped = []
         if self.peers is not None:  # replicas of an abandoned timeline must not outlive it either
             dropped += self.peers.drop(self.rank, step)

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from megatrain import waits
 from megatrain.reliability.heartbeat_store import (  # noqa: F401  (the store's names, importable from here)
     PHASES, RECENT_STEPS, STEP_PHASES, DirectorySink, HeartbeatRecord, HeartbeatSink, RedisSink, make_sink, writer_id,
 )
@@ -161,8 +162,8 @@ class HeartbeatWriter:
             self.beat(phase=previous)
 
     def _send(self) -> None:
-        with self._lock:
-            record = dataclasses.replace(self._record, timestamp=time.time())
+        with self._lock:  # with what this process waits for now (a keeper, the store, ...): megatrain/waits.py
+            record = dataclasses.replace(self._record, timestamp=time.time(), waits=waits.current() or None)
         try:
             self.sink.publish(record)
         except Exception as exc:  # a heartbeat-store outage must never stop training

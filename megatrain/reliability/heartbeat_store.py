@@ -84,6 +84,7 @@ class HeartbeatRecord:
     recent_forward_s: list[list[float]] | None = None  # [step, forward seconds] of the last steps
     recent_step_s: list[float] | None = None  # seconds from step to step of the last steps (the stall rule's scale)
     init_phase: str | None = None  # during phase "init": the start-up phase (megatrain/observe/startup.py)
+    waits: list[dict[str, Any]] | None = None  # waits on other processes now (megatrain/waits.py)
     started_at: float = field(default_factory=time.time)  # when this record's writer began: its attempt
     run_id: str | None = None  # whose record this is (stamped by the sink's Identity)
     signature: str | None = None  # HMAC-SHA256 of the rest under the run's token

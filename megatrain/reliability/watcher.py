@@ -51,6 +51,9 @@ FROZEN_MIN_S = 2.0  # heartbeat silence that, with a stuck step, means the proce
 # A writer that began this long before the watcher still counts as this attempt's (clocks of two
 # hosts, NTP-synchronised, differ by less); one of an earlier attempt began seconds to hours before.
 START_SKEW_S = 1.0
+# A wait on another process (megatrain/waits.py) that a rank's record shows this far past its own
+# deadline: the call's bound did not end it, so the rank is hung, named by what it waits for.
+WAIT_GRACE_S = 5.0
 
 
 @dataclass
@@ -109,6 +112,8 @@ class WatchResult:
                 f"{record.phase:<11} {record.step:>8} {self.checked_at - record.timestamp:>9.1f} "
                 f"{self.checked_at - record.step_since:>9.1f}"
             )
+            lines += [f"{'':>5} waiting {record.timestamp - w['since']:.1f} s for {_wait_text(w)} (deadline "
+                      f"{w['deadline_s']:g} s)" for w in record.waits or []]
         for rank, text in sorted((stacks or {}).items()):
             lines += [f"--- stack of rank {rank} ---", text.rstrip()]
         return "\n".join(lines)
@@ -235,6 +240,11 @@ class HeartbeatWatcher:
                 # silent past the timeout: dead, unless its process is here and merely stopped
                 # (SIGSTOP, a debugger): then it is frozen, and its peers wait for it
                 (result.hung if _stopped_here(record) else result.dead).append(rank)
+                continue
+            overdue = _overdue_wait(record)
+            if overdue is not None:  # in init too: a restore that waits on a stopped keeper is no warm-up
+                result.hung.append(rank)
+                result.notes.append(f"rank {rank}: {overdue}")
                 continue
             warming_up = record.phase == "init" or not record.first_step_done
             limit = self.init_timeout_s if warming_up else self.timeout_s
@@ -370,6 +380,23 @@ class HeartbeatWatcher:
 
     def close(self) -> None:
         self.sink.close()
+
+
+def _wait_text(wait: Mapping) -> str:
+    return f"{wait.get('what')} at {wait.get('where')}" + (f" (pid {wait['pid']})" if wait.get("pid") else "")
+
+
+def _overdue_wait(record: HeartbeatRecord) -> str | None:
+    """What the rank waits for past the wait's deadline (+ the grace), as of its record, or None."""
+    for wait in record.waits or []:
+        try:
+            waited = record.timestamp - float(wait["since"])
+            deadline = float(wait["deadline_s"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if waited > deadline + WAIT_GRACE_S:
+            return f"waiting {waited:.1f} s for {_wait_text(wait)}, past its {deadline:g} s deadline"
+    return None
 
 
 def _stopped_here(record: HeartbeatRecord) -> bool:

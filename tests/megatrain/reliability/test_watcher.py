@@ -158,6 +158,22 @@ def test_the_stall_rule_needs_step_times_and_can_be_turned_off() -> None:
     assert HeartbeatWatcher(sink, world_size=2, timeout_s=30.0, since=0, stall_factor=None).check().hung == []
 
 
+def test_a_wait_on_another_process_past_its_deadline_is_a_hang_even_while_starting() -> None:
+    """A rank restoring from a keeper that does not answer is in init (init_timeout_s 600 s): its
+    record names the wait (megatrain/waits.py), and once the rank has waited past the wait's own
+    deadline by more than the grace, it is hung, named by what it waits for."""
+    sink, now = _FlakySink(), time.time()
+    wait = {"what": "checkpoint keeper: list", "where": "/tmp/k/keeper.sock", "pid": 4242, "deadline_s": 5.0}
+    sink.publish(HeartbeatRecord(0, phase="init", timestamp=now, step_since=now - 12, waits=[{**wait, "since": now - 12}]))
+    sink.publish(HeartbeatRecord(1, phase="init", timestamp=now, step_since=now - 12, waits=[{**wait, "since": now - 3}]))
+    watcher = HeartbeatWatcher(sink, world_size=2, timeout_s=30.0, init_timeout_s=600.0, since=0)
+    result = watcher.check()
+    assert result.hung == [0], result.message()  # rank 1's wait is still within its deadline
+    assert "waiting 12.0 s for checkpoint keeper: list at /tmp/k/keeper.sock (pid 4242), past its 5 s deadline" \
+        in result.notes[0]
+    assert "waiting 12.0 s for checkpoint keeper: list" in result.message()
+
+
 def test_records_of_a_previous_attempt_are_ignored(tmp_path: Path) -> None:
     sink = DirectorySink(tmp_path)
     old = time.time() - 100  # attempt 1: rank 1 died long ago
