@@ -19,7 +19,9 @@ each restart's tier read from the stage's ``restores.jsonl`` (a row per restore,
 
 Every campaign ends bit for bit where the fault-free one-node campaign ends (one reference for the
 module: two nodes of one rank compute what one node of two ranks does), no keeper process outlives
-its flow, and the campaign report has a line per restore with its tier and seconds.
+its flow, and the campaign report has a line per restore with its tier and seconds. Every socket
+the campaigns' processes listen on binds loopback (sampled from /proc/<pid>/fd and
+/proc/<pid>/net/tcp*: the rank 0 store, torchrun's agent stores, the keepers' peer ports).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import yaml
 from fault_matrix_common import (  # noqa: F401  (fixtures are found by name; reproducible_cpu_math: autouse)
     ROOT, assert_bit_exact, logs, reproducible_cpu_math, run_campaign, workdir,
 )
+from listening_sockets import ListeningSockets
 from process_table import processes_mentioning
 
 from megatrain.checkpoint import catalog
@@ -118,19 +121,22 @@ def assert_reported(outcome, rows: list[dict]) -> None:
             in report, report
 
 
-@pytest.fixture(scope="module", autouse=True)
-def keepers_on_loopback():
-    """Keepers advertise 127.0.0.1 to their peers (this box's hostname may not resolve to itself)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MEGATRAIN_KEEPER_HOST", "127.0.0.1")
-    yield
-    mp.undo()
+def assert_listening_on_loopback(sampled: ListeningSockets, *servers: str) -> None:
+    """Every socket the campaign's processes listened on (the flow, its Prefect server, ranks,
+    torchrun agents, keepers) bound 127.0.0.1 or ::1, and each of ``servers`` (a command-line
+    marker) was seen listening: the check saw the sockets it is about."""
+    assert not sampled.exposed(), "listening beyond loopback:\n" + "\n".join(sampled.exposed())
+    for marker in servers:
+        assert sampled.of(marker), f"no listener of a {marker} process seen; all: {sorted(map(str, sampled.seen))}"
 
 
 @pytest.fixture(scope="module")
 def reference(prefect_api, workdir, shard_root) -> str:
-    """The fault-free campaign's durable URL (one node, 2 ranks): the rows are compared with it."""
-    outcome = run_campaign(write_campaign(workdir, "keeper-reference", shard_root))
+    """The fault-free campaign's durable URL (one node, 2 ranks): the rows are compared with it.
+    Its sockets, sampled from /proc while it runs, listen on loopback only (rank 0 hosts the store)."""
+    with ListeningSockets() as sampled:
+        outcome = run_campaign(write_campaign(workdir, "keeper-reference", shard_root))
+    assert_listening_on_loopback(sampled, "megatrain.train")
     assert outcome.stage["attempts"] == 1 and not (outcome.run_dir / "restores.jsonl").exists()
     assert [i.step for i in catalog.committed(outcome.durable)] == COMMITTED
     assert_no_keeper_left(outcome, 1)
@@ -162,7 +168,9 @@ def test_one_node_keeper_then_durable_after_a_lost_or_corrupt_keeper(reference, 
 @pytest.mark.slow
 def test_two_nodes_node_loss_restores_from_the_peer(reference, workdir, shard_root, logs):
     faults = [keeper_fault("kill_keeper", 8), kill(8)]  # (b) rank 1's node: keeper and rank gone
-    outcome = run_campaign(write_campaign(workdir, "keeper-two-nodes", shard_root, nnodes=2, faults=faults))
+    with ListeningSockets() as sampled:  # node 0's agent hosts the rendezvous; each keeper a peer port
+        outcome = run_campaign(write_campaign(workdir, "keeper-two-nodes", shard_root, nnodes=2, faults=faults))
+    assert_listening_on_loopback(sampled, "megatrain.launch.torchrun", "megatrain.checkpoint.keeper")
     assert (outcome.stage["attempts"], outcome.stage["restarts"]) == (2, 1)
     logs.need(r"fault kill_keeper: killed the checkpoint keeper")
     (b,) = rows = restores(outcome)
