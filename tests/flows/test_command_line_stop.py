@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from fault_matrix_common import STEPS, measured_step_s, write_campaign
+from numbers_agree import assert_numbers_agree
 from test_fault_matrix_lifecycle import SLOWED, FlowProcess, committed_steps, wait_for
 
 from megatrain.config.campaign import load_campaign
@@ -68,6 +69,10 @@ def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resum
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert STEPS in committed_steps(durable)
+    # one set of numbers: the printed summary, status, report.json and TensorBoard; the Ctrl-C is an
+    # interrupt, and the resumed run's summary counts the attempt before it
+    (numbers,) = assert_numbers_agree(campaign.campaign_dir, printed=out.stdout).values()
+    assert (numbers["attempts"], numbers["interrupts"], numbers["faults"]) == (2, 1, 0), numbers
     assert (run_dir / "logs" / "attempt-1.log").read_text() == first_log  # nothing appended to it
     resumed = (run_dir / "logs" / "attempt-2.log").read_text()
     assert f"step {max(steps) + 1}/{STEPS}" in resumed and "step 1/" not in resumed

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from numbers_agree import assert_numbers_agree
 from process_table import processes_mentioning
 
 from megatrain.config.campaign import load_campaign, stage_config
@@ -111,6 +112,11 @@ def test_nan_loss_rolls_back_skips_the_window_and_the_campaign_completes(prefect
     report = pretrain(str(path))
 
     assert report["stages"][0]["rollbacks"] == 1 and report["stages"][0]["steps"] == 8
+    # one set of numbers: the flow's summary, status, report.json and TensorBoard; the NaN step's
+    # row, logged before the rollback, is superseded by the step trained again
+    (numbers,) = assert_numbers_agree(campaign.campaign_dir, summary=report).values()
+    assert (numbers["attempts"], numbers["faults"], numbers["interrupts"]) == (2, 1, 0), numbers
+    assert report["stages"][0]["superseded rows"] == 1
     # three samples from the final checkpoint, in report.json and report.md
     samples = report["samples"]["only"]
     assert len(samples) == 3 and all(s["step"] == 8 and s["text"].startswith(s["prompt"]) for s in samples)
