@@ -33,6 +33,17 @@ class MixtureComponent(_Section):
         return name
 
 
+class DataCursor(_Section):
+    """Where one component's own sample order stood when the previous stage ended (megatrain/data/position.py)."""
+
+    version: str = Field(description="the shard version whose order it is")
+    seed: int = Field(description="data.seed of that stage")
+    shuffle_shards: int = Field(ge=0, description="data.shuffle_shards of that stage")
+    mixture: bool = Field(description="a mixture component's order (seeded by seed and name), or the single version's")
+    samples: int = Field(ge=0, description="samples of that order consumed so far, all earlier stages together")
+    epoch_len: int = Field(gt=0, description="samples of one epoch of that order (samples // epoch_len: its epoch)")
+
+
 class DataConfig(_Section):
     """Where text comes from, how it becomes shards, and how shards are read."""
 
@@ -93,6 +104,13 @@ class DataConfig(_Section):
     prefetch_batches: int = Field(4, ge=0, description="bounded queue of preprocessed batches; 0 = synchronous")
     on_bad_shard: Literal["error", "skip"] = "error"
     verify_checksums: bool = True
+    cursors: dict[str, DataCursor] | None = Field(
+        None, description="set by a campaign for every stage after the first (its data_cursor: continue, the "
+        "default): each component's cursor where the previous stage left it, so this stage serves each one's next "
+        "samples in its own order, and its epoch counts on when it wraps. A component without one, or whose shard "
+        "version, seed or shuffle window differ from its cursor's, starts at its sample 0 (logged). None: every "
+        "component from its sample 0",
+    )
     val_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="documents held out for validation, chosen by a hash of their text (so "
         "a duplicate never lands on both sides), packed into their own shards; 0 = no validation split",

@@ -43,7 +43,7 @@ import torch
 
 from megatrain import storage
 from megatrain.data.index import BadShardError, ShardIndex
-from megatrain.data.position import PositionedLoader, StreamOrder, epoch_length
+from megatrain.data.position import PositionedLoader, StreamOrder, continued_samples, cursor, epoch_length
 from megatrain.data.shard_format import check_token_ids, decode_shard
 
 log = logging.getLogger(__name__)
@@ -96,16 +96,29 @@ class SampleOrder:
 
 class IndexOrder(StreamOrder):
     """One shard version's stream: epochs of ``epoch_len`` samples (the dropped-tail length of
-    the first run's global batch), each a SampleOrder permutation; window keys (0, epoch, window)."""
+    the first run's global batch), each a SampleOrder permutation; window keys (0, epoch, window).
+    A stage that continues an earlier one on the same version (``start``'s cursor "data") serves
+    that stream on from the earlier stage's position, under its epoch length."""
+
+    NAME = "data"  # the one corpus as a component (the name data.components() gives it)
 
     def __init__(self, index: ShardIndex, seed: int, shuffle_shards: int, micro_batch_size: int,
-                 dp_size: int) -> None:
-        super().__init__(index, seed, shuffle_shards)
+                 dp_size: int, start: Any = None) -> None:
+        super().__init__(index, seed, shuffle_shards, start)
         self.samples = SampleOrder([s.num_samples for s in index.shards], seed, shuffle_shards)
         self.epoch_len = epoch_length(index, micro_batch_size, dp_size)
+        self.offset, note = continued_samples(self.start, self.NAME, self._cursor(0))
+        if self.offset:
+            self.epoch_len = int(self.start[self.NAME]["epoch_len"])  # the same stream, continued
+        self.notes = [note] if note else []
+
+    def _cursor(self, samples: int) -> dict[str, Any]:
+        return cursor(version=self.version, seed=self.seed, shuffle_shards=self.shuffle_shards, mixture=False,
+                      samples=samples, epoch_len=self.epoch_len)
 
     def pairs(self, pos: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         pairs, keys = [], []
+        pos += self.offset
         while count:
             epoch, start = divmod(pos, self.epoch_len)
             n = min(count, self.epoch_len - start)  # a batch after skip(n) may straddle two epochs
@@ -119,15 +132,18 @@ class IndexOrder(StreamOrder):
         return self.samples.windows(key[1])[0][key[2]]
 
     def epoch(self, pos: int) -> int:
-        return pos // self.epoch_len
+        return (pos + self.offset) // self.epoch_len
 
     def state_fields(self, pos: int) -> dict[str, Any]:
         return {"epoch_len": self.epoch_len}
 
+    def cursors(self, pos: int) -> dict[str, dict[str, Any]]:
+        return {**self.start, self.NAME: self._cursor(self.offset + pos)}
+
     def component_stats(self, pos: int) -> dict[str, dict[str, Any]]:
-        """The one corpus as the single component "data" (the name data.components() gives it)."""
-        return {"data": {"samples": pos, "tokens": pos * (self.source.seq_len + 1), "epochs": pos // self.epoch_len,
-                         "weight": 1.0}}
+        """The one corpus as the single component "data"."""
+        return {self.NAME: {"samples": pos, "tokens": pos * (self.source.seq_len + 1),
+                            "epochs": (pos + self.offset) // self.epoch_len, "start": self.offset, "weight": 1.0}}
 
     def check_state(self, state: dict[str, Any]) -> None:
         if "mixture" in state:
@@ -141,11 +157,12 @@ class IndexOrder(StreamOrder):
 
 
 def stream_order(source: Any, *, seed: int, shuffle_shards: int, micro_batch_size: int,
-                 dp_size: int) -> StreamOrder:
-    """The order of a ShardIndex, or the one a mixture (mixture.Mixture) makes of itself."""
+                 dp_size: int, start: Any = None) -> StreamOrder:
+    """The order of a ShardIndex, or the one a mixture (mixture.Mixture) makes of itself;
+    ``start``: the previous stage's cursors (position.py), None at a campaign's start."""
     if isinstance(source, ShardIndex):
-        return IndexOrder(source, seed, shuffle_shards, micro_batch_size, dp_size)
-    return source.stream_order(seed=seed, shuffle_shards=shuffle_shards)
+        return IndexOrder(source, seed, shuffle_shards, micro_batch_size, dp_size, start)
+    return source.stream_order(seed=seed, shuffle_shards=shuffle_shards, start=start)
 
 
 class ShardCache:
@@ -321,13 +338,16 @@ class ShardLoader(PositionedLoader):
     def __init__(self, source: Any, *, micro_batch_size: int, dp_ranks: Sequence[int], dp_size: int,
                  seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
                  shuffle_shards: int = 64, vocab_size: int | None = None, rank: int | None = None,
-                 pin_device: torch.device | None = None) -> None:
+                 pin_device: torch.device | None = None, start: Any = None) -> None:
         self.prefetch_batches = prefetch_batches
         # page-locked memory only helps a copy to a GPU
         self.pin_device = pin_device if pin_device is not None and pin_device.type == "cuda" else None
         self.cache = ShardCache(source, verify_checksums, on_bad_shard, vocab_size, rank)
         order = stream_order(source, seed=seed, shuffle_shards=shuffle_shards, micro_batch_size=micro_batch_size,
-                             dp_size=dp_size)
+                             dp_size=dp_size, start=start)
+        if rank in (None, 0):  # where each component's order continues from the previous stage, once a run
+            for note in order.notes:
+                log.info(note)
         self.stream = BatchStream(order, self.cache, micro_batch_size, dp_size, dp_ranks)
         # Last, so that the cache's, the order's and the stream's checks of the arguments run first.
         super().__init__(order, micro_batch_size=micro_batch_size, dp_size=dp_size)
@@ -391,13 +411,14 @@ class ShardLoader(PositionedLoader):
 def build_loader(source: Any, *, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
                  prefetch_batches: int = 4, on_bad_shard: str = "error", verify_checksums: bool = True,
                  shuffle_shards: int = 64, vocab_size: int | None = None, rank: int | None = None,
-                 pin_device: torch.device | None = None) -> ShardLoader:
+                 pin_device: torch.device | None = None, start: Any = None) -> ShardLoader:
     """The loader of data-parallel rank ``dp_rank``: ``next(loader) -> (inputs, targets)``.
     ``source``: a ShardIndex or a mixture.Mixture (mixture.build_mixture_loader builds one from
     components). ``vocab_size``: the model's (token ids must be below it); ``rank``: named in
     bad-shard errors; ``pin_device``: the device the batches go to; on a CUDA device they are made
-    in page-locked memory."""
+    in page-locked memory; ``start``: the previous stage's cursors (``data.cursors``, position.py),
+    where each component's own order continues."""
     return ShardLoader(source, micro_batch_size=micro_batch_size, dp_ranks=[dp_rank], dp_size=dp_size, seed=seed,
                        prefetch_batches=prefetch_batches, on_bad_shard=on_bad_shard,
                        verify_checksums=verify_checksums, shuffle_shards=shuffle_shards, vocab_size=vocab_size,
-                       rank=rank, pin_device=pin_device)
+                       rank=rank, pin_device=pin_device, start=start)

@@ -6,12 +6,17 @@ The stream model (loader.py's, with the mixture in place of the single version):
   sample ``k = count_c(p)`` (its samples among the first ``p``): both a pure function of
   (weights, seed, p), held to the weights at every prefix and computed in O(1) for any ``p``
   (interleave.py: weights kept to 1/10,000, ``|count_c(p) - p w_c| < 1 + p/10,000``).
-* Each component is its own endless stream: its sample ``k`` is sample ``k % N_c`` of its epoch
-  ``k // N_c`` (``N_c`` its samples; no tail dropped), through its own ``SampleOrder`` (shuffle
-  windows of ``shuffle_shards`` of its shards; seed derived from the run's seed and its name).
-* So the batch at position ``p`` is a pure function of ``p`` alone - no epoch length, nothing
-  from the batch layout - and data-parallel rank ``r`` takes ``[p + r*mb, p + (r+1)*mb)``. Resume =
-  restore ``p``, under any DP size and micro-batch; skip/rollback = move ``p``.
+* Each component is its own endless stream: its sample ``j = o_c + k`` is sample ``j % N_c`` of
+  its epoch ``j // N_c`` (``N_c`` its samples; no tail dropped), through its own ``SampleOrder``
+  (shuffle windows of ``shuffle_shards`` of its shards; seed derived from the run's seed and its
+  name). ``o_c`` is the component's offset at the stage's start: the samples of its own order that
+  earlier stages of the campaign consumed (the previous stage's cursor, position.py; 0 for a first
+  stage, a ``data_cursor: restart`` stage, or a cursor of another order). A later stage, at other
+  weights, so serves each component's next samples, and its epoch counts when it wraps.
+* So the batch at position ``p`` is a pure function of ``p`` and the offsets alone - no epoch
+  length, nothing from the batch layout - and data-parallel rank ``r`` takes ``[p + r*mb,
+  p + (r+1)*mb)``. Resume = restore ``p`` (the offsets are the stage's, saved as its ``start`` and
+  checked, never added again), under any DP size and micro-batch; skip/rollback = move ``p``.
 
 A component that runs out either starts its next epoch, reshuffled (``exhausted="repeat"``: a
 warning per new epoch, the epochs counted in ``component_stats()``) or ends the run with
@@ -41,7 +46,7 @@ import numpy as np
 from megatrain.data.index import DataError, ShardIndex, ShardInfo
 from megatrain.data.interleave import PERIOD, Interleave, quotas
 from megatrain.data.loader import SampleOrder, ShardLoader
-from megatrain.data.position import StreamOrder
+from megatrain.data.position import StreamOrder, as_cursors, continued_samples, cursor
 from megatrain.errors import DeterministicError, InputError
 
 log = logging.getLogger(__name__)
@@ -138,8 +143,21 @@ class Mixture:
         c = bisect.bisect_right(self.bases, i) - 1
         return self.components[c].index.shard_url(i - self.bases[c])
 
-    def stream_order(self, *, seed: int, shuffle_shards: int) -> MixtureOrder:
-        return MixtureOrder(self, seed, shuffle_shards)
+    def stream_order(self, *, seed: int, shuffle_shards: int, start: Any = None) -> MixtureOrder:
+        return MixtureOrder(self, seed, shuffle_shards, start)
+
+    def cursor(self, c: int, seed: int, shuffle_shards: int, samples: int) -> dict[str, Any]:
+        """Component ``c``'s cursor after ``samples`` of its own samples (position.py)."""
+        return cursor(version=self.components[c].index.version, seed=seed, shuffle_shards=shuffle_shards,
+                      mixture=True, samples=samples, epoch_len=self.sizes[c])
+
+    def offsets(self, seed: int, shuffle_shards: int, start: Any) -> tuple[np.ndarray, list[str]]:
+        """Each component's offset ``o_c`` at the stage start, from the previous stage's cursors
+        ``start``, and what to say about each cursor (continued where, or why not)."""
+        start = as_cursors(start)
+        found = [continued_samples(start, name, self.cursor(c, seed, shuffle_shards, 0))
+                 for c, name in enumerate(self.names)]
+        return np.asarray([n for n, _ in found], dtype=np.int64), [note for _, note in found if note]
 
 
 def _summary(identity: dict[str, Any]) -> str:
@@ -150,17 +168,24 @@ def _summary(identity: dict[str, Any]) -> str:
 class MixtureOrder(StreamOrder):
     """Stream position -> component -> its own epoch and sample -> (shard, offset)."""
 
-    def __init__(self, mixture: Mixture, seed: int, shuffle_shards: int) -> None:
-        super().__init__(mixture, seed, shuffle_shards)
+    def __init__(self, mixture: Mixture, seed: int, shuffle_shards: int, start: Any = None) -> None:
+        super().__init__(mixture, seed, shuffle_shards, start)
         self.mixture = mixture
         self.interleave = Interleave(mixture.quotas, seed)
         self.samples = [SampleOrder([s.num_samples for s in c.index.shards], _component_seed(seed, c.name),
                                     shuffle_shards) for c in mixture.components]
         self.sizes = np.asarray(mixture.sizes, dtype=np.int64)
-        self._epoch_logged = [0] * len(self.sizes)  # per component, the last epoch a warning announced
+        self.offsets, self.notes = mixture.offsets(seed, shuffle_shards, self.start)
+        # per component, the last epoch a warning announced (those of earlier stages were announced there)
+        self._epoch_logged = (self.offsets // self.sizes).tolist()
+
+    def own_samples(self, pos: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Component and its own sample number ``j = o_c + k`` of positions pos..pos+count-1."""
+        comps, ks = self.interleave.take(pos, count)
+        return comps, ks + self.offsets[comps]
 
     def pairs(self, pos: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        comps, ks = self.interleave.take(pos, count)
+        comps, ks = self.own_samples(pos, count)
         shards, offsets = np.empty(count, np.int64), np.empty(count, np.int64)
         keys = np.empty((count, 3), np.int64)
         for c in np.unique(comps).tolist():
@@ -188,20 +213,26 @@ class MixtureOrder(StreamOrder):
             self._epoch_logged[c] = last_epoch
             log.warning("mixture component %r repeats: epoch %d of its %d samples (reshuffled) is served from "
                         "stream position %d", name, last_epoch, size,
-                        self.interleave.position_of(c, last_epoch * size))
+                        self.interleave.position_of(c, last_epoch * size - int(self.offsets[c])))
 
     def window_shards(self, key: tuple[int, int, int]) -> np.ndarray:
         c, epoch, window = key
         return self.mixture.bases[c] + self.samples[c].windows(epoch)[0][window]
 
     def epoch(self, pos: int) -> int:
-        return int((self.interleave.counts(pos) // self.sizes).max())
+        return int(((self.interleave.counts(pos) + self.offsets) // self.sizes).max())
+
+    def cursors(self, pos: int) -> dict[str, dict[str, Any]]:
+        ends = self.interleave.counts(pos) + self.offsets
+        return {**self.start, **{name: self.mixture.cursor(c, self.seed, self.shuffle_shards, int(ends[c]))
+                                 for c, name in enumerate(self.mixture.names)}}
 
     def component_stats(self, pos: int) -> dict[str, dict[str, Any]]:
         counts = self.interleave.counts(pos)
         return {name: {"samples": int(n), "tokens": int(n) * (self.mixture.seq_len + 1),
-                       "epochs": int(n) // int(size), "weight": weight}
-                for name, n, size, weight in zip(self.mixture.names, counts, self.sizes, self.mixture.weights)}
+                       "epochs": (int(o) + int(n)) // int(size), "start": int(o), "weight": weight}
+                for name, n, o, size, weight in zip(self.mixture.names, counts, self.offsets, self.sizes,
+                                                    self.mixture.weights)}
 
     def state_fields(self, pos: int) -> dict[str, Any]:
         return {"mixture": self.mixture.describe(), "components": self.component_stats(pos)}
@@ -225,14 +256,15 @@ class MixtureOrder(StreamOrder):
 def build_mixture_loader(components: list[Component], *, micro_batch_size: int, dp_rank: int, dp_size: int,
                          seed: int, exhausted: str = "repeat", prefetch_batches: int = 4, on_bad_shard: str = "error",
                          verify_checksums: bool = True, shuffle_shards: int = 64, vocab_size: int | None = None,
-                         rank: int | None = None) -> ShardLoader:
+                         rank: int | None = None, start: Any = None) -> ShardLoader:
     """The loader of data-parallel rank ``dp_rank`` over a weighted mixture: a ShardLoader (same
     interface as build_loader's) whose ``component_stats()`` reports each component's cursor.
-    ``shuffle_shards`` is per component: each keeps one window of its own shards in memory."""
+    ``shuffle_shards`` is per component: each keeps one window of its own shards in memory.
+    ``start``: the previous stage's cursors, where each component's own order continues."""
     return ShardLoader(Mixture(components, exhausted), micro_batch_size=micro_batch_size, dp_ranks=[dp_rank],
                        dp_size=dp_size, seed=seed, prefetch_batches=prefetch_batches, on_bad_shard=on_bad_shard,
                        verify_checksums=verify_checksums, shuffle_shards=shuffle_shards, vocab_size=vocab_size,
-                       rank=rank)
+                       rank=rank, start=start)
 
 
 def samples_needed_per_component(components: list[Component], total_samples: int, seed: int = 0) -> dict[str, int]:
@@ -243,14 +275,19 @@ def samples_needed_per_component(components: list[Component], total_samples: int
     return {name: int(n) for name, n in zip(mixture.names, counts)}
 
 
-def check_supply(components: list[Component], total_samples: int, seed: int = 0) -> None:
+def check_supply(components: list[Component], total_samples: int, seed: int = 0, start: Any = None,
+                 shuffle_shards: int = 64) -> None:
     """Refuse, before training, a ``stop`` run of ``total_samples`` that would exhaust a component:
-    DataExhausted names the first one to run out and where."""
+    DataExhausted names the first one to run out and where. ``start``: the previous stage's
+    cursors (``data.cursors``; with the run's ``shuffle_shards``): what earlier stages consumed."""
     mixture = Mixture(components, "stop")
     interleave = Interleave(mixture.quotas, seed)
-    short = [(interleave.position_of(c, size), c, int(n))
-             for c, (n, size) in enumerate(zip(interleave.counts(total_samples), mixture.sizes)) if n > size]
+    offsets, _ = mixture.offsets(seed, shuffle_shards, start)
+    short = [(interleave.position_of(c, max(0, size - int(o))), c, int(n), int(o))
+             for c, (n, o, size) in enumerate(zip(interleave.counts(total_samples), offsets, mixture.sizes))
+             if n + o > size]
     if short:
-        position, c, needed = min(short)
+        position, c, needed, before = min(short)
         raise DataExhausted(mixture.names[c], mixture.sizes[c], position,
-                            f" (a run of {total_samples} samples needs {needed} of them)")
+                            f" (a run of {total_samples} samples needs {needed} of them"
+                            + (f", after the {before} that earlier stages used" if before else "") + ")")

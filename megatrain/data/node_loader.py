@@ -47,7 +47,7 @@ import torch
 from megatrain.data.index import DataError
 from megatrain.errors import DeterministicError, InputError
 from megatrain.data.loader import ShardLoader, stream_order, to_tensors
-from megatrain.data.position import PositionedLoader
+from megatrain.data.position import PositionedLoader, as_cursors
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class NodeLoader(PositionedLoader):
     def __init__(self, source: Any, params: dict[str, Any], local_rank: int) -> None:
         mb, dp_size = params["micro_batch_size"], params["dp_size"]
         order = stream_order(source, seed=params["seed"], shuffle_shards=params["shuffle_shards"],
-                             micro_batch_size=mb, dp_size=dp_size)
+                             micro_batch_size=mb, dp_size=dp_size, start=params.get("start"))
         super().__init__(order, micro_batch_size=mb, dp_size=dp_size)
         self.params, self.local_rank = params, local_rank
         self._bad_shards = 0  # as reported with the last batch by the server's ShardLoader
@@ -124,7 +124,7 @@ class NodeServer(NodeLoader):
         self.rows = [unique.index(d) for d in dp_of_local]  # batch row of each local rank
         try:
             keys = ("micro_batch_size", "dp_size", "seed", "on_bad_shard", "verify_checksums", "shuffle_shards",
-                    "vocab_size")
+                    "vocab_size", "start")
             self.loader = ShardLoader(source, dp_ranks=unique, prefetch_batches=0, rank=rank,
                                       **{k: params[k] for k in keys})
         except Exception as exc:  # e.g. a dp_rank out of range: tell the clients before failing
@@ -357,7 +357,8 @@ class NodeClient(NodeLoader):
 def build_node_loader(source: Any, *, local_rank: int, local_world_size: int, micro_batch_size: int,
                       dp_rank: int, dp_size: int, seed: int, prefetch_batches: int = 4, on_bad_shard: str = "error",
                       verify_checksums: bool = True, shuffle_shards: int = 64, channel: str | None = None,
-                      timeout_s: float = 300.0, vocab_size: int | None = None, rank: int | None = None) -> NodeLoader:
+                      timeout_s: float = 300.0, vocab_size: int | None = None, rank: int | None = None,
+                      start: Any = None) -> NodeLoader:
     """The loader of one local rank when the node shares one reader (``parallel.node_loader``).
 
     ``source``: a ShardIndex, or a ``mixture.Mixture`` (weighted components and their exhaustion
@@ -373,7 +374,8 @@ def build_node_loader(source: Any, *, local_rank: int, local_world_size: int, mi
     """
     params = {"micro_batch_size": micro_batch_size, "dp_size": dp_size, "seed": seed, "on_bad_shard": on_bad_shard,
               "verify_checksums": verify_checksums, "shuffle_shards": shuffle_shards,
-              "prefetch_batches": prefetch_batches, "version": source.version, "vocab_size": vocab_size}
+              "prefetch_batches": prefetch_batches, "version": source.version, "vocab_size": vocab_size,
+              "start": as_cursors(start)}  # the previous stage's cursors (position.py)
     if hasattr(source, "exhausted"):  # a mixture: its version covers components and weights, not the policy
         params["exhausted"] = source.exhausted
     channel = channel if channel is not None else default_channel(source)

@@ -8,6 +8,23 @@ two: one shard version (``IndexOrder``, loader.py) and a weighted mixture of ver
 order, and resuming is restoring the position. ShardLoader (one reader per rank) and the node
 loaders (one reader per node, node_loader.py) differ in how they read batches, not in this
 bookkeeping: both build on ``PositionedLoader``, so either one can restore the other's state.
+
+Stages continue the data. A campaign's stage is a new loader at its position 0, but each data
+component's own sample order goes on where the previous stage left it: the loader is built with
+the previous stage's *cursors* (``start``), one per component, and offsets its component's samples
+by them. A cursor is plain JSON:
+
+    {"version": shard version, "seed": data.seed, "shuffle_shards": ..., "mixture": a mixture
+     component (its order is seeded by seed and name) or the single version,
+     "samples": its own samples consumed so far, "epoch_len": samples of one of its epochs}
+
+so ``samples // epoch_len`` is the component's epoch and ``samples % epoch_len`` the next sample of
+it. A cursor applies only to the same order (version, seed, shuffle window and kind: otherwise its
+samples are other samples, and the component starts at 0, said in ``notes``). Components of the
+cursors that this loader does not serve are carried on unchanged, so a later stage that takes one
+up again continues it too. The state saves both ``start`` (as given: a resume must be built with
+the same, and is refused otherwise, so an offset is never added twice) and ``cursors``, where each
+component stands at the state's position: what the next stage starts from (``end_cursors``).
 """
 
 from __future__ import annotations
@@ -25,6 +42,70 @@ STATE_FORMAT = 1
 # the same for every (dp_size, micro_batch_size), once the epoch length is the saver's. An order
 # adds its own keys (a mixture its components and weights) and checks them in ``check_state``.
 ORDER_KEYS = ("format", "version", "seed", "shuffle_shards")
+
+CURSOR_KEYS = ("version", "seed", "shuffle_shards", "mixture", "samples", "epoch_len")
+
+
+def as_cursors(value: Any) -> dict[str, dict[str, Any]]:
+    """Cursors as plain dicts by component name, from None, dicts or config sections (data.cursors);
+    ValueError naming the component and key of a malformed one."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, cursor in (value or {}).items():
+        plain = cursor.model_dump(mode="json") if hasattr(cursor, "model_dump") else dict(cursor)
+        missing = [key for key in CURSOR_KEYS if key not in plain]
+        if missing:
+            raise ValueError(f"data cursor of component {name!r} lacks {', '.join(missing)}")
+        if int(plain["samples"]) < 0 or int(plain["epoch_len"]) <= 0:
+            raise ValueError(f"data cursor of component {name!r}: samples must be >= 0 and epoch_len > 0, "
+                             f"got {plain['samples']} and {plain['epoch_len']}")
+        out[str(name)] = {key: plain[key] for key in CURSOR_KEYS}
+    return out
+
+
+def cursor(*, version: str, seed: int, shuffle_shards: int, mixture: bool, samples: int,
+           epoch_len: int) -> dict[str, Any]:
+    """One component's cursor (see the module docstring)."""
+    return {"version": version, "seed": int(seed), "shuffle_shards": int(shuffle_shards), "mixture": bool(mixture),
+            "samples": int(samples), "epoch_len": int(epoch_len)}
+
+
+def continued_samples(start: dict[str, dict[str, Any]], name: str, mine: dict[str, Any]) -> tuple[int, str | None]:
+    """How many of its own samples component ``name`` skips at this stage's start, and what to
+    say about it: ``start``'s cursor of that name when its order is ``mine`` (a cursor of this
+    loader's order at sample 0), else 0 with the reason."""
+    given = start.get(name)
+    if given is None:
+        return 0, None
+    differs = [f"{key} {given[key]!r} -> {mine[key]!r}" for key in ("version", "seed", "shuffle_shards", "mixture")
+               if given[key] != mine[key]]
+    if not differs and given["epoch_len"] != mine["epoch_len"] and mine["mixture"]:
+        differs.append(f"epoch_len {given['epoch_len']} -> {mine['epoch_len']}")
+    if differs:
+        return 0, (f"data component {name!r} starts at its sample 0: the previous stage's cursor is of another "
+                   f"sample order ({'; '.join(differs)})")
+    samples = int(given["samples"])
+    return samples, (f"data component {name!r} continues at its sample {samples:,} (epoch {samples // int(given['epoch_len'])}, "
+                     f"sample {samples % int(given['epoch_len']):,} of {int(given['epoch_len']):,})")
+
+
+def end_cursors(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Where each data component stands at a loader state's position (a stage's final data
+    position: what the next stage continues). States saved before cursors existed started every
+    component at 0, and their cursors follow from their counts."""
+    if state.get("cursors") is not None:
+        return as_cursors(state["cursors"])
+    common = {"seed": state["seed"], "shuffle_shards": state["shuffle_shards"]}
+    if state.get("mixture") is not None:
+        counts = state.get("components") or {}
+        return {c["name"]: cursor(version=c["version"], mixture=True, samples=counts[c["name"]]["samples"],
+                                  epoch_len=c["samples"], **common)
+                for c in state["mixture"]["components"]}
+    return {"data": cursor(version=state["version"], mixture=False, samples=state["samples_consumed"],
+                           epoch_len=state["epoch_len"], **common)}
+
+
+def describe_start(start: dict[str, dict[str, Any]]) -> str:
+    return ", ".join(f"{name} at sample {c['samples']:,} of {c['version']}" for name, c in start.items()) or "sample 0"
 
 
 def epoch_length(index: ShardIndex, micro_batch_size: int, dp_size: int) -> int:
@@ -51,8 +132,14 @@ class StreamOrder:
     # Samples of one epoch of the whole stream, or None where epochs are per component (a mixture).
     epoch_len: int | None = None
 
-    def __init__(self, source: Any, seed: int, shuffle_shards: int) -> None:
+    def __init__(self, source: Any, seed: int, shuffle_shards: int, start: Any = None) -> None:
         self.source, self.seed, self.shuffle_shards = source, seed, shuffle_shards
+        self.start = as_cursors(start)  # the previous stage's cursors, as given (module docstring)
+        self.notes: list[str] = []  # per component of start: continued where, or why not
+
+    def cursors(self, pos: int) -> dict[str, dict[str, Any]]:
+        """Each component's cursor at ``pos`` (the start's other components carried on as given)."""
+        raise NotImplementedError
 
     @property
     def version(self) -> str:
@@ -81,8 +168,9 @@ class StreamOrder:
         """Adopt what the saver's run fixed and this one would compute otherwise (an epoch length)."""
 
     def component_stats(self, pos: int) -> dict[str, dict[str, Any]]:
-        """Per component, what the first ``pos`` samples used: {name: {samples, tokens, epochs
-        (completed), weight}}; one version is the single component "data"."""
+        """Per component, what the first ``pos`` samples used: {name: {samples, tokens (both this
+        stage's), epochs (completed in the component's own order, earlier stages included), start
+        (its own samples consumed before this stage), weight}}; one version is the single component "data"."""
         raise NotImplementedError
 
 
@@ -153,6 +241,7 @@ class PositionedLoader:
                  "micro_batch_size": self.micro_batch_size, "shuffle_shards": self.shuffle_shards,
                  "samples_consumed": self._pos, "samples_skipped": self._skipped, "epoch": self.epoch}
         state.update(self.order.state_fields(self._pos))
+        state["start"], state["cursors"] = self.order.start, self.order.cursors(self._pos)
         state["bad_shards"] = self.bad_shards
         return state
 
@@ -167,6 +256,9 @@ class PositionedLoader:
         for key in ORDER_KEYS:
             if state.get(key) != mine[key]:
                 raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {key}={mine[key]!r}")
+        if as_cursors(state.get("start")) != self.order.start:  # the offsets of another stage start
+            raise ValueError(f"loader state began its stage with the data at {describe_start(as_cursors(state.get('start')))}"
+                             f", this loader begins at {describe_start(self.order.start)} (data.cursors)")
         self._restore_order(state)
         self._skipped = int(state["samples_skipped"])
         self.seek(int(state["samples_consumed"]))

@@ -179,12 +179,14 @@ class Trainer:
         if cfg.data.mixture is not None:
             source = Mixture(self.components, exhausted=cfg.data.on_exhausted)
             if cfg.data.on_exhausted == "stop":
-                check_supply(self.components, cfg.train.steps * cfg.train.global_batch_size, seed=cfg.data.seed)
+                check_supply(self.components, cfg.train.steps * cfg.train.global_batch_size, seed=cfg.data.seed,
+                             start=cfg.data.cursors, shuffle_shards=cfg.data.shuffle_shards)
         common = dict(
             micro_batch_size=cfg.train.micro_batch_size, dp_rank=self.groups.dp_rank, dp_size=self.groups.dims.dp,
             seed=cfg.data.seed, prefetch_batches=cfg.data.prefetch_batches, on_bad_shard=cfg.data.on_bad_shard,
             verify_checksums=cfg.data.verify_checksums, shuffle_shards=cfg.data.shuffle_shards,
             vocab_size=cfg.model.vocab_size, rank=self.env.rank,  # token ids are checked where they enter
+            start=cfg.data.cursors,  # a campaign's later stage: each component goes on where the last one left it
         )
         if cfg.parallel.node_loader and self.env.local_world_size > 1:
             from megatrain.data.node_loader import build_node_loader

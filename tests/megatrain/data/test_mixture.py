@@ -130,7 +130,7 @@ def test_every_sample_is_where_the_stream_model_puts_it(indexes, owner, caplog):
     for c, name in enumerate(names):
         size = indexes[name].num_samples
         count = int((comps == c).sum())
-        assert stats[name] == {"samples": count, "tokens": count * (SEQ_LEN + 1), "epochs": count // size,
+        assert stats[name] == {"samples": count, "tokens": count * (SEQ_LEN + 1), "epochs": count // size, "start": 0,
                                "weight": pytest.approx(WEIGHTS[name])}
         warned = [r for r in caplog.records if f"component {name!r} repeats" in r.getMessage()]
         assert len(warned) == -(-count // size) - 1  # once per new epoch (the last one started)
@@ -242,9 +242,10 @@ def test_state_of_another_mixture_or_order_is_refused(indexes, small_index):
     assert fresh.samples_consumed == 0 and set(fresh.component_stats()) == {"code", "web"}
     # a plain index keeps today's state: the same keys, no components
     assert list(single.state_dict()) == ["format", "version", "seed", "dp_size", "micro_batch_size", "shuffle_shards",
-                                         "samples_consumed", "samples_skipped", "epoch", "epoch_len", "bad_shards"]
+                                         "samples_consumed", "samples_skipped", "epoch", "epoch_len", "start",
+                                         "cursors", "bad_shards"]
     single.skip(2 * single.epoch_len + 6)  # the one corpus is the single component "data"
-    assert single.component_stats() == {"data": {"samples": 2 * single.epoch_len + 6, "epochs": 2, "weight": 1.0,
+    assert single.component_stats() == {"data": {"samples": 2 * single.epoch_len + 6, "epochs": 2, "weight": 1.0, "start": 0,
                                                  "tokens": (2 * single.epoch_len + 6) * (SEQ_LEN + 1)}}
 
 
