@@ -46,12 +46,14 @@ def write_report(campaign: CampaignConfig, stage_results: list[dict]) -> dict:
 
     report = build_report(campaign.campaign_dir, stage_results)
     summary = {**report.summary, "fingerprint": campaign.fingerprint()}  # rerun check: the same math
-    create_table_artifact(summary["stages"], key=artifact_key(campaign.id, "stages"), description="stages of the campaign")
+    stages = [{k: ", ".join(map(str, v)) if isinstance(v, list) else v for k, v in row.items()} for row in summary["stages"]]
+    create_table_artifact(stages, key=artifact_key(campaign.id, "stages"), description="stages of the campaign")
     create_table_artifact(summary["checkpoints"], key=artifact_key(campaign.id, "checkpoints"),
                           description="committed checkpoints")
     create_markdown_artifact(
         f"### Loss, campaign `{campaign.id}`\n\n{markdown_image(report.pictures['loss curve'], 'loss curve')}\n\n"
-        "Solid: training loss, dashed: validation loss, per stage; red x: restart, orange v: rollback.\n",
+        "Solid: training loss, dashed: validation loss, per stage; red x: restart, orange v: rollback; "
+        "pink dash-dot line: the step an attempt resumed from.\n",
         key=artifact_key(campaign.id, "loss-curve"), description="loss curve (training and validation, per stage)")
     expert_load = [markdown_image(png, title) for title, png in report.pictures.items() if title.endswith(EXPERT_LOAD)]
     if expert_load:  # an MoE campaign: layers x experts, each expert's share of the routed slots per stage
@@ -66,7 +68,8 @@ def write_report(campaign: CampaignConfig, stage_results: list[dict]) -> dict:
     (report_dir / "report.json").write_text(json.dumps(summary, indent=2))
     run_logger().info("report written to %s", report_dir / "report.md")
     # `prefect deployment run ... --watch` shows events, not logs: this one names the report.
-    emit_event(event="megatrain.report.written", payload={"faults": len(summary["faults"])},
+    emit_event(event="megatrain.report.written",
+               payload={"faults": len(summary["faults"]), "interrupts": len(summary["interrupts"])},
                resource={"prefect.resource.id": f"megatrain.config.campaign.{campaign.id}",
                          "prefect.resource.name": str(report_dir / "report.md")})
     return summary
