@@ -21,9 +21,11 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _current: dict[int, Wait] = {}
@@ -83,3 +85,27 @@ def current() -> list[dict[str, Any]]:
     """This process's waits on other processes now (for the heartbeat), oldest first."""
     with _lock:
         return [wait.record() for wait in _current.values()]
+
+
+def bounded(call: Callable[[], T], wait: Wait, detail: str = "") -> T:
+    """``call()``'s result (or its exception), or ``wait.timeout(detail)`` once the wait's deadline
+    passes: for a library call whose own timeout does not hold (c10d's TCPStore client blocks
+    past it against a server that accepted and stopped answering). The call runs in a daemon
+    thread, left behind on a timeout: the caller's error ends the process or drops the client.
+    The call must release the GIL while it blocks (c10d's do)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001  (raised again in the caller's thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"bounded: {wait.what}", daemon=True)
+    thread.start()
+    thread.join(wait.remaining())
+    if thread.is_alive():
+        raise wait.timeout(detail)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

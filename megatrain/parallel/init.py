@@ -28,6 +28,7 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from megatrain.config import InitConfig
 from megatrain.launch.listen import bound_store_class, is_loopback, pin_to_loopback
 from megatrain.parallel.rendezvous import CountingStore, join
 from megatrain.observe.startup import StartupTimer
+from megatrain.waits import bounded, waiting
 
 log = logging.getLogger("megatrain")
 
@@ -81,13 +83,24 @@ def connect_store(init: InitConfig, rank: int, world: int, run_id: str, redis_ur
         probe = RedisStore(url, namespace, timeout=timeout)
         # the server's identity is part of the namespace: after a restart everyone meets afresh
         probe.prefix = f"megatrain:{namespace}:{probe.server_id[:12]}:{probe.scope}store:"  # scope: the run's token
-        return CountingStore(probe)
+        return CountingStore(probe, where=_redacted(url), deadline_s=timeout.total_seconds())
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
     # rank 0's server listens on MASTER_ADDR only (torch's own binds every interface, unauthenticated)
-    tcp = bound_store_class(dist.TCPStore)(host, port, world, is_master=rank == 0 and not agent_store,
-                                           timeout=timeout, wait_for_workers=False, use_libuv=True)
-    return CountingStore(dist.PrefixStore(f"megatrain/{namespace}/", tcp))
+    master = rank == 0 and not agent_store
+    # a client's handshake with a server that accepted and never answers blocks past c10d's timeout
+    with waiting("rendezvous store: connect", f"{host}:{port}", timeout.total_seconds() + CountingStore.GRACE_S) as wait:
+        tcp = bounded(lambda: bound_store_class(dist.TCPStore)(host, port, world, is_master=master, timeout=timeout,
+                                                               wait_for_workers=False, use_libuv=True),
+                      wait, "the server accepted the connection and did not answer")
+    return CountingStore(dist.PrefixStore(f"megatrain/{namespace}/", tcp), where=f"{host}:{port}",
+                         deadline_s=timeout.total_seconds())
+
+
+def _redacted(url: str) -> str:
+    """A store URL for a message: without a password."""
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]).geturl()
 
 
 def _is_store_lost(exc: BaseException) -> bool:

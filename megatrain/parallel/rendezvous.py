@@ -21,6 +21,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megatrain.waits import bounded, waiting
+
 
 class RendezvousTimeout(RuntimeError):
     """Some ranks never joined the rendezvous (a retry may succeed: a node can come back)."""
@@ -70,49 +72,56 @@ def _ranges(ranks: list[int]) -> str:
 class CountingStore(dist.Store):
     """Forwards every call to ``inner`` and counts it by kind; with ``record=True`` also keeps
     the ordered (op, key) trace (benchmarks/init.py replays it at scale). c10d calls a Python
-    store under the GIL: fine for start-up traffic."""
+    store under the GIL: fine for start-up traffic.
 
-    def __init__(self, inner: dist.Store, record: bool = False) -> None:
+    Every call is a wait on the process that serves the store (``megatrain/waits.py``): it shows
+    in the heartbeat, and it ends by ``deadline_s`` (the store's timeout plus a grace; a ``wait``
+    by its own timeout plus the grace) with one line naming the store at ``where``, even where
+    c10d's own timeout does not hold (a TCPStore server that stopped answering)."""
+
+    GRACE_S = 5.0
+
+    def __init__(self, inner: dist.Store, record: bool = False, where: str = "the rendezvous store",
+                 deadline_s: float = 600.0) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.where, self.deadline_s = inner, where, deadline_s
         self.ops: dict[str, int] = {}
         self.trace: list[tuple[str, str]] | None = [] if record else None
 
-    def _note(self, op: str, key: str) -> None:
+    def _call(self, op: str, key: str, call, deadline_s: float | None = None):
         self.ops[op] = self.ops.get(op, 0) + 1
         if self.trace is not None:
             self.trace.append((op, key))
+        limit = (deadline_s if deadline_s is not None else self.deadline_s) + self.GRACE_S
+        with waiting(f"rendezvous store: {op} {key}", self.where, limit) as wait:
+            return bounded(call, wait, "the store's server accepted the call and did not answer")
 
     def set(self, key, value):
-        self._note("set", key)
-        self.inner.set(key, value)
+        self._call("set", key, lambda: self.inner.set(key, value))
 
     def get(self, key):
-        self._note("get", key)
-        return self.inner.get(key)
+        return self._call("get", key, lambda: self.inner.get(key))
 
     def add(self, key, amount):
-        self._note("add", key)
-        return self.inner.add(key, amount)
+        return self._call("add", key, lambda: self.inner.add(key, amount))
 
     def compare_set(self, key, expected, desired):
-        self._note("compare_set", key)
-        return self.inner.compare_set(key, expected, desired)
+        return self._call("compare_set", key, lambda: self.inner.compare_set(key, expected, desired))
 
     def wait(self, keys, timeout=None):
-        self._note("wait", ",".join(keys))
-        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+        if timeout is None:
+            return self._call("wait", ",".join(keys), lambda: self.inner.wait(keys))
+        return self._call("wait", ",".join(keys), lambda: self.inner.wait(keys, timeout), timeout.total_seconds())
 
     def check(self, keys):
-        self._note("check", ",".join(keys))
-        return self.inner.check(keys)
+        return self._call("check", ",".join(keys), lambda: self.inner.check(keys))
 
     def delete_key(self, key):
-        self._note("delete_key", key)
-        return self.inner.delete_key(key)
+        return self._call("delete_key", key, lambda: self.inner.delete_key(key))
 
     def num_keys(self):
-        return self.inner.num_keys()
+        return self._call("num_keys", "", self.inner.num_keys)
 
     def set_timeout(self, timeout):
+        self.deadline_s = timeout.total_seconds()
         self.inner.set_timeout(timeout)
