@@ -54,6 +54,7 @@ def _stage_cache_key(context, parameters) -> str:
     return "-".join([
         "stage", campaign.id, campaign.stages[index].name,
         compat.fingerprint(stage_config(campaign, index)), parameters["data_version"],
+        *(["restart"] if campaign.stages[index].data_cursor == "restart" else []),  # replays: other samples
     ])
 
 
@@ -154,6 +155,12 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
     from megatrain.launch.ranks import write_run_config
 
     cfg = stage_config(campaign, index)
+    try:
+        cursors = carried_data_cursors(campaign, index)
+    except StageFailed as exc:
+        return _failed(str(exc))
+    if cursors:  # each data component goes on where the previous stage left it (data_cursor: continue)
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"cursors": cursors})})
     if campaign.launcher == "local":
         # The ranks only stage checkpoints; this task uploads and commits each one as a task run.
         # (On Kubernetes the staging disks are the nodes' own: each rank uploads its files.)
@@ -165,6 +172,28 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
             return _run_attempts(campaign, index, cfg, config_path)
         finally:  # whatever ended the stage (an upload failed for good, a bug): no rank trains on alone
             ABANDONED.pop(config_path).set()
+
+
+def carried_data_cursors(campaign: CampaignConfig, index: int) -> dict | None:
+    """The stage handoff of the data: where each component's own sample order stood at the
+    previous stage's final step (its committed data position), for this stage's ``data.cursors``;
+    None for the first stage and a ``data_cursor: restart`` one. The previous stage's final step
+    is committed and verified before this stage runs (flows/pretrain.py)."""
+    from megatrain import storage
+    from megatrain.checkpoint.catalog import read_manifest
+    from megatrain.checkpoint.files import step_dir_name
+    from megatrain.config.data import DataCursor
+    from megatrain.data.position import end_cursors
+
+    if index == 0 or campaign.stages[index].data_cursor == "restart":
+        return None
+    previous = campaign.stages[index - 1]
+    step_url = storage.join_url(campaign.stage_durable_url(index - 1), step_dir_name(previous.steps))
+    positions = (read_manifest(step_url) or {}).get("data_position") or {}
+    if positions.get("0") is None:  # every DP rank saves the same global position
+        raise StageFailed(f"stage {campaign.stages[index].name}: stage {previous.name}'s final step {step_url} "
+                          "records no data position to continue from (data_cursor: restart starts the data over)")
+    return {name: DataCursor(**c) for name, c in end_cursors(positions["0"]).items()}
 
 
 def _run_attempts(campaign: CampaignConfig, index: int, cfg, config_path: str):

@@ -43,6 +43,10 @@ class StageConfig(_Section):
                       description="used in paths and task names; starts with a letter or digit (never . or ..)")
     steps: int = Field(gt=0, description="optimizer steps in this stage")
     overrides: list[str] = Field(default_factory=list, description="dotted overrides for this stage only")
+    data_cursor: Literal["continue", "restart"] = Field(
+        "continue", description="continue: each data component goes on in its own sample order where the previous "
+        "stage left it (new samples, at this stage's weights; an epoch counts when a component wraps); restart: "
+        "every component starts again at its sample 0, replaying what earlier stages read")
 
 
 class CampaignConfig(_Section):
@@ -108,7 +112,9 @@ class CampaignConfig(_Section):
 
     def fingerprint(self) -> str:
         """What the campaign computes: each stage's config fingerprint, in order."""
-        parts = [compat.fingerprint(stage_config(self, i)) for i in range(len(self.stages))]
+        # a stage that restarts its data trains on other samples than one that continues it
+        parts = [compat.fingerprint(stage_config(self, i)) + ("/restart" if stage.data_cursor == "restart" else "")
+                 for i, stage in enumerate(self.stages)]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
@@ -140,6 +146,8 @@ _CAMPAIGN_PATHS = {
     "train.run_dir": "set the campaign's root_dir (each stage gets <root_dir>/<id>/<stage>)",
     "checkpoint.durable_url": "set the campaign's durable_url (each stage gets a subfolder)",
     "checkpoint.init_from": "a stage starts from the previous stage's checkpoint; start a new campaign instead",
+    "data.cursors": "a stage continues each data component where the previous stage left it; set the stage's "
+                    "data_cursor: restart to start them over",
 }
 
 
