@@ -37,8 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatrain.errors import MegatrainError
+from megatrain.waits import waiting
 
 LEASE_FILE = "lease.json"
+GUARD_DEADLINE_S = 10.0  # the guard is held for microseconds; a holder that keeps it this long is stopped
 
 
 class LeaseHeld(MegatrainError):
@@ -47,6 +49,19 @@ class LeaseHeld(MegatrainError):
     def __init__(self, where: str, holder: LeaseRecord) -> None:
         self.holder = holder
         super().__init__(f"{where} is in use by {holder.describe()}; wait for it to finish or stop it")
+
+
+def _flock_holder(path: Path) -> int | None:
+    """The pid holding an flock on ``path`` (from /proc/locks), or None."""
+    try:
+        inode = os.stat(path).st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "FLOCK" in fields and len(fields) > 5 and fields[5].rsplit(":", 1)[-1] == str(inode):
+                return int(fields[4])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _process_start(pid: int) -> str | None:
@@ -105,9 +120,22 @@ class FileLeaseStore:
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
+        """The guard's flock, held for microseconds (a read and a rename) by whoever holds it; a
+        holder stopped while it holds it (SIGSTOP) would block everyone: waited for until
+        ``GUARD_DEADLINE_S``, then a ``WaitTimeout`` naming the file and the holder's pid."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(LEASE_FILE + ".guard"), "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)  # held for microseconds: a read and a rename
+        guard = self.path.with_name(LEASE_FILE + ".guard")
+        with open(guard, "a") as handle, waiting("lease guard (flock)", str(guard), GUARD_DEADLINE_S) as wait:
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if wait.expired():
+                        holder = _flock_holder(guard)
+                        wait.pid = holder
+                        raise wait.timeout("its holder does not let go") from None
+                    time.sleep(0.01)
             try:
                 yield
             finally:

@@ -197,3 +197,44 @@ def test_a_torn_lease_file_does_not_block_forever(tmp_path):
         assert json.loads(store.path.read_text())["token"] == lease.record.token
     assert not store.path.exists()
     assert asdict(LeaseRecord.parse(json.dumps(asdict(LeaseRecord(owner=uuid.uuid4().hex)))))["pid"] == os.getpid()
+
+
+def test_a_holder_stopped_inside_the_guard_costs_a_deadline_not_a_hang(tmp_path, monkeypatch):
+    """The lock file's guard (an flock held for microseconds) held by a process that was then
+    stopped (SIGSTOP): a contender gives up after the guard's deadline, in one line naming the
+    guard file and the holder's pid, instead of waiting in flock() for as long as it stays stopped."""
+    from megatrain.launch import lease as lease_module
+
+    monkeypatch.setattr(lease_module, "GUARD_DEADLINE_S", 1.0)
+    guard = tmp_path / "lease.json.guard"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        handle = open({str(guard)!r}, "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGSTOP)
+        outcome: dict = {}
+
+        def contend() -> None:
+            try:
+                Lease(FileLeaseStore(tmp_path), "second").acquire()
+            except Exception as exc:  # noqa: BLE001  (checked below)
+                outcome["error"] = exc
+
+        import threading
+
+        thread = threading.Thread(target=contend, name="contender")
+        thread.start()
+        thread.join(30)  # the previous code stays in flock() until the holder runs again
+        assert not thread.is_alive(), "the contender still waits in flock()"
+        assert isinstance(outcome.get("error"), TimeoutError), outcome
+        assert str(outcome["error"]) == (f"no answer from lease guard (flock) at {guard} (pid {holder.pid}) within "
+                                         "1 s (its holder does not let go)")
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        holder.stdout.close()
