@@ -64,12 +64,14 @@ def shard_corpus_on_dask(data_config: dict, seq_len: int, vocab_size: int, log_p
     """One corpus on its Dask cluster (a subflow when called from a flow). Dask's own log lines go
     to ``log_path`` (default: ``dask.log`` beside a local corpus's shards, else in ``./logs/``), not
     the console."""
+    from flows.dask_scheduler import scheduler_named
     from megatrain.observe.library_logs import to_file
 
     shard_url = str(data_config.get("shard_url") or "")
     default = os.path.join(shard_url if shard_url and "://" not in shard_url else "logs", "dask.log")
-    with to_file(log_path or default):
-        return _shard_corpus.with_options(task_runner=dask_runner(data_config))(data_config, seq_len, vocab_size)
+    address = data_config.get("dask_address")  # a scheduler that is gone, or goes: one line naming it
+    with to_file(log_path or default), scheduler_named(address, "sharding 1 corpus") as check:
+        return check(_shard_corpus.with_options(task_runner=dask_runner(data_config))(data_config, seq_len, vocab_size))
 
 
 def shard_one_corpus(data_config: dict, seq_len: int, vocab_size: int, log_path: str | None = None) -> dict:
