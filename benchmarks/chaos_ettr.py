@@ -137,11 +137,20 @@ class CpuSampler:
         return {kind: round(seconds, 1) for kind, seconds in sorted(self.by_kind.items())}
 
 
+def free_port() -> int:
+    """A port nothing on this machine listens on now (a guess from a range could collide)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def probe_step_time(out: Path, args) -> float:
     """Median step time of the campaign's ranks on its recipe (a short torchrun run, steps 3..12)."""
     run_dir = out / "probe"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(29000 + random.randrange(900)), "-m", "megatrain.train", "--config",
+               "127.0.0.1", "--master-port", str(free_port()), "-m", "megatrain.train", "--config",
                args.recipe, *recipe_overrides(args), "train.steps=12", f"train.run_dir={run_dir}",
                f"checkpoint.staging_dir={run_dir}/staging", f"checkpoint.durable_url={run_dir}/durable",
                "checkpoint.interval=1000"]
