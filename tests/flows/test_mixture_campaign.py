@@ -76,6 +76,8 @@ def check_the_anneal_continues_the_data(loaded, shards: Path) -> None:
     status = campaign_status(loaded.campaign_dir)
     first_code = len(ids1["code"])
     assert f"(samples {first_code:,}-{first_code + len(ids2['code']) - 1:,})" in describe_data(status.stages[1].data)
+    anneal_log = "".join(Path(log).read_text() for log in status.stages[1].logs)
+    assert f"data component 'code' continues at its sample {first_code:,}" in anneal_log
 
 
 def test_an_annealing_stage_changes_the_blend_and_shards_nothing_again(prefect_api, tmp_path, capsys):

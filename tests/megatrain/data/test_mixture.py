@@ -24,6 +24,7 @@ from megatrain.data.interleave import PERIOD, Interleave, quotas
 from megatrain.data.loader import build_loader
 from megatrain.data.mixture import (Component, DataExhausted, Mixture, MixtureError, build_mixture_loader,
                                     check_supply, samples_needed_per_component)
+from megatrain.data.position import end_cursors
 from megatrain.data.shard import shard_corpus
 from megatrain.errors import DeterministicError
 
@@ -300,12 +301,19 @@ def script(loader) -> tuple[list[np.ndarray], dict]:
 
 
 def test_the_node_loader_serves_a_mixture_like_the_per_rank_loaders(indexes):
-    """Local rank 0 (the node's only reader) in a thread, local rank 1 here: dp ranks 0 and 1."""
+    """Local rank 0 (the node's only reader) in a thread, local rank 1 here: dp ranks 0 and 1; a
+    later stage's, continuing each component where an earlier stage of 200 samples left it."""
     from megatrain.data.node_loader import build_node_loader
 
     components, channel = mix(indexes), f"mixture-{uuid.uuid4().hex}"
+    earlier = build_mixture_loader(mix(indexes, {"web": 0.2, "code": 0.2, "books": 0.6}), micro_batch_size=8,
+                                   dp_rank=0, dp_size=1, seed=6, shuffle_shards=2, prefetch_batches=0)
+    earlier.skip(200)
+    start = end_cursors(earlier.state_dict())
+    earlier.close()
+    assert start["books"]["samples"] == 120
     common = dict(local_world_size=2, micro_batch_size=3, dp_size=2, seed=6, shuffle_shards=2, prefetch_batches=2,
-                  channel=channel, timeout_s=30)
+                  channel=channel, timeout_s=30, start=start)
     results: dict[int, object] = {}
 
     def local_rank(r: int) -> None:
@@ -323,10 +331,11 @@ def test_the_node_loader_serves_a_mixture_like_the_per_rank_loaders(indexes):
     for r in range(2):
         assert not isinstance(results[r], BaseException), results[r]
         single = build_mixture_loader(components, micro_batch_size=3, dp_rank=r, dp_size=2, seed=6, shuffle_shards=2,
-                                      prefetch_batches=0)
+                                      prefetch_batches=0, start=start)
         batches, state = script(single)
         got_batches, got_state, got_stats = results[r]
         np.testing.assert_array_equal(np.stack(got_batches), np.stack(batches))
         assert got_state == state and got_stats == single.component_stats()
+        assert got_stats["books"]["start"] == 120 and got_stats["books"]["epochs"] == 1  # 120 + the stage's of 100
         single.close()
     assert not np.array_equal(np.stack(results[0][0]), np.stack(results[1][0]))
