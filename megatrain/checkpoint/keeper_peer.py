@@ -38,6 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 from megatrain.checkpoint.keeper_wire import (
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
     Channel,
     PeerError,
     Registry,
@@ -46,6 +48,7 @@ from megatrain.checkpoint.keeper_wire import (
     spare_slot,
     text_hash,
 )
+from megatrain.waits import waiting
 
 log = logging.getLogger("megatrain.keeper")
 
@@ -54,6 +57,7 @@ __all__ = ["HOST_ENV", "Channel", "PeerClient", "PeerError", "PeerTier", "Regist
 HOST_ENV = "MEGATRAIN_KEEPER_HOST"  # the address keepers bind and advertise (default 127.0.0.1; a pod's own IP)
 SERVE_TIMEOUT_S = 120.0  # a peer connection silent this long is closed (a dead peer frees its thread)
 IDLE_CHANNEL_S = 60.0  # a sender reconnects rather than reuse a connection idle this long
+MIN_RATE = 50e6  # bytes/s: the slowest a peer's copy may arrive and still count as coming (the heartbeat's deadline)
 
 
 def header_of(rank: int, sealed: dict[str, Any]) -> dict[str, Any]:
@@ -272,11 +276,12 @@ class PeerClient:
         # another node's replica of the same step is the next tier, not a second look at the same bytes
         for node, address in sorted(self.registry.addresses().items(), key=lambda item: (item[0] == self.node, item[0])):
             try:
-                channel = Channel.client(address, self.token)
-                channel.send({"op": "list", "rank": rank})
-                for step in channel.recv()["steps"]:
-                    found.setdefault(int(step), address)
-                channel.close()
+                with waiting("peer keeper: list", address, CONNECT_TIMEOUT_S + READ_TIMEOUT_S):
+                    channel = Channel.client(address, self.token)
+                    channel.send({"op": "list", "rank": rank})
+                    for step in channel.recv()["steps"]:
+                        found.setdefault(int(step), address)
+                    channel.close()
             except (PeerError, OSError, KeyError, ValueError) as exc:
                 log.info("peer keeper of node %d (%s) not asked: %s", node, address, exc)
         return found
@@ -286,26 +291,31 @@ class PeerClient:
         """The header and bytes of ``rank``'s replica of ``step``, received straight into the buffer
         ``allocate(nbytes)`` makes (the rank: a tensor, so the keeper needs no torch); the caller
         checks the chunks."""
-        channel = Channel.client(address, self.token)
-        try:
-            channel.send({"op": "get", "rank": rank, "step": step})
-            header = channel.recv()
-            if not header.get("ok"):
-                raise PeerError(header.get("error"))
-            data, view = allocate(int(header["used"]))
-            channel.recv_into(view[:int(header["used"])])
-            return header, data
-        finally:
-            channel.close()
+        with waiting("peer keeper: get", address, CONNECT_TIMEOUT_S + READ_TIMEOUT_S) as wait:
+            channel = Channel.client(address, self.token)
+            try:
+                channel.send({"op": "get", "rank": rank, "step": step})
+                header = channel.recv()
+                if not header.get("ok"):
+                    raise PeerError(header.get("error"))
+                used = int(header["used"])
+                # each read has READ_TIMEOUT_S; the whole copy at no less than MIN_RATE
+                wait.deadline_s = wait.elapsed() + READ_TIMEOUT_S + used / MIN_RATE
+                data, view = allocate(used)
+                channel.recv_into(view[:used])
+                return header, data
+            finally:
+                channel.close()
 
     def drop(self, rank: int, after_step: int) -> list[int]:
         dropped: list[int] = []
         for address in self.registry.addresses().values():
             try:
-                channel = Channel.client(address, self.token)
-                channel.send({"op": "drop", "rank": rank, "after_step": after_step})
-                dropped += channel.recv().get("dropped", [])
-                channel.close()
+                with waiting("peer keeper: drop", address, CONNECT_TIMEOUT_S + READ_TIMEOUT_S):
+                    channel = Channel.client(address, self.token)
+                    channel.send({"op": "drop", "rank": rank, "after_step": after_step})
+                    dropped += channel.recv().get("dropped", [])
+                    channel.close()
             except (PeerError, OSError, KeyError, ValueError):
                 continue  # a node that is gone holds nothing to drop
         return dropped

@@ -126,6 +126,7 @@ class Slot:
 
 PROTOCOL = "megatrain-keeper-peer/1"
 CONNECT_TIMEOUT_S = 3.0
+READ_TIMEOUT_S = 60.0  # each read from a peer keeper: a copy in flight may be large, a stopped peer ends the wait
 
 
 class PeerError(RuntimeError):
@@ -199,7 +200,7 @@ class Channel:
                 raise PeerError(f"keeper at {address}: authentication failed ({answer.get('error', 'bad proof')})")
         except (OSError, ValueError, KeyError) as exc:
             raise PeerError(f"keeper at {address}: {type(exc).__name__}: {exc}") from exc
-        sock.settimeout(60.0)  # a copy in flight may be large; a dead peer must still end the wait
+        sock.settimeout(READ_TIMEOUT_S)  # a copy in flight may be large; a dead peer must still end the wait
         return cls(sock, hmac.new(token.encode(), b"session|" + theirs + b"|" + ours, hashlib.sha256).digest(), b"c")
 
     @classmethod
