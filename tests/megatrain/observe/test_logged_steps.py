@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import TINY, run_forked
+from tests.megatrain.conftest import TINY, run_forked
 
 from megatrain.config import load_config
 from megatrain.observe.tensorboard import read_scalars

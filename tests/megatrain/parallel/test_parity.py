@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import reference_run, run_parity
+from tests.megatrain.parallel.conftest import reference_run, run_parity
 
 OFF = {"parallel.overlap.tp_chunks": 1, "parallel.overlap.dp_overlap_comm": False, "parallel.overlap.dp_prefetch": False}
 TP2, PP2, SERIAL, NO_SP = {"parallel.tp": 2}, {"parallel.pp": 2}, {"model.block": "serial"}, {"parallel.sequence_parallel": False}

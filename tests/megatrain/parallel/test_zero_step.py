@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from tests.megatrain.parallel.conftest import ROOT
 
 from megatrain.launch.forked import ForkLaunch, run_to_end
 
