@@ -4,10 +4,12 @@ socket that is not there (issue 48)."""
 from __future__ import annotations
 
 import resource
+import socket
 import time
 
 import pytest
 
+from megatrain.checkpoint.keeper import SOCKET
 from megatrain.checkpoint.keeper_control import KeeperError, ask, start_keeper
 
 
@@ -26,15 +28,21 @@ def test_a_keeper_that_ran_out_of_memory_is_reported_by_its_own_cause(tmp_path):
         # its memory is full: it may hold what it has, not one byte more (a thread's stack included)
         used = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmData"))
         resource.prlimit(pid, resource.RLIMIT_DATA, (used * 1024, used * 1024))
-        deadline = time.monotonic() + 60
-        while proc.poll() is None:  # a connection its accept loop cannot serve: it dies (the first
-            # one may find memory its allocator still holds, or time out on a busy machine first)
+        # connections held open at once: each needs a thread, whose stack the memory no longer has
+        # room for (one connection at a time may reuse the stack of the thread before it)
+        held, deadline = [], time.monotonic() + 60
+        while proc.poll() is None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                ask(folder, "list")
-            except KeeperError:
-                pass
+                conn.connect(str(folder / SOCKET))
+            except OSError:
+                conn.close()
+            else:
+                held.append(conn)
             assert time.monotonic() < deadline, f"the keeper still runs at its memory limit: {log.read_text()}"
-            time.sleep(0.2)
+            time.sleep(0.1)
+        for conn in held:
+            conn.close()
         assert proc.wait(timeout=30) != 0
         with pytest.raises(KeeperError) as gone:
             ask(folder, "list")
