@@ -40,13 +40,13 @@ import os
 import secrets
 import signal
 import socket
-import _thread
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from megatrain.checkpoint.keeper_peer import PeerTier, Registry
+from megatrain.checkpoint.serve_thread import serve_in_thread
 from megatrain.checkpoint.keeper_wire import (
     Slot,
     chunk_hashes,
@@ -55,9 +55,6 @@ from megatrain.checkpoint.keeper_wire import (
     spare_slot,
 )
 from megatrain.launch.run_token import run_token
-
-# A connection's thread that has not begun this long after its start ran out of resources.
-THREAD_START_S = 10.0
 
 log = logging.getLogger("megatrain.keeper")
 
@@ -185,23 +182,6 @@ class Keeper:
                 self.connections -= 1
                 self.last_seen = time.monotonic()
 
-    def _serve_in_thread(self, conn: socket.socket) -> None:
-        """Serve ``conn`` in a thread of its own. Not ``threading.Thread.start``: a thread whose
-        start-up fails for lack of memory (its stack was mapped, its first frame was not) leaves
-        start() waiting forever, and the keeper hung at a full memory with its socket still there;
-        here the accept loop waits a bounded time and ends the keeper with the cause."""
-        began = threading.Event()
-
-        def serve() -> None:
-            began.set()
-            self.serve_connection(conn)
-
-        _thread.start_new_thread(serve, ())  # raises RuntimeError "can't start new thread" itself
-        if not began.wait(THREAD_START_S):
-            conn.close()
-            raise RuntimeError(f"can't start new thread: the thread serving a connection did not begin within "
-                               f"{THREAD_START_S:g} s (the keeper's memory is full?)")
-
     def run(self) -> None:
         """Accept connections until shut down, or idle for ``idle_s`` with nobody connected."""
         path = self.root / SOCKET
@@ -223,7 +203,7 @@ class Keeper:
                         break
                     continue
                 conn.settimeout(None)
-                self._serve_in_thread(conn)
+                serve_in_thread(self.serve_connection, conn)  # bounded: a full memory ends the keeper
         finally:
             path.unlink(missing_ok=True)
             server.close()

@@ -48,6 +48,7 @@ from megatrain.checkpoint.keeper_wire import (
     spare_slot,
     text_hash,
 )
+from megatrain.checkpoint.serve_thread import serve_in_thread
 from megatrain.waits import waiting
 
 log = logging.getLogger("megatrain.keeper")
@@ -162,7 +163,12 @@ class PeerTier:
                 conn, peer = self.server.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+            try:
+                serve_in_thread(self._serve, conn, peer)
+            except RuntimeError:  # out of memory: the keeper cannot serve; it ends, its log says why
+                log.exception("peer tier: a connection from %s could not be served: the keeper stops", peer)
+                self.keeper.stopping.set()
+                return
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         conn.settimeout(SERVE_TIMEOUT_S)
