@@ -3,7 +3,8 @@
     megatrain generate --checkpoint runs/tiny-cpu --prompt "def main(" --max-tokens 64 --top-k 50
 
 The checkpoint (any layout) is gathered into one plain model (``interop/checkpoint.py``) on the
-CPU or one GPU, and the run's own tokenizer encodes the prompt and decodes the result.
+CPU or one GPU, and the run's own tokenizer encodes the prompt and decodes the result. A prompt
+starts as the run's documents did: with their BOS, when they had one (``prompt_ids``).
 
 ``generate`` runs the model once over the prompt and then one token at a time. With the KV cache
 (the default) each new token attends to the keys and values stored for the tokens before it, so a
@@ -102,19 +103,45 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, sampling: Sampling, u
     return tokens
 
 
-def generate_text(run: Any, prompts: list[str], sampling: Sampling, use_cache: bool = True) -> list[str]:
-    """Prompts -> completions (prompt included) with a loaded run's model and tokenizer. Prompts
-    are generated one by one: no padding, so each is exactly what the model would do alone."""
+def prompt_ids(tokenizer: Any, prompt: str, bos_id: int | None, eos_id: int | None) -> list[int]:
+    """The ids a prompt goes into the model as: the start of a document as the data pipeline
+    wrote it (``TokenizerSpec._frame``): the BOS its documents started with, unless the
+    tokenizer's own post-processor already put it there, then the prompt's tokens. An empty
+    prompt is the EOS that ended the document before (or id 0)."""
+    ids = tokenizer.encode(prompt).ids
+    if bos_id is not None and not (ids and ids[0] == bos_id):
+        ids = [bos_id, *ids]
+    return ids or ([eos_id] if eos_id is not None else [0])
+
+
+def generate_ids(run: Any, prompts: list[str], sampling: Sampling, use_cache: bool = True
+                 ) -> list[tuple[list[int], list[int]]]:
+    """Prompts -> (prompt ids, new ids) with a loaded run's model; the new ids end with the EOS
+    when the model produced it. Prompts are generated one by one: no padding, so each is
+    exactly what the model would do alone."""
     tokenizer = run.tokenizer()
     eos_id = tokenizer.token_to_id(run.cfg.data.eos_token)
-    texts = []
+    bos_id = run.bos_id()
+    out = []
     for prompt in prompts:
-        ids = tokenizer.encode(prompt).ids or ([eos_id] if eos_id is not None else [0])
+        ids = prompt_ids(tokenizer, prompt, bos_id, eos_id)
         idx = torch.tensor([ids], dtype=torch.long, device=run.device)
-        out = generate(run.model, idx, sampling, use_cache, vocab_limit=tokenizer.get_vocab_size(), stop_id=eos_id)
-        new = [t for t in out[0, len(ids):].tolist() if t != eos_id]
-        texts.append(prompt + tokenizer.decode(new))
-    return texts
+        tokens = generate(run.model, idx, sampling, use_cache, vocab_limit=tokenizer.get_vocab_size(), stop_id=eos_id)
+        out.append((ids, tokens[0, len(ids):].tolist()))
+    return out
+
+
+def completion(tokenizer: Any, prompt: str, new: list[int], eos_id: int | None) -> str:
+    """The prompt and its new tokens as text (the EOS left out)."""
+    return prompt + tokenizer.decode([t for t in new if t != eos_id])
+
+
+def generate_text(run: Any, prompts: list[str], sampling: Sampling, use_cache: bool = True) -> list[str]:
+    """Prompts -> completions (prompt included) with a loaded run's model and tokenizer."""
+    tokenizer = run.tokenizer()
+    eos_id = tokenizer.token_to_id(run.cfg.data.eos_token)
+    return [completion(tokenizer, prompt, new, eos_id)
+            for prompt, (_, new) in zip(prompts, generate_ids(run, prompts, sampling, use_cache))]
 
 
 def sample_texts(checkpoint: str, prompts: list[str] | tuple[str, ...] = DEFAULT_PROMPTS, max_new_tokens: int = 48,
@@ -156,9 +183,9 @@ def cli(argv: list[str]) -> int:
 
     # A missing run or a corrupt checkpoint raises: megatrain.cli says it in one line.
     run = load_run(args.checkpoint, config=args.config, device=args.device, step=args.step)
-    tokenizer, window = run.tokenizer(), run.cfg.model.seq_len
+    tokenizer, window, bos_id = run.tokenizer(), run.cfg.model.seq_len, run.bos_id()
     for prompt in args.prompt:
-        if (length := len(tokenizer.encode(prompt).ids)) > window:
+        if (length := len(prompt_ids(tokenizer, prompt, bos_id, None))) > window:
             raise InputError(f"--prompt {prompt[:40]!r}: {length} tokens, more than the model's window of {window} "
                              "(model.seq_len)")
     texts = generate_text(run, args.prompt, sampling, use_cache=not args.no_cache)

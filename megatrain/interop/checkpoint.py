@@ -12,9 +12,10 @@ ep100 comes after ep11), and a step missing one EP rank's file is refused (``Inc
 
 What rebuilds the model is the run record ``run.json`` (the resolved config and the shard
 version), which rank 0 writes at the start of every run into the run dir and beside the
-checkpoints in the durable URL, with a copy of the tokenizer, so a checkpoint URL alone is
-enough. Its paths are absolute; read from a run dir, they are taken where the run dir lies now
-(``megatrain/config/run_dirs.py``: a moved run dir still finds its checkpoints). ``load_run``
+checkpoints in the durable URL, with a copy of the tokenizer and of what an export says about it
+(``hf_tokenizer.snapshot``: a base model's special tokens and chat template), so a checkpoint URL
+alone is enough. Its paths are absolute; read from a run dir, they are taken where the run dir
+lies now (``megatrain/config/run_dirs.py``: a moved run dir still finds its checkpoints). ``load_run``
 accepts a run dir, a campaign's stage dir, a campaign dir (its final stage), a durable checkpoint
 URL or one ``step-*`` directory, from any working directory.
 """
@@ -47,6 +48,7 @@ from megatrain.config.run_dirs import (
 )
 from megatrain.data.index import TOKENIZER_NAME, ShardIndex
 from megatrain.errors import InputError, one_line
+from megatrain.interop import hf_tokenizer
 
 log = logging.getLogger("megatrain.interop")
 
@@ -68,7 +70,7 @@ def write_run_record(cfg: Config, index: ShardIndex) -> None:
     runs from any folder, ``run_dirs.relocate`` follows a moved run dir). A failure beside the
     checkpoints only costs a warning here: it matters to export and generation, not to training."""
     record = {"config": absolute_locations(cfg.model_dump(mode="json")), "data_index": absolute(index.url),
-              "tokenizer": TOKENIZER_NAME}
+              "tokenizer": TOKENIZER_NAME, "eos_id": index.eos_id, "bos_id": index.bos_id}
     data = json.dumps(record, indent=1).encode()
     Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
     storage.write_bytes(str(Path(cfg.train.run_dir) / RUN_RECORD), data)  # whole or not at all: readers trust it
@@ -76,7 +78,8 @@ def write_run_record(cfg: Config, index: ShardIndex) -> None:
         storage.write_bytes(storage.join_url(cfg.checkpoint.durable_url, RUN_RECORD), data)
         tokenizer = storage.read_bytes(index.tokenizer_url)
         storage.write_bytes(storage.join_url(cfg.checkpoint.durable_url, TOKENIZER_NAME), tokenizer)
-    except (OSError, storage.StorageError) as exc:
+        hf_tokenizer.snapshot(cfg, tokenizer, index.eos_id, index.bos_id)  # the base model's tokenizer files
+    except (OSError, ValueError, storage.StorageError, InputError) as exc:
         log.warning("could not write the run record beside the checkpoints (%s): %s", cfg.checkpoint.durable_url, exc)
 
 
@@ -292,6 +295,17 @@ class LoadedRun:
             return Tokenizer.from_str(data.decode())
         except Exception as exc:  # noqa: BLE001 (valid JSON tokenizers refuses: its own error names no file)
             raise InputError(f"{url}: not a tokenizer.json that tokenizers reads ({one_line(str(exc))})") from None
+
+    def bos_id(self) -> int | None:
+        """The id its documents started with (None: no BOS), as its run record or shard version says."""
+        record = _read_record(self.durable_url) or {}
+        if "bos_id" in record:
+            return record["bos_id"]
+        if self.data_index:
+            from megatrain.data.index import load_index
+
+            return load_index(self.data_index).bos_id
+        return None
 
     def tokenizer_bytes(self) -> bytes:
         return self._tokenizer_json()[1]

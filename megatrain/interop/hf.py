@@ -1,7 +1,8 @@
 """Hugging Face ``transformers`` export and import: one mapping table per family, used both ways.
 
 A megatrain model leaves as a folder ``AutoModelForCausalLM.from_pretrained`` loads (config.json,
-model.safetensors with Hugging Face names, the tokenizer files, generation_config.json), and a
+model.safetensors with Hugging Face names, the tokenizer files, generation_config.json: the base
+model's special tokens, chat template and ids when the run continued one, ``hf_tokenizer.py``), and a
 transformers checkpoint of a supported architecture comes back as megatrain weights
 (``checkpoint.init_from: hf:<dir>``). Only exact conversions exist: a model whose math no
 Hugging Face architecture computes is refused with the config field that has no equivalent.
@@ -70,6 +71,8 @@ from megatrain.interop.hf_tensors import (  # noqa: F401
     read_hf_tensors,
     read_tensors,
 )
+from megatrain.interop import hf_tokenizer
+from megatrain.interop.hf_tokenizer import ExportTokens
 from megatrain.interop.mapping import ExportRefused, ImportMismatch, full_attention
 from megatrain.interop.moe_config import dense_width_matters, moe_differences
 
@@ -79,19 +82,13 @@ log = logging.getLogger("megatrain.interop")
 # ------------------------------------------------------------------------------------ export
 
 
-def _write_tokenizer(out: Path, tokenizer_json: bytes, eos_token: str, max_length: int) -> None:
-    """tokenizer.json as the run trained it, plus the files AutoTokenizer reads beside it."""
-    (out / "tokenizer.json").write_bytes(tokenizer_json)
-    special = {"bos_token": eos_token, "eos_token": eos_token, "unk_token": eos_token}
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "clean_up_tokenization_spaces": False, **special}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-
 def export_model(model: torch.nn.Module, cfg: ModelConfig, out: str | Path, tokenizer_json: bytes,
-                 eos_token: str = "<|endoftext|>") -> Path:
-    """Write ``model`` (a plain megatrain GPT) as a transformers folder; refuses inexact exports."""
+                 eos_token: str = "<|endoftext|>", tokens: ExportTokens | None = None,
+                 max_positions: int | None = None) -> Path:
+    """Write ``model`` (a plain megatrain GPT) as a transformers folder; refuses inexact exports.
+    ``tokens``: the tokenizer side (``hf_tokenizer``: a base model's files, when the run continued
+    one); default the specials of ``tokenizer_json`` itself, ``eos_token`` ending its documents.
+    ``max_positions``: config.json's context, default ``hf_tokenizer.positions``'s."""
     import transformers
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -100,27 +97,41 @@ def export_model(model: torch.nn.Module, cfg: ModelConfig, out: str | Path, toke
     eos_id = Tokenizer.from_str(tokenizer_json.decode()).token_to_id(eos_token)
     if eos_id is None:
         raise ExportRefused(f"data.eos_token={eos_token!r} is not in the run's tokenizer")
+    tokens = tokens or hf_tokenizer.resolve_own(tokenizer_json, eos_token)
+    context, note = hf_tokenizer.positions(cfg, tokens.base_positions, max_positions)
+    for line in [*tokens.notes, *([note] if note else [])]:
+        log.info("export: %s", line)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config_class = transformers.AutoConfig.for_model(family.model_type).__class__
-    hf_config = config_class(**family.hf_config(cfg, eos_id), architectures=[family.architecture])
+    fields = family.hf_config(cfg, eos_id)
+    fields.update({k: context for k in hf_tokenizer.POSITION_KEYS if k in fields}, **tokens.ids)
+    hf_config = config_class(**fields, architectures=[family.architecture])
     hf_config.save_pretrained(out)
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     save_file(family.to_hf(state, cfg), str(out / SAFETENSORS_NAME), metadata={"format": "pt"})
-    transformers.GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-                                  max_length=cfg.seq_len).save_pretrained(out)
-    _write_tokenizer(out, tokenizer_json, eos_token, cfg.seq_len)
+    if hf_tokenizer.GENERATION_CONFIG not in tokens.files:  # the base model's, else its ids
+        pad = tokens.ids["pad_token_id"]
+        transformers.GenerationConfig(bos_token_id=tokens.ids["bos_token_id"], eos_token_id=tokens.ids["eos_token_id"],
+                                      pad_token_id=tokens.ids["eos_token_id"] if pad is None else pad,
+                                      max_length=cfg.seq_len).save_pretrained(out)
+    hf_tokenizer.write(out, tokens, tokenizer_json, context)
     return out
 
 
-def export_checkpoint(checkpoint: str, out: str | Path, config: str | None = None, step: int | None = None) -> Path:
-    """A committed checkpoint (any layout) -> a transformers folder."""
+def export_checkpoint(checkpoint: str, out: str | Path, config: str | None = None, step: int | None = None,
+                      max_positions: int | None = None) -> Path:
+    """A committed checkpoint (any layout) -> a transformers folder, its tokenizer files the run's
+    (``hf_tokenizer.for_run``: the base model's when the run continued one)."""
     from megatrain.interop.checkpoint import load_run, read_run_config
 
     family_for(read_run_config(checkpoint, config).model)  # refuse before reading any tensor
     run = load_run(checkpoint, config=config, step=step)
-    path = export_model(run.model, run.cfg.model, out, run.tokenizer_bytes(), run.cfg.data.eos_token)
-    log.info("exported step %d of %s as %s to %s", run.step, run.step_url, family_for(run.cfg.model).architecture, path)
+    tokens = hf_tokenizer.for_run(run)
+    path = export_model(run.model, run.cfg.model, out, run.tokenizer_bytes(), run.cfg.data.eos_token, tokens,
+                        max_positions)
+    log.info("exported step %d of %s as %s to %s (tokenizer files: %s)", run.step, run.step_url,
+             family_for(run.cfg.model).architecture, path, tokens.source)
     return path
 
 
@@ -201,10 +212,13 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="the folder to write")
     parser.add_argument("--step", type=int, help="a committed step; default the newest")
     parser.add_argument("--config", help="the run's config YAML, when the checkpoint has no run.json beside it")
+    parser.add_argument("--max-positions", type=int, help="config.json's max_position_embeddings; default the "
+                        "trained model.seq_len, or the base model's when longer (RoPE models)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        path = export_checkpoint(args.checkpoint, args.out, config=args.config, step=args.step)
+        path = export_checkpoint(args.checkpoint, args.out, config=args.config, step=args.step,
+                                 max_positions=args.max_positions)
     except InputError as exc:
         print(f"megatrain export: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,10 @@ many positions the model allows. The run is the recipe's own: ``name`` is the re
 ``train.run_dir`` is ``<recipe folder>/runs/<stem>``, and the locations a run owns (checkpoints,
 staging, TensorBoard) are dropped so they follow that run dir; the base recipe's would mix two
 runs' checkpoints.
+
+What the base recipe brings that is not the model's to say, the data, optimizer and schedule, is
+written out and marked for the user to decide, and its caps (``data.max_source_bytes``) are off
+unless asked (``hf_recipe.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.interop.hf_config import HFModel, at_seq_len, read_model
+from megatrain.interop.hf_recipe import Choice, commented_yaml, decisions, drop_caps
 from megatrain.interop.hf_tensors import check_tensors
 from megatrain.interop.mapping import ImportMismatch
 
@@ -51,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="the recipe to start from (data, optimizer, layout); default the defaults")
     parser.add_argument("--seq-len", type=int, help="model.seq_len to train at; default the base recipe's")
     parser.add_argument("--out", required=True, help="the recipe YAML to write; the run is named after it")
+    parser.add_argument("--max-source-bytes", type=int, help="data.max_source_bytes: read at most this much of the "
+                        "corpus (default: all of it, whatever the base recipe capped)")
     return parser
 
 
@@ -139,9 +146,11 @@ def _base_tokenizer(hf_dir: Path, model: HFModel, base_data: dict[str, Any]) -> 
             f"({tokens} tokens for the model's {rows} rows)")
 
 
-def build_recipe(hf_dir: Path, model: HFModel, base: dict[str, Any], out: Path, seq_len: int | None = None
-                 ) -> tuple[dict[str, Any], list[str], list[str]]:
-    """(recipe, lines to print, warning lines): the base recipe continued from ``model``."""
+def build_recipe(hf_dir: Path, model: HFModel, base: dict[str, Any], out: Path, seq_len: int | None = None,
+                 base_name: str = "megatrain's defaults", caps: dict[str, int | None] | None = None
+                 ) -> tuple[dict[str, Any], list[str], list[str], list[Choice]]:
+    """(recipe, lines to print, warning lines, the values the user must decide): the base recipe
+    continued from ``model``, its caps off unless ``caps`` asks for them (``hf_recipe``)."""
     from megatrain.config.run_dirs import OWN_LOCATIONS
     from megatrain.data.tokenizer import TOKENIZER_FILE
 
@@ -164,12 +173,12 @@ def build_recipe(hf_dir: Path, model: HFModel, base: dict[str, Any], out: Path, 
     for section, key in OWN_LOCATIONS:  # they follow train.run_dir (schema.Config)
         (recipe.get(section) or {}).pop(key, None)
     recipe["checkpoint"] = {**(recipe.get("checkpoint") or {}), "init_from": f"{HF_PREFIX}{hf_dir}"}
-    return recipe, lines, warnings
+    lines += drop_caps(recipe, base_name, caps or {})
+    return recipe, lines, warnings, decisions(recipe, base, base_name)
 
 
 def import_cli(argv: list[str]) -> int:
     """``megatrain import``: write the recipe, or fail in one line naming the key, tensor or file."""
-    import yaml
     from pydantic import ValidationError
 
     from megatrain.config import Config, ConfigError, read_yaml
@@ -180,18 +189,26 @@ def import_cli(argv: list[str]) -> int:
     model = read_model(args.hf)  # every config.json key mapped or refused
     check_tensors(args.hf, model.family, model.model_config())  # every tensor by its name, shape and dtype
     out = Path(args.out).resolve()
-    recipe, lines, warnings = build_recipe(hf_dir, model, read_yaml(args.config) if args.config else {}, out,
-                                           args.seq_len)
+    base_name = args.config or "megatrain's defaults"
+    recipe, lines, warnings, choices = build_recipe(hf_dir, model, read_yaml(args.config) if args.config else {}, out,
+                                                    args.seq_len, base_name, {"max_source_bytes": args.max_source_bytes})
     try:
         Config.model_validate(recipe)  # the recipe validates before it is written
     except ValidationError as exc:
         raise ConfigError(format_validation_error(f"{out} (as it would be written)", exc, Config)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    header = [f"megatrain import --hf {hf_dir}" + (f" --config {args.config}" if args.config else ""),
+              f"model: all of {model.path}",
+              f"data, optimizer and schedule: from {base_name}, a recipe not written for this model",
+              "each value marked 'decide' is yours to set (megatrain import printed the same list)"]
+    out.write_text(commented_yaml(recipe, choices, header))
     for line in warnings:
         print(line, file=sys.stderr)
     print(f"wrote {out}: {model.family.architecture} -> megatrain, run dir {recipe['train']['run_dir']} "
           f"(train it with: megatrain train --config {args.out})")
     for line in lines:
         print(f"  {line}")
+    print(f"  {len(choices)} values to decide for this model, marked in {out.name}:")
+    for choice in choices:
+        print(f"    {choice.line}")
     return 0

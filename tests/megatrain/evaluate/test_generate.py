@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatrain.config import ModelConfig
-from megatrain.evaluate.generate import Sampling, generate, next_token
+from megatrain.evaluate.generate import Sampling, generate, next_token, prompt_ids
 from megatrain.model import GPT
 from tests.megatrain.conftest import ROOT, child_env
 
@@ -79,6 +79,26 @@ def test_top_k_and_top_p_only_pick_inside_their_sets():
     assert set(next_token(logits, Sampling(greedy=True), None).tolist()) == {0}
     with pytest.raises(ValueError, match="top_p"):
         Sampling(top_p=0.0)
+
+
+def test_a_prompt_starts_as_the_run_s_documents_did(tmp_path):
+    """With the BOS the data pipeline put first (TokenizerSpec._frame), whether the tokenizer's
+    post-processor adds it (Llama 3) or tokenizer_config.json asked for it (Llama 2), never twice."""
+    from tokenizers import Tokenizer, processors
+
+    from tests.megatrain.interop.hf_folders import save_tokenizer
+
+    save_tokenizer(tmp_path)  # <s> = 0 added by its post-processor, </s> = 1
+    adds = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    plain = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    plain.post_processor = processors.ByteLevel(trim_offsets=False)
+    text = plain.encode("def f(x):").ids
+    assert text[0] != 0
+    assert prompt_ids(adds, "def f(x):", 0, 1) == [0, *text]
+    assert prompt_ids(plain, "def f(x):", 0, 1) == [0, *text]  # the data's BOS, though the tokenizer adds none
+    assert prompt_ids(plain, "def f(x):", None, 1) == text  # documents without a BOS: prompts without one
+    assert prompt_ids(plain, "", None, 1) == [1]  # nothing to start from: the EOS that ended the document before
+    assert prompt_ids(plain, "", 0, 1) == [0]
 
 
 @pytest.mark.slow

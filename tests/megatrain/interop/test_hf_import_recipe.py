@@ -140,3 +140,40 @@ def test_a_folder_without_a_tokenizer_keeps_the_recipe_s_only_when_the_vocabular
             import_cli(["--hf", str(tmp_path / "wider"), "--config", str(base_recipe(tmp_path, data=data)),
                         "--out", str(tmp_path / "w.yaml")])
     assert not (tmp_path / "w.yaml").exists()
+
+
+def line_above(text: str, section: str, key: str) -> str:
+    """The line of a YAML text just above ``section``'s ``key``."""
+    current, lines = None, text.splitlines()
+    for i, line in enumerate(lines):
+        if line and not line.startswith((" ", "#", "-")):
+            current = line.split(":")[0]
+        elif current == section and line.startswith(f"  {key}:"):
+            return lines[i - 1]
+    raise AssertionError(f"{section}.{key} not in the recipe")
+
+
+def test_the_base_recipe_s_choices_are_named_and_its_caps_dropped(long_llama, tmp_path, capsys):
+    """configs/llama-tiny-cpu.yaml is a toy's recipe (the stdlib, 2 MB, LAMB at lr 0.02, warm-up 5):
+    the import reads the whole corpus, and names each value it kept for the user to decide."""
+    tiny = ROOT / "configs" / "llama-tiny-cpu.yaml"
+    out = tmp_path / "cpt.yaml"
+    assert import_cli(["--hf", str(long_llama), "--config", str(tiny), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    recipe, text = yaml.safe_load(out.read_text()), out.read_text()
+    assert "max_source_bytes" not in recipe["data"] and load_config(out).data.max_source_bytes is None
+    assert f"data.max_source_bytes 2000000 of {tiny} dropped" in printed
+    base = read_yaml(tiny)
+    for section, key, value in [("data", "sources", ["stdlib"]), ("optim", "name", "lamb"), ("optim", "lr", 0.02),
+                                ("optim", "warmup_steps", 5), ("train", "steps", base["train"]["steps"])]:
+        assert recipe[section][key] == value
+        assert f"decide {section}.{key} = {value!r} (from {tiny})" in printed, (section, key)
+        above = line_above(text, section, key)
+        assert above.startswith("  # decide:") and f"from {tiny}" in above, above
+    # the schedule was not in the base recipe: megatrain's default, named as such
+    assert recipe["optim"]["schedule"] == "cosine" and "decide optim.schedule = 'cosine' (from megatrain's default)" in printed
+
+    assert import_cli(["--hf", str(long_llama), "--config", str(tiny), "--max-source-bytes", "5000",
+                       "--out", str(out)]) == 0  # a cap only when asked
+    assert yaml.safe_load(out.read_text())["data"]["max_source_bytes"] == 5000
+    assert "data.max_source_bytes 5000 (--max-source-bytes)" in capsys.readouterr().out
