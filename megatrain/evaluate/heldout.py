@@ -189,9 +189,11 @@ def loss_on_windows(model: torch.nn.Module, windows: np.ndarray, batch_size: int
     return total / tokens
 
 
-def text_windows(run: Any, sources: list[str], count: int) -> np.ndarray:
+def text_windows(run: Any, sources: list[str], count: int, text_field: str | None = None) -> np.ndarray:
     """Text files (paths, globs, JSONL, Parquet...: ``data.sources`` syntax) -> up to ``count``
-    windows [n, seq_len + 1] of the run's tokens, documents separated by EOS as in its shards."""
+    windows [n, seq_len + 1] of the run's tokens, documents separated by EOS as in its shards.
+    ``text_field``: the JSONL key or table column holding the text (default the run's
+    ``data.text_field``: a user's own files often name it otherwise, e.g. ``content``)."""
     from megatrain.data.sources import expand_sources, plan_units, read_documents
 
     tokenizer, window = run.tokenizer(), run.cfg.seq_len + 1
@@ -199,8 +201,9 @@ def text_windows(run: Any, sources: list[str], count: int) -> np.ndarray:
     eos_id, head = index.eos_id, [] if index.bos_id is None else [index.bos_id]
     ids: list[int] = []
     files, _ = expand_sources(sources)
-    units, _ = plan_units(files, text_field=run.cfg.data.text_field)
-    for document in (d for unit in units for d in read_documents(unit, run.cfg.data.text_field)):
+    field = text_field or run.cfg.data.text_field
+    units, _ = plan_units(files, text_field=field)
+    for document in (d for unit in units for d in read_documents(unit, field)):
         ids += head + tokenizer.encode(document).ids + [eos_id]
         if len(ids) >= count * window:
             break
@@ -219,11 +222,13 @@ def _is_shard_version(url: str) -> bool:
 
 
 def evaluate_checkpoint(checkpoint: str, data: str | None = None, split: str = "val", samples: int | None = None,
-                        batch_size: int = 8, config: str | None = None, device: str = "cpu") -> dict[str, Any]:
+                        batch_size: int = 8, config: str | None = None, device: str = "cpu",
+                        text_field: str | None = None) -> dict[str, Any]:
     """The loss of a committed checkpoint (any layout, gathered into one process) on ``split``
     of a shard version (``data``: its directory; default the run's own shards: a mixture's each
     component and their mix, ``components``), or on text files (``data``: a path or glob without
-    an index.json) tokenized with the run's tokenizer."""
+    an index.json) tokenized with the run's tokenizer, their text under ``text_field`` (default the
+    run's ``data.text_field``)."""
     from megatrain.data.index import load_index
     from megatrain.interop.checkpoint import load_run
 
@@ -233,7 +238,7 @@ def evaluate_checkpoint(checkpoint: str, data: str | None = None, split: str = "
     if record is not None and record.get("mixture"):
         return _mixture_result(run, record, count, samples is None, batch_size)
     if data and not _is_shard_version(data):
-        windows, where, split = text_windows(run, [data], count), data, "text"
+        windows, where, split = text_windows(run, [data], count, text_field), data, "text"
     else:
         index = load_index(data) if data else run.index()
         if index.seq_len > run.cfg.model.seq_len:
@@ -280,6 +285,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--data", help="a shard version directory (holding index.json), or text files (a path or "
                         "glob: .txt/.jsonl/.py/.md), tokenized with the run's tokenizer; default the run's own shards (a "
                         "mixture: each component's held-out set and their mix)")
+    parser.add_argument("--text-field", help="with --data text files: the JSONL key or Parquet/Arrow column that holds "
+                        "the text; default the run's data.text_field")
     parser.add_argument("--split", choices=["val", "train"], default="val")
     parser.add_argument("--samples", type=int, help="windows to evaluate; default train.eval_batches global batches")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -289,6 +296,6 @@ def cli(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # A missing run, bad data or a corrupt checkpoint raises: megatrain.cli says it in one line.
     result = evaluate_checkpoint(args.checkpoint, args.data, args.split, args.samples, args.batch_size,
-                                 args.config, args.device)
+                                 args.config, args.device, args.text_field)
     print(json.dumps(result, indent=2))
     return 0

@@ -89,8 +89,11 @@ def resume_hint(cfg, args: argparse.Namespace) -> str:
     same command: a run resumes from its newest committed step by itself)."""
     from megatrain.checkpoint import catalog
 
+    from megatrain.launch.invocation import script_command
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    command = ["megatrain", "train"] if world == 1 else ["torchrun", f"--nproc-per-node={world}", "-m", "megatrain.train"]
+    command = ([script_command("megatrain"), "train"] if world == 1
+               else [script_command("torchrun"), f"--nproc-per-node={world}", "-m", "megatrain.train"])
     command = shlex.join([*command, "--config", args.config, *args.overrides])
     try:
         committed = catalog.committed(cfg.checkpoint.durable_url)

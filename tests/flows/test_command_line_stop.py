@@ -62,10 +62,13 @@ def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resum
     steps = committed_steps(durable)
     assert "stopped (SIGINT)" in last and f"resumes from {max(steps)}" in last and STEPS not in steps, last
     resume = shlex.split(last.split("Resume: ", 1)[1])
-    assert resume[:3] == ["python", "-m", "flows.pretrain"], last
+    # the interpreter that ran the flow, as typed from where it ran (.venv/bin/python), not a bare
+    # "python" that a shell without the virtual environment finds elsewhere or not at all
+    assert resume[1:3] == ["-m", "flows.pretrain"] and resume[0] != "python", last
+    assert os.path.realpath(ROOT / resume[0]) == os.path.realpath(sys.executable), last
 
-    # the printed command resumes the campaign; its attempt writes a log of its own
-    out = subprocess.run([sys.executable, *resume[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600,
+    # the printed command, as printed, resumes the campaign; its attempt writes a log of its own
+    out = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert STEPS in committed_steps(durable)

@@ -100,3 +100,16 @@ def test_validation_loss_is_the_same_in_one_process_dp2_tp2_pp2_and_from_each_ch
     run = load_run(str(tmp_path / "single"))
     windows = text_windows(run, [str(tmp_path / "code.py")], 4)
     assert windows.shape == (4, 129) and windows.flatten().tolist() == run.tokenizer().encode(text).ids[: 4 * 129]
+    # the same text in a JSONL file under a key of the user's own ("content"), named by --text-field
+    (tmp_path / "code.jsonl").write_text(json.dumps({"content": text}) + "\n")
+    assert (text_windows(run, [str(tmp_path / "code.jsonl")], 4, text_field="content") == windows).all()
+    proc = subprocess.run([sys.executable, "-m", "megatrain.cli", "eval", "--checkpoint", str(tmp_path / "single"),
+                           "--data", str(tmp_path / "code.jsonl"), "--text-field", "content", "--samples", "4"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["loss"] == pytest.approx(result["loss"], abs=1e-6)
+    # without it, the run's own field (text) is not in the file: one line naming the field and the file
+    proc = subprocess.run([sys.executable, "-m", "megatrain.cli", "eval", "--checkpoint", str(tmp_path / "single"),
+                           "--data", str(tmp_path / "code.jsonl"), "--samples", "4"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "code.jsonl" in proc.stderr and "text" in proc.stderr, proc.stderr[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +55,11 @@ def _interrupt_and_resume(proc: subprocess.Popen, command: list[str], run_dir: P
     step = int(line.split("; step ", 1)[1].split()[0])
     assert step >= 4
     resume = shlex.split(line.split("; resume: ", 1)[1])
-    assert resume[:2] == ["megatrain", "train"] and resume[2:] == command[4:], line
+    assert resume[1] == "train" and resume[2:] == command[4:], line
+    # the environment's own console script: found on PATH as that very file, or named by its path
+    script = shutil.which(resume[0], path=os.environ.get("PATH")) if "/" not in resume[0] else str(ROOT / resume[0])
+    assert Path(resume[0]).name == "megatrain" and script and \
+        os.path.realpath(script) == os.path.realpath(Path(sys.executable).absolute().parent / "megatrain"), line
     resumed = subprocess.run([sys.executable, "-m", "megatrain.cli", *resume[1:], "optim.decay_steps=100000",
                               f"train.steps={step + 1}"],
                              cwd=ROOT, capture_output=True, text=True, timeout=240)
