@@ -185,7 +185,6 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> None:
             tensor.copy_(state[name])
 
 
-
 def hf_weights(init_from: str | None) -> Callable[[torch.nn.Module], None] | None:
     """``checkpoint.init_from: hf:<local dir>``: the function that loads that transformers checkpoint
     into a plain model (weights only; a fresh optimizer), for ``build_parallel_model`` to call before
