@@ -12,8 +12,9 @@ Three steps, each a function here, so an engine needs only to call them:
 3. ``finish_sharding``: the units' leftover tails and held-out tokens, in unit order, become the
    version's own shards; ``index.json`` is written last, so a version with an index is complete.
 
-Engines: ``shard_corpus`` runs all three here, the units on a local process pool (``megatrain
-shard``, the trainer, the local engine); the ``shard-data`` flow maps the units as Prefect tasks,
+Engines: ``shard_corpus`` (one corpus) and ``shard_corpora`` (a mixture's components) run all
+three here, the units on one local process pool (``local_engine.py``: ``megatrain shard``, the
+trainer, the flow's local engine); the ``shard-data`` flow maps the units as Prefect tasks,
 on a Dask cluster with ``data.engine: dask``. A unit's output depends on the unit alone, so every
 engine and worker count writes a bit-identical index. Every byte goes through
 ``megatrain.storage``: input and output may be any URL.
@@ -26,12 +27,8 @@ import dataclasses
 import hashlib
 import json
 import logging
-import multiprocessing
-import os
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
@@ -44,9 +41,10 @@ from megatrain.data.index import (
 from megatrain.data.legacy import legacy_version
 from megatrain.data.held_out import FLOOR, ReservedDocument, choose_floor
 from megatrain.data.shard_format import write_shard
-from megatrain.data.shard_unit import ShardPlan, is_held_out, load_npy, load_plan, read_unit, shard_unit
+from megatrain.data.local_engine import run_units
+from megatrain.data.shard_unit import ShardPlan, is_held_out, load_npy, read_unit, shard_unit
 from megatrain.data.sources import SourceFile, expand_sources, plan_units, read_documents
-from megatrain.data.tokenizer import TokenizerSpec, load_tokenizer, train_bpe
+from megatrain.data.tokenizer import TokenizerSpec, load_tokenizer, machine_cores, train_bpe
 
 __all__ = ["BadShardError", "DataError", "ShardIndex", "ShardInfo", "cli", "finish_sharding", "is_held_out",
            "load_index", "plan_sharding", "shard_corpus", "shard_unit"]
@@ -130,6 +128,7 @@ def plan_sharding(cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardPlan |
         on_bad_source=cfg.on_bad_source, units=units, bad_sources=[*bad, *unreadable], params=params,
         inputs={"files": [dataclasses.asdict(f) for f in files], "bytes": sum(f.limit for f in files)},
         held_out_floor=bool(cfg.val_fraction), max_replaced_fraction=cfg.max_replaced_fraction,
+        worker_cores=cfg.worker_cores,
     )
     storage.write_bytes(storage.join_url(url, "plan.json"), json.dumps(plan.to_json(), sort_keys=True).encode())
     log.info("planned %s: %d files (%d bytes) in %d units, %d sources refused", url, len(files),
@@ -249,55 +248,35 @@ def _vocab_size(plan: ShardPlan) -> int:
 
 
 # ------------------------------------------------------------------------- the local engine
-def _worker_setup() -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a process per core already: no nested threads
-
-
-def _shard_unit_at(url: str, i: int) -> int:
-    shard_unit(load_plan(url), i)  # the plan is read once per worker process
-    return i
-
-
-def run_units(plan: ShardPlan, workers: int) -> Iterator[int]:
-    """Shard every unit on ``workers`` spawned processes (tokenizing, reading and JSON parsing are
-    Python work under the GIL: only processes spread them over cores; spawned, not forked, since
-    forking a process whose tokenizer threads ran can deadlock them). Inline for one worker or
-    one unit, and for ``memory://`` versions, which live in this process only. If the pool
-    breaks (a worker killed), the units not yet done run inline after a warning: done units are
-    skipped, and the output is the same either way."""
-    pending = list(range(len(plan.units)))
-    if workers > 1 and len(pending) > 1 and not plan.url.startswith("memory:"):
-        context = multiprocessing.get_context("spawn")
-        try:
-            with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_setup) as pool:
-                for i in pool.map(_shard_unit_at, [plan.url] * len(pending), pending):
-                    yield i
-            return
-        except BrokenProcessPool as exc:
-            log.warning("sharding process pool failed (%s); the remaining units run in this process", exc)
-    for i in pending:
-        shard_unit(plan, i)
-        yield i
+def shard_corpora(cfgs: list[DataConfig], seq_len: int, vocab_size: int) -> list[ShardIndex]:
+    """Several corpora (a mixture's components) on the local engine: each planned, the units of
+    all of them on one process pool (``local_engine.py``: largest first, each worker given its
+    share of the cores), each finished: their indexes in ``cfgs`` order (existing or new). The
+    pool's size and cores come from the first config (components share their data section's)."""
+    plans = [plan_sharding(cfg, seq_len, vocab_size) for cfg in cfgs]
+    pending = list({plan.url: plan for plan in plans if isinstance(plan, ShardPlan)}.values())  # a version once
+    jobs = [(plan, i) for plan in pending for i in range(len(plan.units))]
+    if jobs:
+        workers = cfgs[0].num_workers or machine_cores()
+        for done, _ in enumerate(run_units(jobs, workers, cfgs[0].worker_cores), 1):
+            if done % 50 == 0:
+                log.info("sharded %d of %d units", done, len(jobs))
+    finished = {plan.url: finish_sharding(plan) for plan in pending}
+    return [plan if isinstance(plan, ShardIndex) else finished[plan.url] for plan in plans]
 
 
 def shard_corpus(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> ShardIndex:
     """Plan, shard every unit on the local engine, finish: the version's index (existing or new)."""
-    plan = plan_sharding(data_cfg, seq_len, vocab_size)
-    if isinstance(plan, ShardIndex):
-        return plan
-    workers = min(data_cfg.num_workers or os.cpu_count() or 1, len(plan.units))
-    for done, _ in enumerate(run_units(plan, workers), 1):
-        if done % 50 == 0:
-            log.info("sharded %d of %d units", done, len(plan.units))
-    return finish_sharding(plan)
+    return shard_corpora([data_cfg], seq_len, vocab_size)[0]
 
 
 def shard_components(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> list[ShardIndex]:
     """Every component of the corpus (a mixture's, or the one called "data") on the local engine,
     in ``data_cfg.components()`` order: the versions the trainer reads. A mixture's BPE is trained
-    once, on all its components (``mixture_tokenizer``), so they share one vocabulary."""
+    once, on all its components (``mixture_tokenizer``), so they share one vocabulary; their units
+    share one process pool."""
     data = mixture_tokenizer(data_cfg, vocab_size)
-    return [shard_corpus(component, seq_len, vocab_size) for component in component_configs(data)]
+    return shard_corpora(component_configs(data), seq_len, vocab_size)
 
 
 def cli(argv: list[str]) -> int:

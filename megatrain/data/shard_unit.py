@@ -27,6 +27,8 @@ import io
 import itertools
 import json
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +39,7 @@ from megatrain.data.held_out import Reserve, document_hash, is_held_out  # noqa:
 from megatrain.data.index import DataError
 from megatrain.data.shard_format import write_shard
 from megatrain.data.sources import BadSource, SourceFile, WorkUnit, read_documents
-from megatrain.data.tokenizer import TokenizerSpec
+from megatrain.data.tokenizer import TokenizerSpec, machine_cores, use_cores
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class ShardPlan:
     # data.max_replaced_fraction (decoding.py): a file part with more bytes that are not UTF-8 is a
     # bad source; None in plans written before text decoding was counted (no limit then)
     max_replaced_fraction: float | None = None
+    worker_cores: int = 0  # data.worker_cores: shapes no output, only a worker's threads (worker_cores())
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -243,6 +246,46 @@ def shard_unit(plan: ShardPlan, i: int) -> dict[str, Any]:
     log.info("unit %d/%d: %d documents, %d tokens, %d samples -> %s", i + 1, len(plan.units), documents, tokens,
              writer.samples, unit_url)
     return record
+
+
+WORKER_CORES_ENV = "MEGATRAIN_WORKER_CORES"  # the cores an engine gives the worker process it starts
+_GIVEN: list[int] = []  # the cores this worker process's tokenizer was set to, once
+
+
+def worker_cores(setting: int) -> int | None:
+    """The cores this worker process is given: ``data.worker_cores`` when set; else what the engine
+    that started it said ($MEGATRAIN_WORKER_CORES: the local pool, the flow's LocalCluster); else,
+    on a Dask worker, the machine's cores over the worker's task threads (one worker process per
+    machine, as a deployment starts them: several per machine need data.worker_cores). None: not
+    a worker process (a unit sharded inline), whose threads are the caller's business."""
+    if setting > 0:
+        return setting
+    if os.environ.get(WORKER_CORES_ENV, "").isdigit():
+        return max(1, int(os.environ[WORKER_CORES_ENV]))
+    if "distributed" in sys.modules:
+        from distributed import get_worker
+
+        try:
+            threads = get_worker().state.nthreads
+        except ValueError:  # not inside a Dask worker
+            return None
+        return max(1, machine_cores() // max(1, threads))
+    return None
+
+
+def shard_unit_on_worker(plan_url: str, i: int) -> dict[str, Any]:
+    """Unit ``i`` of the version at ``plan_url`` in an engine's worker process (a Dask task): the
+    tokenizer's threads are set from the cores the worker is given before its first unit, then
+    ``shard_unit``."""
+    plan = load_plan(plan_url)
+    if not _GIVEN:
+        cores = worker_cores(plan.worker_cores)
+        if cores is not None:
+            use_cores(cores)
+            log.info("sharding worker %d: %d core%s, so %d tokenizer thread%s", os.getpid(), cores,
+                     "" if cores == 1 else "s", cores, "" if cores == 1 else "s")
+        _GIVEN.append(cores or 0)
+    return shard_unit(plan, i)
 
 
 def read_unit(plan: ShardPlan, i: int) -> dict[str, Any]:

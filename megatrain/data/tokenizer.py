@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -54,6 +56,29 @@ class TokenizerSpec:
         head = [] if self.bos_id is None or (ids and ids[0] == self.bos_id) else [self.bos_id]
         tail = [] if ids and ids[-1] == self.eos_id else [self.eos_id]
         return head + ids + tail
+
+
+def use_cores(cores: int) -> None:
+    """Give this worker process's tokenizer ``cores`` threads (and Arrow's thread pool as many).
+    Call it before the process's first tokenizer or Arrow work: both size their thread pools when
+    first used (RAYON_NUM_THREADS, OMP_NUM_THREADS). One core turns the tokenizer's parallelism off,
+    which holds at any time: ``encode_batch`` then runs in the calling thread. Without this a
+    worker's ``encode_batch`` ran on every core of the machine (173% CPU for one worker on 2
+    cores), so a second worker had no core to itself and added nothing."""
+    cores = max(1, int(cores))
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if cores > 1 else "false"
+    os.environ["RAYON_NUM_THREADS"] = str(cores)
+    os.environ["OMP_NUM_THREADS"] = str(cores)
+    if "pyarrow" in sys.modules:  # imported already: its pool may exist, resize it
+        sys.modules["pyarrow"].set_cpu_count(cores)
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or taskset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 _PARSED: dict[str, Tokenizer] = {}

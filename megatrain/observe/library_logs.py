@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-# The libraries a sharding cluster brings: Dask's distributed, and the web stack its dashboard uses.
-DASK_LOGGERS = ("distributed", "bokeh", "tornado")
+# What a sharding cluster brings: Dask's distributed, the web stack of its dashboard, and
+# prefect-dask's cluster lines (its start, the dashboard's address).
+DASK_LOGGERS = ("distributed", "bokeh", "tornado", "prefect.task_runner.dask")
 
 
 @contextmanager
