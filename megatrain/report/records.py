@@ -76,6 +76,9 @@ class StageRecords:
     attempts: list[dict] = field(default_factory=list)  # attempts.jsonl, with "log" where the file is now
     rollbacks: list[dict] = field(default_factory=list)
     unrecorded: list[int] = field(default_factory=list)  # attempts with a log file and no row yet
+    # attempts with a log file and no row before a recorded one: killed with their flow (SIGKILL,
+    # a lost machine), so nothing ended them; they count, their steps are superseded by the next
+    killed: list[int] = field(default_factory=list)
     run: RunDir | None = None
     # where the stage folder was when it wrote its records (absolute): its config's run dir, the
     # folders of the attempts' logs; a campaign moved between stages recorded more than one
@@ -92,7 +95,7 @@ class StageRecords:
 
     @property
     def attempt_count(self) -> int:
-        return len(self.attempts) + len(self.unrecorded)
+        return len(self.attempts) + len(self.unrecorded) + len(self.killed)
 
     @property
     def faults(self) -> list[dict]:
@@ -180,8 +183,10 @@ def read_stage(stage_dir: str | Path, metrics_rows: list[dict] | None = None) ->
     except (OSError, ValueError):
         records.rollbacks = []
     numbers = {a.get("attempt") for a in records.attempts}
-    records.unrecorded = [n for n in _logged_attempts(stage_dir) if n not in numbers and n > max(
-        (a for a in numbers if isinstance(a, int)), default=0)]
+    last_recorded = max((a for a in numbers if isinstance(a, int)), default=0)
+    without_row = [n for n in _logged_attempts(stage_dir) if n not in numbers]
+    records.unrecorded = [n for n in without_row if n > last_recorded]
+    records.killed = [n for n in without_row if n < last_recorded]
     _number_unrecorded(records.rows, records.unrecorded)
     return records
 

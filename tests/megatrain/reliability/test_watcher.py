@@ -283,7 +283,7 @@ def test_watcher_finds_killed_and_hung_ranks(kind: str, tmp_path: Path, redis_ur
     }
     try:
         records = wait_for(lambda: (r := sink.read_all(2)) and len(r) == 2 and r[0].step > 5
-                           and r[1].phase == "collective" and r)
+                           and r[1].phase == "collective" and r, timeout_s=60)  # start-up on a busy machine
         frozen_since = records[1].step_since
         procs[0].send_signal(signal.SIGKILL)
         killed_at = time.time()

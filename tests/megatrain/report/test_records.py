@@ -142,3 +142,19 @@ def test_the_loss_picture_draws_a_line_where_each_attempt_resumed(tmp_path):
     (campaign / "only" / "metrics.jsonl").write_text("".join(json.dumps(row(s, 0.5)) + "\n" for s in range(1, 9)))
     (campaign / "only" / "attempts.jsonl").unlink()
     assert pink_columns(plot_loss({"only": campaign / "only"}, tmp_path / "straight.png")) == 0
+
+
+def test_an_attempt_killed_with_its_flow_counts_where_a_later_attempt_recorded(tmp_path):
+    """Attempt 2's flow was SIGKILLed: its log exists, no row ended it; attempt 3 resumed and
+    recorded. The stage had three attempts (the reader once counted two: an attempt without a row
+    counted only after the last recorded one), and status and the report say three."""
+    campaign = interrupted_stage(tmp_path)
+    stage = campaign / "only"
+    write_attempts(stage, {"attempt": 1, "status": "stopped", "message": "stopped (SIGINT)", "metrics_rows": 5},
+                   {"attempt": 3, "status": "completed", "message": "", "metrics_rows": 9})
+    (stage / "logs" / "attempt-2.log").write_text("attempt 2 (its flow was killed)\n")
+    records = read_stage(stage)
+    assert records.attempt_count == 3 and records.killed == [2] and records.unrecorded == []
+    assert len(records.faults) == 0 and len(records.interrupts) == 1
+    (status,) = campaign_status(campaign).stages
+    assert status.attempts == 3
