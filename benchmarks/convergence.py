@@ -121,6 +121,7 @@ def run_comparison(args, log=print) -> dict:
               "steps": steps, "batch": args.batch, "seq_len": cfg.seq_len, "tokens_per_step": per_step,
               "optim": optim_cfg.model_dump(), "eval_every": args.eval_every, "val_windows": len(val_x),
               "val_tokens": int(val_y.numel()), "data": data.describe(index, data_cfg, roots),
+              "epochs": steps * args.batch / index.num_samples,
               "seed_band": "peer:0 and peer:1 differ only in their initial weights (megatrain's init under seed 0 "
                            "or 1, exported); the data order is the same (data.seed)",
               "batch_crc32": [], "runs": {}, "notes": []}
@@ -160,7 +161,7 @@ def run_comparison(args, log=print) -> dict:
             if fits < steps:
                 steps = max(step + 1, fits // args.eval_every * args.eval_every)
                 schedule = Schedule.of(optim_cfg, steps)
-                report["steps"] = steps
+                report["steps"], report["epochs"] = steps, steps * args.batch / index.num_samples
                 report["notes"].append(f"{per:.3f} s per step of all runs: {args.steps} steps would not fit "
                                        f"--budget-s {args.budget_s:.0f}; cut to {steps} (before the warm-up ended, "
                                        "so the cosine schedule is that of the steps run)")

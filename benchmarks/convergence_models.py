@@ -96,20 +96,28 @@ def load_peer(family: str, model, cfg, tokenizer_json: bytes):
 
 
 def make_run(name: str, family: str, cfg, optim_cfg, tokenizer_json: bytes, device: torch.device) -> Run:
-    """``name``: "megatrain" (init seed 0) or "peer:<init seed>" (megatrain's init under that seed,
-    exported, loaded by transformers)."""
+    """``name``: ``megatrain[@reference][:seed]`` (default init seed 0; ``@reference``: megatrain's
+    plain-torch norm, activation and cross-entropy instead of its fused kernels) or
+    ``peer:<seed>`` (megatrain's init under that seed, exported, loaded by transformers)."""
     from megatrain.optim import build_optimizer
 
-    impl, _, seed = name.partition(":")
+    spec, _, seed = name.partition(":")
+    impl, _, kernels = spec.partition("@")
     seed_value = int(seed or 0)
+    if kernels == "reference":
+        fields = {k: "reference" for k in ("layernorm", "gelu", "cross_entropy", "rmsnorm", "swiglu", "rope")}
+        cfg = cfg.model_copy(update={"kernels": cfg.kernels.model_copy(update=fields)})
+    elif kernels:
+        raise SystemExit(f"run {name!r}: the only kernel choice is @reference")
     model = initial_model(cfg, seed_value)
     hf = impl == "peer"
     if hf:
         model = load_peer(family, model, cfg, tokenizer_json)
     elif impl != "megatrain":
-        raise SystemExit(f"run {name!r}: megatrain[:seed] or peer:<seed>")
+        raise SystemExit(f"run {name!r}: megatrain[@reference][:seed] or peer:<seed>")
     model = model.to(device).train()
-    return Run(name=name, impl=PEER[family] if hf else "megatrain", init_seed=seed_value, model=model,
+    label = PEER[family] if hf else "megatrain" + (" (reference kernels)" if kernels else "")
+    return Run(name=name, impl=label, init_seed=seed_value, model=model,
                optimizer=build_optimizer(model, optim_cfg), hf=hf)
 
 
