@@ -2,9 +2,11 @@
 processes (one run per process, or runs split over machines' calls) into one comparison.
 
 Verdict: the largest |megatrain - peer seed 0| held-out difference over the curve against the
-seed-to-seed band, the largest |peer seed 0 - peer seed 1| over the same evaluation steps. The two
-peers differ only in their initial weights (megatrain's init under seed 0 or 1, exported); the
-data order is the same, so the band is the spread a different start alone gives.
+seed-to-seed band, the largest |peer seed 0 - peer seed 1| over the same evaluation steps, both
+after step 0 (where the same-start pair is identical by construction and the band is only the two
+inits' spread). The two peers differ only in their initial weights (megatrain's init under seed 0
+or 1, exported); the data order is the same, so the band is the spread a different start alone
+gives. Means over the curve and the final gap are given beside the maxima.
 """
 
 from __future__ import annotations
@@ -17,33 +19,39 @@ def _val_by_step(run: dict) -> dict[int, float]:
     return {point["step"]: point["loss"] for point in run["val"]}
 
 
-def _max_gap(a: dict, b: dict) -> tuple[float | None, int | None]:
-    steps = sorted(set(_val_by_step(a)) & set(_val_by_step(b)))
-    if not steps:
-        return None, None
+def gaps(a: dict, b: dict) -> dict | None:
+    """|a - b| held-out over the evaluation steps both have after step 0: max (and its step), mean, final."""
     va, vb = _val_by_step(a), _val_by_step(b)
-    worst = max(steps, key=lambda s: abs(va[s] - vb[s]))
-    return abs(va[worst] - vb[worst]), worst
+    steps = sorted(s for s in set(va) & set(vb) if s > 0)
+    if not steps:
+        return None
+    diff = {s: abs(va[s] - vb[s]) for s in steps}
+    worst = max(steps, key=diff.__getitem__)
+    return {"max": diff[worst], "at_step": worst, "mean": sum(diff.values()) / len(diff), "final": diff[steps[-1]],
+            "final_step": steps[-1]}
 
 
-def verdict(runs: dict[str, dict], ours: str = "megatrain", peer: str = "peer:0", other: str = "peer:1") -> dict:
+PAIRS = {"megatrain_vs_peer0": ("megatrain", "peer:0"), "band_peer0_vs_peer1": ("peer:0", "peer:1"),
+         "megatrain1_vs_peer1": ("megatrain:1", "peer:1 (rerun)"), "peer1_rerun": ("peer:1", "peer:1 (rerun)"),
+         "megatrain_reference_vs_megatrain": ("megatrain@reference", "megatrain")}
+
+
+def verdict(runs: dict[str, dict]) -> dict:
     """The parity numbers, from the evaluation steps the runs share."""
-    out: dict = {"compared": [ours, peer, other]}
-    if ours in runs and peer in runs:
-        out["max_abs_diff_megatrain_peer0"], out["at_step_megatrain_peer0"] = _max_gap(runs[ours], runs[peer])
-        n = min(len(runs[ours]["train_loss"]), len(runs[peer]["train_loss"]))
-        rel = [abs(a - b) / abs(b) for a, b in zip(runs[ours]["train_loss"][:n], runs[peer]["train_loss"][:n])]
-        out["train_rel_diff_first_20_steps_max"] = max(rel[:20]) if rel else None
-    if peer in runs and other in runs:
-        out["band_max_abs_diff_peer0_peer1"], out["at_step_band"] = _max_gap(runs[peer], runs[other])
-    if ours in runs and peer in runs and other in runs:
-        gap, band = out["max_abs_diff_megatrain_peer0"], out["band_max_abs_diff_peer0_peer1"]
-        out["within_band"] = None if gap is None or band is None else gap <= band
-        finals = {name: runs[name]["val"][-1]["loss"] for name in (ours, peer, other) if runs[name]["val"]}
-        out["final_val_loss"] = finals
-        if len(finals) == 3:
-            out["final_gap"] = abs(finals[ours] - finals[peer])
-            out["final_band"] = abs(finals[peer] - finals[other])
+    out: dict = {"pairs": {key: {"runs": list(pair), **gaps(runs[pair[0]], runs[pair[1]])}
+                           for key, pair in PAIRS.items()
+                           if pair[0] in runs and pair[1] in runs and gaps(runs[pair[0]], runs[pair[1]])}}
+    if "megatrain" in runs and "peer:0" in runs:
+        a, b = runs["megatrain"]["train_loss"], runs["peer:0"]["train_loss"]
+        rel = [abs(x - y) / abs(y) for x, y in zip(a[:20], b[:20])]
+        out["train_rel_diff_first_20_steps_max"] = max(rel) if rel else None
+    pair, band = out["pairs"].get("megatrain_vs_peer0"), out["pairs"].get("band_peer0_vs_peer1")
+    if pair and band:
+        out["max_abs_diff_megatrain_peer0"], out["at_step_megatrain_peer0"] = pair["max"], pair["at_step"]
+        out["band_max_abs_diff_peer0_peer1"], out["at_step_band"] = band["max"], band["at_step"]
+        out["within_band"] = pair["max"] <= band["max"]
+        out["mean_within_band"] = pair["mean"] <= band["mean"]
+    out["final_val_loss"] = {name: run["val"][-1]["loss"] for name, run in runs.items() if run["val"]}
     return out
 
 
@@ -58,13 +66,15 @@ def table(report: dict) -> str:
         lines.append(f"| {name} | {run['impl']} | {run['init_seed']} | {len(run['train_loss'])} | "
                      f"{len(run['train_loss']) * per_step / 1e6:.1f}M | {sum(tail) / max(1, len(tail)):.4f} | "
                      f"{val} | {run['step_s_mean']:.3f} |")
-    v = report.get("verdict", {})
-    if v.get("band_max_abs_diff_peer0_peer1") is not None and v.get("max_abs_diff_megatrain_peer0") is not None:
-        lines.append("")
-        lines.append(f"max |megatrain - peer:0| held-out: {v['max_abs_diff_megatrain_peer0']:.4f} (step "
-                     f"{v['at_step_megatrain_peer0']}); seed band max |peer:0 - peer:1|: "
-                     f"{v['band_max_abs_diff_peer0_peer1']:.4f} (step {v['at_step_band']}); "
-                     f"within band: {v['within_band']}")
+    pairs = report.get("verdict", {}).get("pairs", {})
+    if pairs:
+        lines += ["", "| held-out |a - b| after step 0 | max (step) | mean | final |", "| --- | --- | --- | --- |"]
+        for pair in pairs.values():
+            lines.append(f"| {pair['runs'][0]} - {pair['runs'][1]} | {pair['max']:.4f} ({pair['at_step']}) | "
+                         f"{pair['mean']:.4f} | {pair['final']:.4f} |")
+        if "within_band" in report["verdict"]:
+            lines.append(f"\nwithin the seed band (max): {report['verdict']['within_band']}; "
+                         f"(mean): {report['verdict']['mean_within_band']}")
     return "\n".join(lines)
 
 
@@ -85,7 +95,8 @@ def plot(report: dict, path: Path, window: int = 25) -> None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[3, 1.4])
-    colors = {"megatrain": "tab:blue", "peer:0": "tab:red", "peer:1": "tab:green"}
+    colors = {"megatrain": "tab:blue", "peer:0": "tab:red", "peer:1": "tab:green", "megatrain:1": "tab:purple",
+              "peer:1 (rerun)": "tab:olive", "megatrain@reference": "tab:gray"}
     per_step = report["tokens_per_step"]
     for name, run in report["runs"].items():
         color = colors.get(name, "tab:gray")
@@ -95,19 +106,23 @@ def plot(report: dict, path: Path, window: int = 25) -> None:
         top.plot([p["tokens"] / 1e6 for p in run["val"]], [p["loss"] for p in run["val"]], color=color, marker=".",
                  label=f"{name} ({run['impl']}, init seed {run['init_seed']}) held-out")
     top.set_ylabel("loss (nats/token)")
-    starts = [run["val"][0]["loss"] for run in report["runs"].values() if run["val"]]
-    if starts:  # the first steps' fall would flatten the rest
-        top.set_ylim(top=min(top.get_ylim()[1], max(starts) + 0.2))
+    seconds = [run["val"][1]["loss"] for run in report["runs"].values() if len(run["val"]) > 1]
+    if seconds:  # the first steps' fall (from ln V) would flatten the rest
+        top.set_ylim(top=min(top.get_ylim()[1], max(seconds) + 0.5))
     top.set_title(report.get("title", ""), fontsize=8)
     top.legend(fontsize=7)
     top.grid(alpha=0.3)
     runs = report["runs"]
-    for a, b, color in (("megatrain", "peer:0", "tab:blue"), ("peer:0", "peer:1", "tab:green")):
+    styles = {"megatrain_vs_peer0": ("tab:blue", "-"), "band_peer0_vs_peer1": ("tab:green", "-"),
+              "megatrain1_vs_peer1": ("tab:purple", "--"), "peer1_rerun": ("tab:orange", ":"),
+              "megatrain_reference_vs_megatrain": ("tab:gray", ":")}
+    for key, (a, b) in PAIRS.items():
         if a in runs and b in runs:
             va, vb = _val_by_step(runs[a]), _val_by_step(runs[b])
             steps = sorted(set(va) & set(vb))
+            color, line = styles[key]
             bottom.plot([s * per_step / 1e6 for s in steps], [va[s] - vb[s] for s in steps], color=color,
-                        marker=".", label=f"{a} - {b}")
+                        linestyle=line, marker=".", label=f"{a} - {b}")
     bottom.axhline(0, color="black", linewidth=0.5)
     bottom.set_ylabel("held-out difference")
     bottom.set_xlabel("training tokens (M); faint lines: train loss, running mean of %d steps" % window)
@@ -133,7 +148,8 @@ def merge(paths: list[str]) -> dict:
         if report["batch_crc32"][:n] != reports[0]["batch_crc32"][:n]:
             first = next(i for i in range(n) if report["batch_crc32"][i] != reports[0]["batch_crc32"][i])
             raise SystemExit(f"{path}: the batch of step {first} differs from {paths[0]}'s")
-        base["runs"].update(report["runs"])
+        for name, run in report["runs"].items():  # the same run again, from another process: kept beside it
+            base["runs"][f"{name} (rerun)" if name in base["runs"] else name] = run
         base["parts"].append({"file": Path(path).name, "runs": list(report["runs"]), "device": report["device"],
                               "commit": report.get("commit"), "wall_s": report.get("wall_s")})
     base["batch_crc32"] = max((r["batch_crc32"] for r in reports), key=len)
