@@ -1,7 +1,8 @@
 """benchmarks/convergence.py's same-start, same-data mechanics at a tiny size on the CPU, in fp32:
 megatrain's GPT and transformers' GPT2LMHeadModel, loaded from megatrain's exported initial
-weights and fed megatrain's batches, agree to 1e-5 relative in loss at every one of 20 steps; the
-peer from another init does not; a report whose batches differ is refused by the merge."""
+weights and fed megatrain's batches, agree to 1e-5 relative in loss at every one of 20 steps. The
+check can fail: a peer from another init, with other AdamW betas or another data order is told
+apart, and a report whose batches differ is refused by the merge."""
 
 import json
 import sys
@@ -74,3 +75,44 @@ def test_merge_refuses_runs_that_read_other_batches(report, tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="the batch of step 5 differs"):
         convergence_report.merge([str(work / "result.json"), str(tmp_path / "other.json")])
+
+
+def _pair_losses(work, peer_betas=(0.9, 0.95), peer_data_seed=1234, steps=8):
+    """megatrain and peer:0 trained side by side on the fixture's shards; the peer's optimizer
+    betas or its data order may differ: the train losses of both."""
+    import torch
+
+    import convergence_data as data
+    import convergence_models as models
+    from megatrain.config import OptimConfig
+    from megatrain.optim.schedule import Schedule
+
+    cfg = models.model_config("gpt", "tiny")
+    data_cfg = data.data_config(f"{work}/shards", cfg.vocab_size, max_source_bytes=300000, doc_roots=(), num_workers=1)
+    index = data.build_shards(data_cfg, cfg.seq_len, cfg.vocab_size)  # the fixture's version, reused
+    optim = OptimConfig(name="adamw", lr=1e-3, min_lr=1e-4, warmup_steps=5)
+    schedule = Schedule.of(optim, steps)
+    cpu = torch.device("cpu")
+    ours = models.make_run("megatrain", "gpt", cfg, optim, data.tokenizer_bytes(index), cpu)
+    peer = models.make_run("peer:0", "gpt", cfg, optim.model_copy(update={"betas": peer_betas}),
+                           data.tokenizer_bytes(index), cpu)
+    streams = [data.train_batches(index, data_cfg, 4, cfg.vocab_size),
+               data.train_batches(index, data_cfg.model_copy(update={"seed": peer_data_seed}), 4, cfg.vocab_size)]
+    losses = ([], [])
+    for step in range(steps):
+        for run, stream, out in zip((ours, peer), streams, losses):
+            x, y, _ = next(stream)
+            out.append(float(models.train_step(run, x, y, schedule.at(step), 1.0, cpu)[0]))
+    for stream in streams:
+        stream.close()
+    return losses
+
+
+def test_other_optimizer_settings_or_data_order_are_told_apart(report):
+    _, work = report
+    ours, peer = _pair_losses(work)
+    assert max(abs(a - b) / b for a, b in zip(ours, peer)) <= 1e-5
+    ours, peer = _pair_losses(work, peer_betas=(0.9, 0.999))
+    assert ours[0] == peer[0] and max(abs(a - b) / b for a, b in zip(ours, peer)) > 1e-5
+    ours, peer = _pair_losses(work, peer_data_seed=99)
+    assert max(abs(a - b) / b for a, b in zip(ours, peer)) > 1e-3
