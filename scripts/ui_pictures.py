@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from PIL import Image
@@ -57,13 +58,16 @@ def is_blank(png: Path, share: float = 0.97) -> bool:
     return counts.max() >= share * len(image)
 
 
-def page_shot(url: str, out: Path, size: tuple[int, int] = (1400, 1000), tries: int = 3) -> Path:
+def page_shot(url: str, out: Path, size: tuple[int, int] = (1400, 1000), tries: int = 5) -> Path:
     """A screenshot of a page, taken again with more time while it is still blank (a loaded
-    machine can take longer than the first budget to draw the page)."""
+    machine can take longer than the first budget to draw the page: the budget is the browser's
+    virtual time, while the API that the page asks answers in real time, so a pause of real time
+    comes between tries)."""
     for attempt in range(1, tries + 1):
-        screenshot(url, out, size, wait_ms=15000 * attempt)
+        screenshot(url, out, size, wait_ms=15000 * min(attempt, 3))
         if not is_blank(out):
             break
+        time.sleep(2.0 * attempt)
     return out
 
 

@@ -352,3 +352,22 @@ def fail_on_leftovers():
     what = [f"thread {t.name!r} (target {getattr(t, '_target', None)!r})" for t in threads]
     what += [f"child process {pid}: {cmd}" for pid, cmd in children.items()]
     pytest.fail("the test left running (join or stop what it starts):\n  " + "\n  ".join(what), pytrace=False)
+
+
+# Environment a launch puts into this process for the run it starts (launch/run_token.py: the run's
+# token, inherited by its ranks). Left behind, the next test's children signed their records with it
+# and wrote them under its key namespace, where an unsigned reader never looked (a Redis watcher test
+# waited 60 s for records, in the suite only).
+PER_RUN_ENVIRONMENT = ("MEGATRAIN_RUN_TOKEN",)
+
+
+@pytest.fixture(autouse=True)
+def restore_per_run_environment():
+    """Every test starts and ends with the per-run variables this process had before it."""
+    before = {name: os.environ.get(name) for name in PER_RUN_ENVIRONMENT}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
