@@ -200,9 +200,12 @@ def run_from_command_line(campaign_flow: Callable, argv: list[str], default_camp
     failure = None if state.is_cancelled() else _failure(state)
     code, resumable = campaign_exit(failure, (STOP.reason or "cancelled") if state.is_cancelled() else None)
     if resumable:  # the campaign's id in the command: a campaign named on the command line resumes only by it
+        import shlex
+
         from megatrain.launch.invocation import python_command
 
-        resume = " ".join([f"{python_command()} -m flows.pretrain", path, *overrides, *([] if any(
+        # quoted as a shell reads it: a path with a space or an override with brackets stays one word
+        resume = shlex.join([python_command(), "-m", "flows.pretrain", path, *overrides, *([] if any(
             o.startswith("id=") for o in overrides) else [f"id={campaign.id}"])])
         after = f"Resume: {resume}"
     else:  # the same command would fail the same way: no command to offer, what must change instead

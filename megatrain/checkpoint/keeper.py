@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.checkpoint.keeper_peer import PeerTier, Registry
-from megatrain.checkpoint.serve_thread import serve_in_thread
 from megatrain.checkpoint.keeper_wire import (
     Slot,
     chunk_hashes,
@@ -54,6 +53,7 @@ from megatrain.checkpoint.keeper_wire import (
     send_message,
     spare_slot,
 )
+from megatrain.checkpoint.serve_thread import serve_in_thread
 from megatrain.launch.run_token import run_token
 
 log = logging.getLogger("megatrain.keeper")

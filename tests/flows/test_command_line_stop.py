@@ -37,7 +37,9 @@ def test_ctrl_c_of_a_command_line_campaign_ends_in_seconds_and_says_how_to_resum
     # the server's database there, migrated already (a copy of the session's template): the
     # temporary server still starts and stops with the run, without ~10 s of migrations first
     seeded_prefect_db(tmp_path / "prefect" / "prefect.db")
-    path = write_campaign(tmp_path, "ctrl-c", shard_url=shard_root, faults=SLOWED_ONCE)
+    # a folder with a space in its name, as a user's may be: the printed resume command quotes it
+    (tmp_path / "my campaigns").mkdir()
+    path = write_campaign(tmp_path / "my campaigns", "ctrl-c", shard_url=shard_root, faults=SLOWED_ONCE)
     campaign = load_campaign(path)
     durable, run_dir = campaign.stage_durable_url(0), campaign.stage_dir(0)
     flow = FlowProcess(path, None, tmp_path / "first.log")
