@@ -67,7 +67,7 @@ def _commit() -> str | None:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", choices=["gpt", "llama"], default="gpt")
-    parser.add_argument("--shape", choices=["125m", "tiny"], default="125m")
+    parser.add_argument("--shape", choices=["125m", "1.3b", "tiny"], default="125m")
     parser.add_argument("--runs", default="megatrain,peer:0,peer:1")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=16)
@@ -87,6 +87,8 @@ def parse_args(argv):
     parser.add_argument("--budget-s", type=float, default=None, help="training wall-time cap (steps cut to fit)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--commit", default=None, help="recorded in the JSON (default: git's HEAD)")
+    parser.add_argument("--target-run", default=None,
+                        help="time to target: every run's wall time to the held-out loss this run ends at")
     parser.add_argument("--merge", nargs="+", default=None, help="only merge these JSONs into --out (and --png)")
     return parser.parse_args(argv)
 
@@ -151,7 +153,7 @@ def run_comparison(args, log=print) -> dict:
             loss, norm = models.train_step(run, inputs, targets, lr, args.grad_clip, device)
             run.train_loss.append(float(loss))  # float() waits for the step: the time is the step's
             run.grad_norm.append(float(norm))
-            run.step_s += time.perf_counter() - t
+            run.step_s.append(time.perf_counter() - t)
         step += 1
         if step == 2:
             train_t0 = time.perf_counter()
@@ -172,6 +174,8 @@ def run_comparison(args, log=print) -> dict:
         run.train_loss, run.grad_norm = run.train_loss[:steps], run.grad_norm[:steps]
     report["runs"] = {run.name: run.record() for run in runs}
     report["verdict"] = report_mod.verdict(report["runs"])
+    if args.target_run:
+        report["time_to_target"] = report_mod.time_to_target(report, args.target_run)
     report["wall_s"] = time.perf_counter() - t0
     out.write_text(json.dumps(report, indent=1))
     return report

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 SHAPES = {
     ("gpt", "125m"): dict(vocab_size=32768, n_layer=12, n_head=12, d_model=768, seq_len=1024),
     ("gpt", "tiny"): dict(vocab_size=512, n_layer=2, n_head=4, d_model=64, seq_len=64),
+    # GPT-3 XL's 24 x 2048 (configs/gpt-1.3b.yaml's shape, serial, seq 1024 to read the 125m shards): 1.27B
+    ("gpt", "1.3b"): dict(vocab_size=32768, n_layer=24, n_head=16, d_model=2048, seq_len=1024),
     ("llama", "125m"): dict(vocab_size=32768, n_layer=12, n_head=12, n_kv_head=4, d_model=768, d_ff=2048,
                             seq_len=1024),
     ("llama", "tiny"): dict(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=160, seq_len=64),
@@ -34,6 +36,7 @@ FAMILY = {
                   tie_embeddings=False, rope_theta=10000.0),
 }
 PEER = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+WARM_STEPS = 5  # steps left out of a run's mean step time (compilation, autotuning, allocator growth)
 
 
 def model_config(family: str, shape: str, **overrides):
@@ -63,7 +66,7 @@ class Run:
     train_loss: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
     val: list[dict] = field(default_factory=list)  # {"step", "tokens", "loss"}
-    step_s: float = 0.0  # summed wall time of its steps (synchronised)
+    step_s: list[float] = field(default_factory=list)  # wall time of each step (synchronised)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not self.hf:
@@ -72,8 +75,13 @@ class Run:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def record(self) -> dict:
+        """Its curves and its steady step time: the mean after its first WARM_STEPS (compile and
+        autotuning happen there; their time is given apart, once per run, in ``first_steps_s``)."""
+        warm = min(WARM_STEPS, len(self.step_s) // 2)
+        steady = self.step_s[warm:] or [0.0]
         return {"impl": self.impl, "init_seed": self.init_seed, "train_loss": self.train_loss,
-                "grad_norm": self.grad_norm, "val": self.val, "step_s_mean": self.step_s / max(1, len(self.train_loss))}
+                "grad_norm": self.grad_norm, "val": self.val, "step_s_mean": sum(steady) / len(steady),
+                "first_steps_s": sum(self.step_s[:warm])}
 
 
 def load_peer(family: str, model, cfg, tokenizer_json: bytes):
@@ -96,27 +104,46 @@ def load_peer(family: str, model, cfg, tokenizer_json: bytes):
 
 
 def make_run(name: str, family: str, cfg, optim_cfg, tokenizer_json: bytes, device: torch.device) -> Run:
-    """``name``: ``megatrain[@reference][:seed]`` (default init seed 0; ``@reference``: megatrain's
-    plain-torch norm, activation and cross-entropy instead of its fused kernels) or
-    ``peer:<seed>`` (megatrain's init under that seed, exported, loaded by transformers)."""
+    """``name``: ``megatrain[@reference][+fp8][+compile][:seed]`` (default init seed 0;
+    ``@reference``: megatrain's plain-torch norm, activation and cross-entropy instead of its fused
+    kernels; ``+fp8``: its FP8 recipe, ``train.precision: fp8``, on the blocks' linears; ``+compile``:
+    its compiled blocks, ``model.compile``) or ``peer[+compile]:<seed>`` (megatrain's init under that
+    seed, exported, loaded by transformers; ``+compile``: ``torch.compile`` of the whole peer)."""
     from megatrain.optim import build_optimizer
 
     spec, _, seed = name.partition(":")
+    spec, *flags = spec.split("+")
     impl, _, kernels = spec.partition("@")
+    if set(flags) - {"fp8", "compile"} or (impl == "peer" and "fp8" in flags):
+        raise SystemExit(f"run {name!r}: megatrain[@reference][+fp8][+compile][:seed] or peer[+compile]:<seed>")
     seed_value = int(seed or 0)
     if kernels == "reference":
         fields = {k: "reference" for k in ("layernorm", "gelu", "cross_entropy", "rmsnorm", "swiglu", "rope")}
         cfg = cfg.model_copy(update={"kernels": cfg.kernels.model_copy(update=fields)})
     elif kernels:
         raise SystemExit(f"run {name!r}: the only kernel choice is @reference")
-    model = initial_model(cfg, seed_value)
+    model = initial_model(cfg, seed_value)  # the same init with or without fp8 / compile
     hf = impl == "peer"
     if hf:
         model = load_peer(family, model, cfg, tokenizer_json)
     elif impl != "megatrain":
-        raise SystemExit(f"run {name!r}: megatrain[@reference][:seed] or peer:<seed>")
+        raise SystemExit(f"run {name!r}: megatrain[@reference][+fp8][+compile][:seed] or peer[+compile]:<seed>")
     model = model.to(device).train()
+    if "fp8" in flags:
+        from megatrain.config import Config
+        from megatrain.precision.fp8 import apply_precision, check_precision_supported
+
+        run_cfg = Config(model=cfg.model_copy(update={"compile": "compile" in flags}), train={"precision": "fp8"})
+        check_precision_supported(run_cfg, device)
+        apply_precision(model, run_cfg)
+    if "compile" in flags:
+        if hf:
+            model.compile()
+        else:
+            for block in model.blocks:  # as parallel/parallelize.py compiles megatrain's model
+                block.compile()
     label = PEER[family] if hf else "megatrain" + (" (reference kernels)" if kernels else "")
+    label += "".join(f" +{flag}" for flag in flags)
     return Run(name=name, impl=label, init_seed=seed_value, model=model,
                optimizer=build_optimizer(model, optim_cfg), hf=hf)
 

@@ -55,6 +55,42 @@ def verdict(runs: dict[str, dict]) -> dict:
     return out
 
 
+def _first_crossing(val: list[dict], target: float) -> float | None:
+    """The step at which a held-out curve first reaches ``target``, interpolated linearly between
+    the two evaluations around it; None when it never does."""
+    for before, after in zip(val, val[1:]):
+        if after["loss"] <= target:
+            if before["loss"] <= target:
+                return float(before["step"])
+            share = (before["loss"] - target) / (before["loss"] - after["loss"])
+            return before["step"] + share * (after["step"] - before["step"])
+    return None
+
+
+def time_to_target(report: dict, target_run: str) -> dict:
+    """Wall time of every run to the held-out loss ``target_run`` ends at (after N tokens): the step
+    it first reaches it times its mean step time (the steps' own time, evaluations excluded), and
+    each run's tokens/s; ratios against ``target_run``. The speed figure a user steers by: a faster
+    step that learns less per token reaches the target later."""
+    runs, per_step = report["runs"], report["tokens_per_step"]
+    if target_run not in runs or not runs[target_run]["val"]:
+        raise SystemExit(f"--target-run {target_run!r}: no such run with a held-out curve ({', '.join(runs)})")
+    last = runs[target_run]["val"][-1]
+    out = {"target_run": target_run, "target_loss": last["loss"], "target_tokens": last["tokens"], "runs": {}}
+    for name, run in runs.items():
+        step = _first_crossing(run["val"], last["loss"])
+        row = {"tokens_per_s": per_step / run["step_s_mean"], "step_s": run["step_s_mean"],
+               "first_steps_s": run.get("first_steps_s"),  # compile / autotune, once per run: not in wall_s
+               "reached_at_step": step, "tokens": None if step is None else step * per_step,
+               "wall_s": None if step is None else step * run["step_s_mean"]}
+        out["runs"][name] = row
+    base = out["runs"][target_run]
+    for row in out["runs"].values():
+        row["speedup_tokens_per_s"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["speedup_time_to_target"] = None if row["wall_s"] is None else base["wall_s"] / row["wall_s"]
+    return out
+
+
 def table(report: dict) -> str:
     """One row per run: final train loss (mean of its last 50 steps) and held-out loss, step time."""
     lines = [f"| run | implementation | init seed | steps | tokens | train loss (last 50) | held-out loss | s/step |",
@@ -75,6 +111,18 @@ def table(report: dict) -> str:
         if "within_band" in report["verdict"]:
             lines.append(f"\nwithin the seed band (max): {report['verdict']['within_band']}; "
                          f"(mean): {report['verdict']['mean_within_band']}")
+    target = report.get("time_to_target")
+    if target:
+        lines += ["", f"time to {target['target_run']}'s final held-out loss {target['target_loss']:.4f} "
+                      f"({target['target_tokens'] / 1e6:.1f}M tokens):", "",
+                  "| run | tokens/s | x tokens/s | tokens to target | wall s to target | x time to target |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for name, row in target["runs"].items():
+            reached = row["wall_s"] is not None
+            lines.append(f"| {name} | {row['tokens_per_s']:,.0f} | {row['speedup_tokens_per_s']:.2f} | "
+                         f"{row['tokens'] / 1e6:.2f}M | {row['wall_s']:.1f} | {row['speedup_time_to_target']:.2f} |"
+                         if reached else f"| {name} | {row['tokens_per_s']:,.0f} | {row['speedup_tokens_per_s']:.2f} | "
+                         "not reached | - | - |")
     return "\n".join(lines)
 
 
