@@ -1,0 +1,166 @@
+"""The services of a one-machine cluster, each on a host of its own, and ``megatrain cluster``.
+
+    megatrain cluster up --hosts 4        # node0..node3, head, redis (Redis), storage (S3: moto)
+    megatrain cluster list                # clusters on this machine, their hosts and addresses
+    megatrain cluster exec NAME HOST -- CMD...
+    megatrain cluster down NAME | --all | --swept
+
+``up`` prints the cluster's name, its hosts and the endpoints (``redis://<redis host>:6379``, its
+password in ``/run/megatrain/clusters/<name>.redis``, mode 0600; ``http://<storage host>:5000`` as
+the S3 endpoint with moto's test credentials). Redis listens on the redis host's address, moto on the
+storage host's: each is reached over the bridge, as a cluster's services are, and dies with its host
+(``hosts.Cluster.kill_host``: the faults ``redis_host_down``, ``storage_host_down``).
+
+Engine code: imports neither torch nor prefect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatrain.launch import hosts
+
+REDIS_PORT = 6379
+S3_PORT = 5000
+SERVICE_ROLES = ("head", "redis", "storage")
+
+
+def node_roles(n: int) -> list[str]:
+    return [f"node{i}" for i in range(n)]
+
+
+def start_redis(cluster: hosts.Cluster, role: str = "redis") -> str:
+    """redis-server on ``role``'s address with a fresh password (kept 0600 beside the state file)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server not installed (make services)")
+    password = secrets.token_urlsafe(24)
+    secret = hosts.STATE_DIR / f"{cluster.name}.redis"
+    secret.touch(mode=0o600)
+    secret.write_text(password)
+    address = cluster.host(role).address
+    conf = (f"port {REDIS_PORT}\nbind {address}\nprotected-mode yes\nsave \"\"\nappendonly no\n"
+            f"requirepass {password}\n")  # on stdin: no password in the host's process list
+    proc = subprocess.Popen(cluster.command(role, [binary, "-"]), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc.stdin.write(conf)
+    proc.stdin.close()
+    _wait_port(cluster, address, REDIS_PORT, proc, "redis-server")
+    return f"redis://{address}:{REDIS_PORT}"
+
+
+def start_s3(cluster: hosts.Cluster, role: str = "storage") -> str:
+    """moto's S3 server on ``role``'s address: the durable store every host reaches over the bridge."""
+    binary = shutil.which("moto_server", path=os.path.dirname(sys.executable))
+    if binary is None:
+        raise FileNotFoundError("moto_server not installed (moto[server] is a dependency of megatrain)")
+    address = cluster.host(role).address
+    proc = subprocess.Popen(cluster.command(role, [binary, "-H", address, "-p", str(S3_PORT)]),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    _wait_port(cluster, address, S3_PORT, proc, "moto_server")
+    return f"http://{address}:{S3_PORT}"
+
+
+def _wait_port(cluster: hosts.Cluster, address: str, port: int, proc: subprocess.Popen, what: str,
+               timeout_s: float = 30.0) -> None:
+    """Until ``address:port`` accepts, from this machine's namespace over the bridge."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=0.5).close()
+            return
+        except OSError:
+            if proc.poll() not in (None, 0) or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} of cluster {cluster.name} did not answer on {address}:{port}") from None
+            time.sleep(0.05)
+
+
+def up(n_nodes: int, services: bool = True, owner_pid: int | None = None) -> tuple[hosts.Cluster, dict[str, str]]:
+    """``n_nodes`` node hosts, and with ``services`` a head, a Redis and a storage host running theirs."""
+    roles = node_roles(n_nodes) + (list(SERVICE_ROLES) if services else [])
+    cluster = hosts.up(roles, owner_pid=owner_pid)
+    endpoints: dict[str, str] = {}
+    try:
+        if services:
+            endpoints = {"redis": start_redis(cluster), "s3": start_s3(cluster)}
+            (hosts.STATE_DIR / f"{cluster.name}.endpoints.json").write_text(json.dumps(endpoints))
+    except BaseException:
+        hosts.down(cluster.name)
+        raise
+    return cluster, endpoints
+
+
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatrain cluster", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    p_up = sub.add_parser("up", help="bring up node hosts (and head, redis, storage hosts)")
+    p_up.add_argument("--hosts", type=int, required=True, help="how many node hosts (node0..)")
+    p_up.add_argument("--no-services", action="store_true", help="node hosts only: no head, Redis or S3 host")
+    p_down = sub.add_parser("down", help="remove a cluster: processes, namespaces, links, state")
+    p_down.add_argument("name", nargs="?")
+    p_down.add_argument("--all", action="store_true", help="every cluster of this machine (prefix mtc)")
+    sub.add_parser("sweep", help="remove clusters whose owning run is gone")
+    sub.add_parser("list", help="clusters of this machine and their hosts")
+    p_exec = sub.add_parser("exec", help="run a command inside one host")
+    p_exec.add_argument("name")
+    p_exec.add_argument("host")
+    p_exec.add_argument("argv", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    reason = hosts.available()
+    if reason:
+        print(f"megatrain cluster: {reason}", file=sys.stderr)
+        return 2
+    if args.action == "up":
+        if args.hosts < 1:
+            parser.error("--hosts must be at least 1")
+        cluster, endpoints = up(args.hosts, services=not args.no_services)
+        print(f"cluster {cluster.name} on {cluster.subnet}.0/24 (bridge {cluster.bridge}, {cluster.gateway})")
+        for host in cluster.hosts.values():
+            print(f"  {host.role:<8} {host.address:<15} netns {host.netns}")
+        for what, url in endpoints.items():
+            print(f"  {what:<8} {url}")
+        print(f"take it down with: megatrain cluster down {cluster.name}")
+        return 0
+    if args.action == "down":
+        names = hosts.clusters() if args.all else [args.name] if args.name else []
+        if not names and not args.all:
+            parser.error("down needs a cluster name or --all")
+        for name in names:
+            removed = hosts.down(name)
+            print(f"cluster {name} down: {len(removed['pids'])} processes, {len(removed['netns'])} namespaces, "
+                  f"{len(removed['links'])} links removed")
+        return 0
+    if args.action == "sweep":
+        for name in hosts.sweep():
+            print(f"cluster {name} swept (its owner is gone)")
+        return 0
+    if args.action == "list":
+        for name in hosts.clusters():
+            try:
+                cluster = hosts.Cluster.load(name)
+                print(f"{name} {cluster.subnet}.0/24 owner {cluster.owner_pid or 'megatrain cluster up'}: "
+                      + ", ".join(f"{h.role} {h.address}" for h in cluster.hosts.values()))
+            except FileNotFoundError:
+                print(f"{name}: leftovers without a state file (megatrain cluster down {name})")
+        return 0
+    cluster = hosts.Cluster.load(args.name)
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    return subprocess.run(cluster.command(args.host, argv), env=cluster.env(args.host)).returncode
+
+
+def main() -> None:
+    sys.exit(cli())
+
+
+if __name__ == "__main__":
+    main()
