@@ -75,6 +75,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoints": ("megatrain.checkpoint.cli:cli", "list, verify or inspect committed checkpoints"),
     "plan": ("megatrain.parallel.plan:cli", "print the per-GPU memory plan of a recipe"),
     "report": ("megatrain.report.cli:cli", "a campaign's report (a campaign dir), or summaries of run dirs"),
+    "cluster": ("megatrain.launch.cluster_services:cli", "hosts on this machine as namespaces on a bridge: up, down, list, exec"),
     "status": ("megatrain.report.status:cli", "where a campaign stands: stages, steps, loss, faults, checkpoints"),
 }
 
