@@ -20,6 +20,17 @@ fault's step, node ``fault.node`` is killed (SIGKILL of its whole session: agent
 marked evicted for the rest of the stage (``<run_dir>/faults/evicted-node-<i>.json``), which its
 self-check then reports as a failing check: a node that died and does not come back healthy.
 
+Backends (``--backend``, chosen explicitly; ``loopback`` is the default and needs no root):
+
+- ``loopback``: the agents are this machine's processes on 127.0.0.1, as above;
+- ``hosts``: node ``i`` runs inside host ``node<i>`` of a cluster of ``megatrain/launch/hosts.py``
+  (``--cluster NAME``), started there as a scheduler starts a pod: ``megatrain.launch.pod`` (the
+  command the Kubernetes Job runs, ``tasks/kubernetes.py``), its ranks meeting in the cluster's
+  Redis on the redis host (``parallel.init.store=redis``; no TCP store listens), gloo on the host's
+  ``eth0``, the keepers' peer port on the host's address, and the node's staging on the host's own
+  ``/tmp`` (a node's local disk: no other host sees it). A cluster without Redis (``--no-services``)
+  falls back to torchrun agents meeting through c10d at the first node's address.
+
 Engine code: imports neither prefect nor torch.
 """
 
@@ -36,7 +47,11 @@ import time
 from pathlib import Path
 
 from megatrain.config import load_config
+from megatrain.launch import hosts
 from megatrain.launch.ranks import free_port, die_with_parent
+
+BACKENDS = ("loopback", "hosts")
+HOST_STAGING = "/tmp/megatrain/staging"  # inside a host: its private tmpfs, the node's local disk
 
 
 def node_dir(nodes_dir: str | Path, node: int) -> Path:
@@ -48,22 +63,83 @@ def evicted_marker(run_dir: str | Path, node: int) -> Path:
 
 
 def nodes_command(config_path: str | Path, nodes: list[int], nproc_per_node: int, nodes_dir: str | Path,
-                  overrides: list[str] | None = None) -> list[str]:
-    """The command ``run_ranks`` supervises for a stage on ``nodes`` (indices into the campaign's nodes)."""
+                  overrides: list[str] | None = None, cluster: str | None = None) -> list[str]:
+    """The command ``run_ranks`` supervises for a stage on ``nodes`` (indices into the campaign's nodes);
+    with ``cluster`` each node inside its host of that cluster (backend ``hosts``)."""
+    backend = ["--backend", "hosts", "--cluster", cluster] if cluster else []
     return [sys.executable, "-m", "megatrain.launch.nodes", "--config", str(config_path), "--nodes-dir", str(nodes_dir),
-            "--nodes", ",".join(map(str, nodes)), "--nproc-per-node", str(nproc_per_node), *(overrides or [])]
+            "--nodes", ",".join(map(str, nodes)), "--nproc-per-node", str(nproc_per_node), *backend, *(overrides or [])]
 
 
 def agent_command(config_path: str, nnodes: int, nproc_per_node: int, port: int, run_id: str, is_host: bool,
-                  overrides: list[str]) -> list[str]:
-    """One node's torchrun agent, joining the others through c10d on 127.0.0.1:port; its stores
-    listen on 127.0.0.1 only (megatrain.launch.torchrun)."""
+                  overrides: list[str], endpoint: str = "127.0.0.1", local: str = "127.0.0.1") -> list[str]:
+    """One node's torchrun agent, joining the others through c10d on ``endpoint:port``; its stores
+    listen on that address only (megatrain.launch.torchrun), its workers' on ``local``."""
     return [
         sys.executable, "-m", "megatrain.launch.torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-        "--rdzv-conf", f"is_host={int(is_host)}", "--local-addr", "127.0.0.1", "--max-restarts", "0",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{endpoint}:{port}", "--rdzv-id", run_id,
+        "--rdzv-conf", f"is_host={int(is_host)}", "--local-addr", local, "--max-restarts", "0",
         "-m", "megatrain.train", "--config", config_path, *overrides,
     ]
+
+
+def pod_command(config_path: str, nnodes: int, nproc_per_node: int, position: int, master: str, port: int,
+                overrides: list[str]) -> list[str]:
+    """One node's ranks as the Kubernetes Job starts them (megatrain.launch.pod), meeting in Redis."""
+    return [sys.executable, "-m", "megatrain.launch.pod", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+            "--node-rank", str(position), "--master-addr", master, "--master-port", str(port),
+            "--config", config_path, *overrides]
+
+
+def host_role(node: int) -> str:
+    """The host of a cluster (megatrain/launch/hosts.py) that campaign node ``node`` runs on."""
+    return f"node{node}"
+
+
+def cluster_endpoints(cluster: hosts.Cluster) -> dict[str, str]:
+    """The Redis and S3 URLs ``megatrain cluster up`` started, {} for a cluster without services."""
+    path = hosts.STATE_DIR / f"{cluster.name}.endpoints.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def cluster_redis_password(cluster: hosts.Cluster) -> str:
+    return (hosts.STATE_DIR / f"{cluster.name}.redis").read_text().strip()
+
+
+def _start_in_hosts(cluster_name: str, config_path: str, nodes: list[int], nproc_per_node: int, run_id: str,
+                    overrides: list[str]) -> dict[int, subprocess.Popen]:
+    """Each node's launcher inside its host; what reaches the other nodes goes over the bridge."""
+    cluster = hosts.Cluster.load(cluster_name)
+    missing = [host_role(n) for n in nodes if host_role(n) not in cluster.hosts]
+    if missing:
+        raise SystemExit(f"[launch_nodes] cluster {cluster_name} has no host {', '.join(missing)} "
+                         f"(megatrain cluster up --hosts {max(nodes) + 1})")
+    endpoints = cluster_endpoints(cluster)
+    master = cluster.host(host_role(nodes[0])).address
+    port = 29400 + int(run_id.rsplit("-", 1)[-1]) % 500  # the port a pod's ranks name; nothing listens when in Redis
+    shared = list(overrides)
+    if "redis" in endpoints:  # as on Kubernetes: the ranks meet in the password-protected Redis
+        # heartbeats and the keepers' peer registry there too, not in a folder every host would have to share
+        shared += ["parallel.init.store=redis", f"parallel.init.redis_url={endpoints['redis']}/0",
+                   f"reliability.redis_url={endpoints['redis']}/0"]
+    agents: dict[int, subprocess.Popen] = {}
+    for position, node in enumerate(nodes):
+        role = host_role(node)
+        address = cluster.host(role).address
+        staging = f"{HOST_STAGING}/{run_id}/node-{node}"
+        node_overrides = [*shared, f"checkpoint.staging_dir={staging}", "checkpoint.upload_mode=thread"]
+        env = cluster.env(role, dict(os.environ, MEGATRAIN_NODE=str(node), MEGATRAIN_KEEPER_HOST=address))
+        if "redis" in endpoints:
+            env["MEGATRAIN_REDIS_PASSWORD"] = cluster_redis_password(cluster)
+            argv = pod_command(config_path, len(nodes), nproc_per_node, position, master, port, node_overrides)
+        else:
+            argv = agent_command(config_path, len(nodes), nproc_per_node, port, run_id, position == 0, node_overrides,
+                                 endpoint=master, local=address)
+        agents[node] = subprocess.Popen(cluster.command(role, argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, bufsize=1, env=env, start_new_session=True,
+                                        preexec_fn=die_with_parent)
+        threading.Thread(target=_pump, args=(node, agents[node].stdout), daemon=True).start()
+    return agents
 
 
 def _last_step(run_dir: Path) -> int:
@@ -80,13 +156,16 @@ def _pump(node: int, stream) -> None:
         sys.stdout.flush()
 
 
-def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir: str, overrides: list[str]) -> int:
+def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir: str, overrides: list[str],
+              backend: str = "loopback", cluster: str | None = None) -> int:
     cfg = load_config(config_path, overrides)
     run_dir = Path(cfg.train.run_dir)
     port = free_port()
     run_id = f"{cfg.run_id}-{port}"
     agents: dict[int, subprocess.Popen] = {}
-    for position, node in enumerate(nodes):
+    if backend == "hosts":
+        agents = _start_in_hosts(cluster, str(Path(config_path).resolve()), nodes, nproc_per_node, run_id, overrides)
+    for position, node in enumerate(nodes if backend == "loopback" else []):
         staging = node_dir(nodes_dir, node) / "staging"
         node_overrides = [*overrides, f"checkpoint.staging_dir={staging}", "checkpoint.upload_mode=thread"]
         env = dict(os.environ, MEGATRAIN_NODE=str(node))
@@ -150,10 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes-dir", required=True, help="per-node directories (staging) go under it")
     parser.add_argument("--nodes", required=True, help="comma-separated node indices taking part, e.g. 0,1")
     parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("--backend", choices=BACKENDS, default="loopback",
+                        help="loopback: agents on 127.0.0.1 here; hosts: each node inside its host of --cluster")
+    parser.add_argument("--cluster", help="backend hosts: the cluster's name (megatrain cluster up)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.backend == "hosts" and not args.cluster:
+        parser.error("--backend hosts needs --cluster NAME (megatrain cluster up --hosts N)")
     nodes = [int(n) for n in args.nodes.split(",") if n != ""]
-    return run_nodes(args.config, nodes, args.nproc_per_node, args.nodes_dir, args.overrides)
+    return run_nodes(args.config, nodes, args.nproc_per_node, args.nodes_dir, args.overrides, args.backend, args.cluster)
 
 
 if __name__ == "__main__":

@@ -54,3 +54,35 @@ def cluster2():
             seen += cluster.pids(role)
         hosts.down(cluster.name)
     assert_gone(before, cluster.name, seen)
+
+
+@pytest.fixture(scope="module")
+def served_cluster2():
+    """node0, node1 and the head, redis and storage hosts with their services (megatrain cluster up)."""
+    needs_hosts()
+    from megatrain.launch import cluster_services
+
+    hosts.sweep()
+    before = machine_state()
+    cluster, _ = cluster_services.up(2, services=True, owner_pid=os.getpid())
+    seen: list[int] = []
+    try:
+        yield cluster
+    finally:
+        for role in cluster.hosts:
+            seen += cluster.pids(role)
+        hosts.down(cluster.name)
+    assert_gone(before, cluster.name, seen)
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder on the file system every host shares (hosts have their own /tmp, so not tmp_path)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="megatrain-hosts-", dir="/var/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
