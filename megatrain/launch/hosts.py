@@ -101,6 +101,7 @@ class Cluster:
     def kill_host(self, role: str) -> list[int]:
         """The host dies: every process SIGKILLed, its link removed. Returns the pids killed."""
         host = self.host(role)
+        _ip("link", "set", host.link, "down", check=False)  # first: a dead machine sends its peers no FIN
         killed = _kill_netns_processes(host.netns)
         _ip("link", "del", host.link, check=False)
         return killed

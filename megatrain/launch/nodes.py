@@ -67,7 +67,8 @@ def nodes_command(config_path: str | Path, nodes: list[int], nproc_per_node: int
     """The command ``run_ranks`` supervises for a stage on ``nodes`` (indices into the campaign's nodes);
     with ``cluster`` each node inside its host of that cluster (backend ``hosts``)."""
     backend = ["--backend", "hosts", "--cluster", cluster] if cluster else []
-    return [sys.executable, "-m", "megatrain.launch.nodes", "--config", str(config_path), "--nodes-dir", str(nodes_dir),
+    module = "megatrain.reliability.host_watch" if cluster else "megatrain.launch.nodes"  # a lost host: by heartbeats
+    return [sys.executable, "-m", module, "--config", str(config_path), "--nodes-dir", str(nodes_dir),
             "--nodes", ",".join(map(str, nodes)), "--nproc-per-node", str(nproc_per_node), *backend, *(overrides or [])]
 
 
@@ -106,6 +107,17 @@ def cluster_redis_password(cluster: hosts.Cluster) -> str:
     return (hosts.STATE_DIR / f"{cluster.name}.redis").read_text().strip()
 
 
+def hosts_overrides(cluster_name: str) -> list[str]:
+    """What a stage on the cluster's hosts adds to its config: as on Kubernetes the ranks meet in the
+    password-protected Redis of the redis host, and their heartbeats and the keepers' peer registry go
+    there too, not into a folder every host would have to share. None for a cluster without Redis."""
+    endpoints = cluster_endpoints(hosts.Cluster.load(cluster_name))
+    if "redis" not in endpoints:
+        return []
+    return ["parallel.init.store=redis", f"parallel.init.redis_url={endpoints['redis']}/0",
+            f"reliability.redis_url={endpoints['redis']}/0"]
+
+
 def _start_in_hosts(cluster_name: str, config_path: str, nodes: list[int], nproc_per_node: int, run_id: str,
                     overrides: list[str]) -> dict[int, subprocess.Popen]:
     """Each node's launcher inside its host; what reaches the other nodes goes over the bridge."""
@@ -118,10 +130,6 @@ def _start_in_hosts(cluster_name: str, config_path: str, nodes: list[int], nproc
     master = cluster.host(host_role(nodes[0])).address
     port = 29400 + int(run_id.rsplit("-", 1)[-1]) % 500  # the port a pod's ranks name; nothing listens when in Redis
     shared = list(overrides)
-    if "redis" in endpoints:  # as on Kubernetes: the ranks meet in the password-protected Redis
-        # heartbeats and the keepers' peer registry there too, not in a folder every host would have to share
-        shared += ["parallel.init.store=redis", f"parallel.init.redis_url={endpoints['redis']}/0",
-                   f"reliability.redis_url={endpoints['redis']}/0"]
     agents: dict[int, subprocess.Popen] = {}
     for position, node in enumerate(nodes):
         role = host_role(node)
@@ -157,13 +165,25 @@ def _pump(node: int, stream) -> None:
 
 
 def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir: str, overrides: list[str],
-              backend: str = "loopback", cluster: str | None = None) -> int:
+              backend: str = "loopback", cluster: str | None = None, watch=None) -> int:
+    """``watch`` (backend hosts): called with (cfg, cluster, nodes) once, returns a function that
+    gives a lost host's verdict or None (``megatrain.reliability.host_watch``): then an agent's exit
+    is no evidence of a node's loss, only its report of its own ranks."""
+    if backend == "hosts":
+        if not os.environ.get("MEGATRAIN_REDIS_PASSWORD") and (hosts.STATE_DIR / f"{cluster}.redis").exists():
+            os.environ["MEGATRAIN_REDIS_PASSWORD"] = cluster_redis_password(hosts.Cluster.load(cluster))
+        overrides = [*overrides, *hosts_overrides(cluster)]
     cfg = load_config(config_path, overrides)
     run_dir = Path(cfg.train.run_dir)
     port = free_port()
     run_id = f"{cfg.run_id}-{port}"
     agents: dict[int, subprocess.Popen] = {}
+    injector, lost = None, None
     if backend == "hosts":
+        from megatrain.launch.host_faults import HostFaults
+
+        injector = HostFaults(cfg.reliability.faults, hosts.Cluster.load(cluster), run_dir, host_role)
+        lost = watch(cfg, hosts.Cluster.load(cluster), nodes, nproc_per_node) if watch else None
         agents = _start_in_hosts(cluster, str(Path(config_path).resolve()), nodes, nproc_per_node, run_id, overrides)
     for position, node in enumerate(nodes if backend == "loopback" else []):
         staging = node_dir(nodes_dir, node) / "staging"
@@ -177,7 +197,7 @@ def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir
         threading.Thread(target=_pump, args=(node, agents[node].stdout), daemon=True).start()
     evictions = [f for f in cfg.reliability.faults if f.kind == "evict_node" and f.node in agents]
     try:
-        return _supervise(agents, evictions, run_dir)
+        return _supervise(agents, evictions, run_dir, injector, lost)
     finally:
         for proc in agents.values():
             _kill(proc, signal.SIGTERM)
@@ -190,8 +210,18 @@ def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir
                 proc.wait()
 
 
-def _supervise(agents: dict[int, subprocess.Popen], evictions: list, run_dir: Path) -> int:
+def _supervise(agents: dict[int, subprocess.Popen], evictions: list, run_dir: Path, injector=None, lost=None) -> int:
+    all_ended_at = None
     while True:
+        if injector is not None:
+            injector.poll(_last_step(run_dir))
+        verdict = lost() if lost is not None else None
+        if verdict is not None:
+            path = run_dir / "faults" / "host-lost.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(verdict))
+            print(f"[launch_nodes] {verdict['message']}; stopping the other nodes", flush=True)
+            return 1
         for fault in list(evictions):
             marker = evicted_marker(run_dir, fault.node)
             if fault.once and marker.exists():
@@ -205,6 +235,13 @@ def _supervise(agents: dict[int, subprocess.Popen], evictions: list, run_dir: Pa
                 evictions.remove(fault)
         ended = {node: proc.returncode for node, proc in agents.items() if proc.poll() is not None}
         failed = {node: code for node, code in ended.items() if code != 0}
+        if failed and lost is not None:
+            # an agent's end tells nothing of which host is lost: killed with its host, or its ranks failing
+            # because a peer's host went ("connection closed by peer"); the heartbeats decide, a while
+            all_ended_at = all_ended_at or time.monotonic()
+            if time.monotonic() - all_ended_at < lost.patience_s:
+                time.sleep(0.2)
+                continue
         if failed:
             node, code = next(iter(failed.items()))
             print(f"[launch_nodes] node {node} lost (its agent exited with code {code}); stopping the other nodes",
@@ -223,7 +260,7 @@ def _kill(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, watch=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatrain.launch.nodes", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--nodes-dir", required=True, help="per-node directories (staging) go under it")
@@ -237,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "hosts" and not args.cluster:
         parser.error("--backend hosts needs --cluster NAME (megatrain cluster up --hosts N)")
     nodes = [int(n) for n in args.nodes.split(",") if n != ""]
-    return run_nodes(args.config, nodes, args.nproc_per_node, args.nodes_dir, args.overrides, args.backend, args.cluster)
+    return run_nodes(args.config, nodes, args.nproc_per_node, args.nodes_dir, args.overrides, args.backend, args.cluster,
+                     watch if args.backend == "hosts" else None)
 
 
 if __name__ == "__main__":
