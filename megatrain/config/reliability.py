@@ -51,7 +51,7 @@ class FaultConfig(_Section):
     kind: Literal[
         "kill_rank", "hang_rank", "freeze_rank", "slow_rank", "nan_loss", "spike_loss",
         "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node", "collapse_router",
-        "kill_keeper", "corrupt_keeper",
+        "kill_keeper", "corrupt_keeper", "host_down", "partition", "slow_link",
     ]
     step: int = Field(0, ge=0)
     rank: int = Field(0, ge=0)
@@ -63,7 +63,10 @@ class FaultConfig(_Section):
     )
     once: bool = Field(True, description="fire only in the first attempt (marker file in run_dir)")
     node: int = Field(0, ge=0, description="evict_node: the node killed at `step` (a multi-node stage, "
-                      "megatrain.launch.nodes); it then fails its self-check until the stage ends")
+                      "megatrain.launch.nodes); it then fails its self-check until the stage ends; host_down, "
+                      "partition, slow_link: the node whose host (backend hosts, megatrain/launch/hosts.py) is "
+                      "killed with its link removed, cut off for duration_s, or rate-limited")
+    rate: str = Field("1mbit", description="slow_link: the tbf rate of the host's link")
 
 
 class SelfCheckConfig(_Section):
