@@ -148,3 +148,29 @@ def test_bad_names_are_refused():
     needs_hosts()
     with pytest.raises(ValueError, match="host role 'Node 0'"):
         hosts.up(["Node 0"])
+
+
+def test_host_faults_fire_on_their_step(cluster2, tmp_path):
+    from megatrain.config import FaultConfig
+    from megatrain.launch.host_faults import HostFaults, marker
+    from megatrain.launch.nodes import host_role
+
+    faults = [FaultConfig(kind="slow_link", step=2, node=1, rate="2mbit"),
+              FaultConfig(kind="partition", step=2, node=0, duration_s=1.0), FaultConfig(kind="kill_rank", step=1)]
+    injector = HostFaults(faults, cluster2, tmp_path, host_role)
+    injector.poll(1)
+    assert injector.fired == [] and len(injector.pending) == 2  # kill_rank is the ranks' own fault
+    injector.poll(2)
+    assert [(f["kind"], f["host"], f["address"]) for f in injector.fired] == [
+        ("slow_link", "node1", cluster2.host("node1").address), ("partition", "node0", cluster2.host("node0").address)]
+    assert marker(tmp_path, "partition", 0).exists() and marker(tmp_path, "slow_link", 1).exists()
+    qdisc = subprocess.run(["tc", "qdisc", "show", "dev", cluster2.host("node1").link], capture_output=True, text=True)
+    assert "tbf" in qdisc.stdout and "2Mbit" in qdisc.stdout, qdisc.stdout
+    link = ["ip", "-o", "link", "show", cluster2.host("node0").link]
+    assert "state DOWN" in subprocess.run(link, capture_output=True, text=True).stdout
+    deadline = time.monotonic() + 10
+    while "state DOWN" in subprocess.run(link, capture_output=True, text=True).stdout:  # healed after duration_s
+        assert time.monotonic() < deadline, "node0's link stayed down"
+        time.sleep(0.1)
+    cluster2.clear_link("node1")
+    assert HostFaults(faults, cluster2, tmp_path, host_role).pending == []  # once: a later attempt fires nothing
