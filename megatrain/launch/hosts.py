@@ -34,6 +34,7 @@ import os
 import random
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -160,7 +161,7 @@ def up(roles: list[str], name: str | None = None, owner_pid: int | None = None) 
         raise ValueError(f"cluster name {name!r} must be {PREFIX} and 6 hex digits (links are named after it)")
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     with open(STATE_DIR / ".lock", "w") as lock:  # two clusters coming up at once never pick one subnet
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _lock(lock)
         cluster = Cluster(name, _free_subnet(), f"{name}br", owner_pid)
         cluster.save()  # before anything exists: a kill from here on leaves a state file that names it
     try:
@@ -277,13 +278,14 @@ def _bring_up(cluster: Cluster, host: Host, hosts_file: Path) -> None:
         [*inside, "setsid", "--fork", "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc", "--propagation", "private",
          sys.executable, "-S", str(INIT_MODULE), host.role, str(hosts_file)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    ready = init.stdout.readline().decode().strip()  # the init prints "ready" once mounted and named
+    # the init prints "ready" once mounted and named; a line comes within START_S or the host failed
+    ready = init.stdout.readline().decode().strip() if select.select([init.stdout], [], [], START_S)[0] else ""
     if ready != "ready":
         init.kill()
-        raise RuntimeError(f"host {host.role} of {cluster.name}: its init did not start: {ready or init.wait()}"
-                           f" {init.stdout.read().decode(errors='replace')[-500:]}")
+        raise RuntimeError(f"host {host.role} of {cluster.name}: its init did not start in {START_S:.0f} s: "
+                           f"{ready or 'no output'} (exit {init.wait(timeout=5)})")
     init.stdout.close()
-    init.wait()
+    init.wait(timeout=START_S)  # setsid's parent: it exits as soon as it has forked
     host.init_pid = _namespace_init(host.netns)
 
 
@@ -309,6 +311,19 @@ def _hosts_file(cluster: Cluster) -> Path:
     lines = ["127.0.0.1 localhost", *(f"{h.address} {h.role}" for h in cluster.hosts.values())]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _lock(handle, timeout_s: float = START_S) -> None:
+    """The machine's cluster lock, held for milliseconds by whoever picks a subnet; bounded anyway."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{STATE_DIR / '.lock'}: held by another process for {timeout_s:.0f} s") from None
+            time.sleep(0.02)
 
 
 def _free_subnet() -> str:

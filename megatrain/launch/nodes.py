@@ -170,7 +170,9 @@ def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir
     gives a lost host's verdict or None (``megatrain.reliability.host_watch``): then an agent's exit
     is no evidence of a node's loss, only its report of its own ranks."""
     if backend == "hosts":
-        if not os.environ.get("MEGATRAIN_REDIS_PASSWORD") and (hosts.STATE_DIR / f"{cluster}.redis").exists():
+        # the cluster's Redis has its own password: one inherited from the launching shell (another
+        # Redis's) would be refused there
+        if (hosts.STATE_DIR / f"{cluster}.redis").exists():
             os.environ["MEGATRAIN_REDIS_PASSWORD"] = cluster_redis_password(hosts.Cluster.load(cluster))
         overrides = [*overrides, *hosts_overrides(cluster)]
     cfg = load_config(config_path, overrides)
