@@ -55,6 +55,7 @@ from megatrain.config import Config
 from megatrain.observe.jsonl import open_append
 from megatrain.parallel.dims import ProcessGroups
 from megatrain.parallel.init import DistEnv
+from megatrain.reliability.fencing import Fence
 
 log = logging.getLogger("megatrain.checkpoint")
 NOTABLE_STALL_S = 0.05  # a memory checkpoint that blocked the loop this long is logged at INFO
@@ -95,6 +96,8 @@ class Checkpointer:
         self._versions = library_versions()
         self.last_saved_step: int | None = None
         self.last_timing: SnapshotTiming | None = None
+        # the attempt's epoch where the launcher issued one (hosts): uploads and the commit are fenced by it
+        self.fence = Fence.from_env(cfg.reliability.redis_url, cfg.run_id)
         kill = os.environ.get(KILL_AFTER_COMMIT_ENV)
         self._kill_after_commit = int(kill) if kill else None
 
@@ -277,7 +280,8 @@ class Checkpointer:
             "anomaly": trainer.anomaly.state_dict() if getattr(trainer, "anomaly", None) is not None else None,
         }
         marker = {"fingerprint": self.fingerprint, "layout": self.layout, "coords": coords,
-                  "data_position": loader_state, "versions": self._versions}
+                  "data_position": loader_state, "versions": self._versions,
+                  **({"epoch": self.fence.epoch} if self.fence is not None else {})}
         return RankSnapshot(step=trainer.step, rank=rank, tensor_files=tensor_files,
                             json_files={rank_meta_file(rank): meta}, marker=marker)
 
@@ -301,7 +305,7 @@ class Checkpointer:
         staged = staged_future.result()
         is_committer = self.groups.rank == 0
         upload_checkpoint(staged.path, self.ckpt.durable_url, ranks=[self.groups.rank], commit=is_committer,
-                          commit_timeout_s=self.ckpt.commit_timeout_s, **self._retry_options())
+                          commit_timeout_s=self.ckpt.commit_timeout_s, fence=self.fence, **self._retry_options())
         if is_committer:
             apply_retention(self.ckpt.durable_url, self.ckpt.keep_last, self.ckpt.keep_every)
         clean_staging(self.ckpt.staging_dir, self.ckpt.durable_url)
@@ -337,3 +341,5 @@ class Checkpointer:
                 job.result()
         finally:
             self._background.shutdown(wait=True)
+            if self.fence is not None:
+                self.fence.close()

@@ -13,6 +13,11 @@
    write ``manifest.json`` atomically (temporary name, then rename). Restore ignores any step
    without a manifest, so a crash anywhere before this point leaves a step that is never used.
 
+With a ``fence`` (``reliability/fencing.py``: the attempt's epoch, on a cluster whose launcher issued
+one) every file and marker upload first checks that no newer epoch exists, the markers and the
+manifest carry the epoch, and the commit is a compare-and-record in the run's Redis before the
+manifest is written: a fenced attempt's rank uploads and commits nothing (``StaleEpoch``).
+
 Who uploads what. On a cluster the staging dir is a node-local disk that rank 0 cannot read, so in
 the trainer's "thread" mode every rank uploads its own files in a background thread (the nodes'
 upload bandwidth adds up) and rank 0 commits once every rank's marker is durable. This needs no
@@ -186,14 +191,15 @@ def build_manifest(markers: dict[int, dict[str, Any]]) -> dict[str, Any]:
     for rank, marker in markers.items():
         if not isinstance(marker.get("files"), dict):
             raise UploadError(f"rank {rank}'s durable marker has no files mapping")
-        for key in ("step", "fingerprint", "layout"):
-            if marker[key] != first[key]:
+        for key in ("step", "fingerprint", "layout", "epoch"):
+            if marker.get(key) != first.get(key):
                 raise UploadError(f"rank {rank} staged {key}={marker[key]!r}, rank {min(markers)} {first[key]!r}")
     files = {f"rank-{rank:05d}": markers[rank]["files"] for rank in sorted(markers)}
     now = time.time()
     return {
         "format": FORMAT_VERSION,
         "step": first["step"],
+        **({"epoch": first["epoch"]} if first.get("epoch") is not None else {}),  # the attempt that committed
         "layout": first["layout"],
         "fingerprint": first["fingerprint"],
         # Loader state per data-parallel rank (each DP rank reads its own slice of the data).
@@ -221,7 +227,8 @@ def _read_markers(step_url: str, ranks: Iterable[int]) -> dict[int, dict[str, An
 
 
 def commit_checkpoint(step_url: str, world_size: int, timeout_s: float = 600.0, poll_s: float = 0.5,
-                      retries: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0) -> dict[str, Any]:
+                      retries: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
+                      fence=None) -> dict[str, Any]:
     """Wait until every rank's marker is durable, then write the manifest (the commit).
 
     When the step is replacing a corrupt committed copy (``replace_if_corrupt`` left REPLACING),
@@ -248,6 +255,13 @@ def commit_checkpoint(step_url: str, world_size: int, timeout_s: float = 600.0, 
             raise UploadError(f"{step_url}: {waiting_for} within {timeout_s:.0f} s; not committed")
         time.sleep(poll_s)
     manifest = build_manifest(markers)
+    if fence is not None:  # the commit point: compared with the newest epoch and logged in one script
+        if manifest.get("epoch") != fence.epoch:
+            raise UploadError(f"{step_url}: the markers carry epoch {manifest.get('epoch')}, this committer "
+                              f"{fence.epoch}; not committed")
+        record = with_retries(lambda: fence.commit(manifest["step"], world_size=world_size), f"commit {step_url}",
+                              retries, backoff_s, max_backoff_s)
+        manifest["committed_at"] = record["time"]
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     # storage.write_bytes writes a temporary name and renames it (an object store publishes a PUT
     # only when complete): a manifest is either whole or absent.
@@ -261,7 +275,7 @@ def commit_checkpoint(step_url: str, world_size: int, timeout_s: float = 600.0, 
 def upload_checkpoint(
     staged_dir: str | Path, durable_url: str, *, ranks: Iterable[int] | None = None, commit: bool = True,
     retries: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0, commit_timeout_s: float = 600.0,
-    poll_s: float = 0.5, clean_staged: bool = False,
+    poll_s: float = 0.5, clean_staged: bool = False, fence=None,
 ) -> UploadResult:
     """Upload a staged step (all its ranks, or ``ranks``) and, with ``commit``, commit it.
 
@@ -284,7 +298,7 @@ def upload_checkpoint(
         return UploadResult(step, step_url, True, 0, time.perf_counter() - start)
 
     try:
-        sent, markers = _upload_ranks(staged_dir, step_url, step, ranks, retry)
+        sent, markers = _upload_ranks(staged_dir, step_url, step, ranks, retry, fence)
     except MemoryError as exc:
         # Host memory ran out mid-upload: not a step to resume later from half its files. What this
         # call wrote is removed (the step is not committed), and the cause is said in one line.
@@ -299,7 +313,7 @@ def upload_checkpoint(
     committed = False
     if commit:
         world_size = int(markers[min(markers)]["layout"]["world_size"])
-        commit_checkpoint(step_url, world_size, commit_timeout_s, poll_s, **retry)
+        commit_checkpoint(step_url, world_size, commit_timeout_s, poll_s, **retry, fence=fence)
         committed = True
         if clean_staged:
             shutil.rmtree(staged_dir, ignore_errors=True)
@@ -307,7 +321,7 @@ def upload_checkpoint(
 
 
 def _upload_ranks(staged_dir: Path, step_url: str, step: int, ranks: Iterable[int] | None,
-                  retry: dict[str, Any]) -> tuple[int, dict[int, dict[str, Any]]]:
+                  retry: dict[str, Any], fence=None) -> tuple[int, dict[int, dict[str, Any]]]:
     """Every staged file of ``ranks`` (all: None) and then its rank's marker; returns (bytes sent, markers)."""
     sent = 0
     markers = read_staged_markers(staged_dir, ranks)
@@ -318,11 +332,20 @@ def _upload_ranks(staged_dir: Path, step_url: str, step: int, ranks: Iterable[in
         missing = sum(record.size for _, url, record in targets.values() if not storage.exists(url))
         storage.check_space(step_url, missing, f"rank {rank}'s files of step {step}")
         for local, url, record in targets.values():
-            sent += with_retries(lambda: _upload_file(local, url, record), f"upload {url}", **retry)
+            sent += with_retries(lambda: _fenced(fence, step, lambda: _upload_file(local, url, record)),
+                                 f"upload {url}", **retry)
         marker_url = storage.join_url(step_url, rank_marker(rank))
         marker_bytes = (staged_dir / rank_marker(rank)).read_bytes()
-        with_retries(lambda: storage.write_bytes(marker_url, marker_bytes), f"upload {marker_url}", **retry)
+        with_retries(lambda: _fenced(fence, step, lambda: storage.write_bytes(marker_url, marker_bytes)),
+                     f"upload {marker_url}", **retry)
     return sent, markers
+
+
+def _fenced(fence, step: int, write: Callable[[], T]) -> T:
+    """``write`` after the fence's check (none: at once); the check's outage is retried like the write's."""
+    if fence is not None:
+        fence.check("upload", step=step)
+    return write()
 
 
 def mark_staged(step_dir: Path, world_size: int, timeout_s: float = 600.0, poll_s: float = 0.2) -> bool:

@@ -86,6 +86,7 @@ class HeartbeatRecord:
     init_phase: str | None = None  # during phase "init": the start-up phase (megatrain/observe/startup.py)
     waits: list[dict[str, Any]] | None = None  # waits on other processes now (megatrain/waits.py)
     started_at: float = field(default_factory=time.time)  # when this record's writer began: its attempt
+    epoch: int | None = None  # the attempt's fencing epoch (reliability/fencing.py); None: not fenced
     run_id: str | None = None  # whose record this is (stamped by the sink's Identity)
     signature: str | None = None  # HMAC-SHA256 of the rest under the run's token
 
@@ -205,7 +206,8 @@ class RedisSink:
     writer holding its record as JSON, with a TTL, so the records of a finished or abandoned run
     clean themselves up."""
 
-    def __init__(self, url: str, run_id: str, ttl_s: float = 300.0, identity: Identity | None = None) -> None:
+    def __init__(self, url: str, run_id: str, ttl_s: float = 300.0, identity: Identity | None = None,
+                 fence=None) -> None:
         # imported here: the directory sink must work without a Redis client
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -214,6 +216,7 @@ class RedisSink:
 
         self.run_id = run_id
         self.identity = identity
+        self.fence = fence  # with an epoch: a beat of a fenced attempt is refused by the store (fencing.py)
         self.place = identity.place if identity is not None else OPEN_PLACE
         self._mine: set[str] = set()  # writers this process publishes for (earlier ones are dropped once)
         self._told = _Told()
@@ -230,9 +233,16 @@ class RedisSink:
         return f"megatrain:{self.run_id}:heartbeat:{OPEN_PLACE}:{rank}"
 
     def publish(self, record: HeartbeatRecord) -> None:
+        if self.fence is not None:
+            record = dataclasses.replace(record, epoch=self.fence.epoch)  # signed with the rest
         if self.identity is not None:
             record = self.identity.stamp(record)
         key, writer = self.key(record.rank), writer_id(record)
+        if self.fence is not None:  # compare and write in one script: a fenced rank's beat never lands
+            new = (key, writer) not in self._mine
+            self.fence.heartbeat(key, writer, json.dumps(record.to_dict()), self.ttl_s, drop_first=new)
+            self._mine.add((key, writer))
+            return
         pipe = self._redis.pipeline(transaction=False)
         if (key, writer) not in self._mine:  # a new writer of the rank: earlier writers' records are history
             self._mine.add((key, writer))
@@ -263,6 +273,8 @@ class RedisSink:
 
     def close(self) -> None:
         self._redis.close()
+        if self.fence is not None:
+            self.fence.close()
 
 
 def make_sink(cfg: ReliabilityConfig, run_dir: str | Path, run_id: str) -> HeartbeatSink:
@@ -271,5 +283,8 @@ def make_sink(cfg: ReliabilityConfig, run_dir: str | Path, run_id: str) -> Heart
     identity = Identity(run_id, os.environ.get(RUN_TOKEN_ENV))
     if cfg.redis_url:
         # Keep records well past the timeout so a watcher can still show a dead rank's last state.
-        return RedisSink(cfg.redis_url, run_id, ttl_s=max(10 * cfg.heartbeat_timeout_s, 300.0), identity=identity)
+        from megatrain.reliability.fencing import Fence
+
+        return RedisSink(cfg.redis_url, run_id, ttl_s=max(10 * cfg.heartbeat_timeout_s, 300.0), identity=identity,
+                         fence=Fence.from_env(cfg.redis_url, run_id))
     return DirectorySink(Path(run_dir) / "heartbeats", identity=identity)
