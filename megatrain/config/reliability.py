@@ -51,12 +51,14 @@ class FaultConfig(_Section):
     kind: Literal[
         "kill_rank", "hang_rank", "freeze_rank", "slow_rank", "nan_loss", "spike_loss",
         "storage_outage", "corrupt_checkpoint", "corrupt_shard", "kill_redis", "evict_node", "collapse_router",
-        "kill_keeper", "corrupt_keeper", "host_down", "partition", "slow_link",
+        "kill_keeper", "corrupt_keeper", "host_down", "partition", "slow_link", "redis_host_down",
+        "storage_host_down",
     ]
     step: int = Field(0, ge=0)
     rank: int = Field(0, ge=0)
     slowdown: float = Field(0.2, ge=0, description="slow_rank: extra fraction of step time")
-    duration_s: float = Field(10.0, ge=0, description="storage_outage length")
+    duration_s: float = Field(10.0, ge=0, description="storage_outage length; partition, redis_host_down, "
+                              "storage_host_down: how long the host is cut off (and its service dead)")
     magnitude: float = Field(10.0, gt=0, description="spike_loss: loss multiplier")
     target: str | None = Field(
         None, description="corrupt_checkpoint/corrupt_shard: path or URL; kill_redis: pid or pid file"
@@ -122,6 +124,12 @@ class ReliabilityConfig(_Section):
         "median in straggler_steps of the last straggler_steps + 1 steps is reported slow (None = off)",
     )
     straggler_steps: int = Field(3, ge=1)
+    evict_slow_host_after_s: float | None = Field(
+        None, gt=0, description="hosts cluster (reliability/host_watch.py): a host named as a slow link (its "
+        "ranks' steps over (1 + straggler_slowdown) x their own steady time while their forward is not, and "
+        "its link's probe far slower than its peers') that stays slow this long is evicted like a lost "
+        "host (on_node_loss decides what follows); None = named only, never evicted",
+    )
     max_restarts: int = Field(3, ge=0, description="per stage")
     warm_standby: bool = Field(
         False, description="start the next attempt's rank processes (imported, waiting) once an attempt has "

@@ -9,7 +9,12 @@
 password in ``/run/megatrain/clusters/<name>.redis``, mode 0600; ``http://<storage host>:5000`` as
 the S3 endpoint with moto's test credentials). Redis listens on the redis host's address, moto on the
 storage host's: each is reached over the bridge, as a cluster's services are, and dies with its host
-(``hosts.Cluster.kill_host``: the faults ``redis_host_down``, ``storage_host_down``).
+(``hosts.Cluster.kill_host``). The faults ``redis_host_down`` and ``storage_host_down``
+(``launch/host_faults.py``) kill the service host's processes and cut its link for a while, then
+``restart`` the service on the same address: Redis with the same password and, as configured here,
+no persistence (``save ""``, no AOF: it comes back empty, and what uses it writes again: heartbeats
+every interval, a missing fencing epoch reads as 0); moto keeps its buckets in memory, so its
+restart empties the S3 store as well.
 
 Engine code: imports neither torch nor prefect.
 """
@@ -38,37 +43,60 @@ def node_roles(n: int) -> list[str]:
     return [f"node{i}" for i in range(n)]
 
 
-def start_redis(cluster: hosts.Cluster, role: str = "redis") -> str:
-    """redis-server on ``role``'s address with a fresh password (kept 0600 beside the state file)."""
+def start_redis(cluster: hosts.Cluster, role: str = "redis", password: str | None = None, detach: bool = False) -> str:
+    """redis-server on ``role``'s address with a fresh password (kept 0600 beside the state file),
+    or with ``password``, the one its clients already hold (a restart). ``detach``: the server is the
+    host init's child, not ours (a restart by a launcher that ends before the cluster does)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise FileNotFoundError("redis-server not installed (make services)")
-    password = secrets.token_urlsafe(24)
     secret = hosts.STATE_DIR / f"{cluster.name}.redis"
-    secret.touch(mode=0o600)
-    secret.write_text(password)
+    if password is None:
+        password = secrets.token_urlsafe(24)
+        secret.touch(mode=0o600)
+        secret.write_text(password)
     address = cluster.host(role).address
     conf = (f"port {REDIS_PORT}\nbind {address}\nprotected-mode yes\nsave \"\"\nappendonly no\n"
             f"requirepass {password}\n")  # on stdin: no password in the host's process list
-    proc = subprocess.Popen(cluster.command(role, [binary, "-"]), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cluster.command(role, [*_detached(detach), binary, "-"]), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     proc.stdin.write(conf)
     proc.stdin.close()
     _wait_port(cluster, address, REDIS_PORT, proc, "redis-server")
+    if detach:
+        proc.wait(timeout=30)  # nsenter ends once setsid has forked
     return f"redis://{address}:{REDIS_PORT}"
 
 
-def start_s3(cluster: hosts.Cluster, role: str = "storage") -> str:
+def _detached(detach: bool) -> list[str]:
+    # setsid --fork inside the host: the server's parent exits at once, so the host's init adopts it
+    return ["setsid", "--fork"] if detach else []
+
+
+def start_s3(cluster: hosts.Cluster, role: str = "storage", detach: bool = False) -> str:
     """moto's S3 server on ``role``'s address: the durable store every host reaches over the bridge."""
     binary = shutil.which("moto_server", path=os.path.dirname(sys.executable))
     if binary is None:
         raise FileNotFoundError("moto_server not installed (moto[server] is a dependency of megatrain)")
     address = cluster.host(role).address
-    proc = subprocess.Popen(cluster.command(role, [binary, "-H", address, "-p", str(S3_PORT)]),
+    proc = subprocess.Popen(cluster.command(role, [*_detached(detach), binary, "-H", address, "-p", str(S3_PORT)]),
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     _wait_port(cluster, address, S3_PORT, proc, "moto_server")
+    if detach:
+        proc.wait(timeout=30)
     return f"http://{address}:{S3_PORT}"
+
+
+def restart(cluster: hosts.Cluster, role: str) -> str:
+    """The service of host ``role`` started again on the same address (after ``redis_host_down`` or
+    ``storage_host_down``): Redis with the password its clients hold, moto as it started."""
+    if role == "redis":
+        return start_redis(cluster, role, password=(hosts.STATE_DIR / f"{cluster.name}.redis").read_text(),
+                           detach=True)
+    if role == "storage":
+        return start_s3(cluster, role, detach=True)
+    raise ValueError(f"host {role!r} runs no service of a cluster (redis, storage)")
 
 
 def _wait_port(cluster: hosts.Cluster, address: str, port: int, proc: subprocess.Popen, what: str,

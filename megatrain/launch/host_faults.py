@@ -3,7 +3,12 @@
 - ``host_down``: every process of node ``fault.node``'s host SIGKILLed and its link removed (the
   machine is gone: nothing of it answers, nothing of it reports);
 - ``partition``: its link down for ``duration_s``, then up again (the host lives on, cut off);
-- ``slow_link``: its link limited to ``rate`` by tbf (until the stage ends).
+- ``slow_link``: its link limited to ``rate`` by tbf (until the stage ends);
+- ``redis_host_down``, ``storage_host_down``: the redis (storage) host's processes SIGKILLed (all but
+  its init, which holds the namespaces as the machine's disk outlives a crash) and its link down for
+  ``duration_s``; then the link comes up and the service is restarted on the same address
+  (``cluster_services.restart``: Redis with the same password, no persistence, as the cluster runs
+  it). ``node`` plays no part. What the ranks see is an outage of the store: retried, temporary.
 
 Injected by the node launcher (``megatrain.launch.nodes``, backend ``hosts``) once rank 0's metrics
 reach ``fault.step``, as the cluster's operator would pull a cable; a marker
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -26,10 +32,13 @@ from pydantic import TypeAdapter
 from megatrain.config import FaultConfig
 from megatrain.launch import hosts
 
-KINDS = ("host_down", "partition", "slow_link")
+SERVICE_HOSTS = {"redis_host_down": "redis", "storage_host_down": "storage"}
+KINDS = ("host_down", "partition", "slow_link", *SERVICE_HOSTS)
 
 
 def marker(run_dir: str | Path, kind: str, node: int) -> Path:
+    if kind in SERVICE_HOSTS:
+        return Path(run_dir) / "faults" / f"{kind}.json"
     return Path(run_dir) / "faults" / f"{kind}-node-{node}.json"
 
 
@@ -54,26 +63,64 @@ class HostFaults:
     def poll(self, step: int) -> None:
         for fault in [f for f in self.pending if step >= f.step]:
             self.pending.remove(fault)
-            role = self.role_of(fault.node)
+            role = SERVICE_HOSTS.get(fault.kind) or self.role_of(fault.node)
             host = self.cluster.host(role)
             record = {"kind": fault.kind, "node": fault.node, "host": role, "address": host.address,
                       "step": step, "time": time.time()}
             path = marker(self.run_dir, fault.kind, fault.node)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record))
-            print(f"[launch_nodes] injected fault {fault.kind}: host {role} ({host.address}) of node {fault.node} "
+            owner = "" if fault.kind in SERVICE_HOSTS else f" of node {fault.node}"
+            print(f"[launch_nodes] injected fault {fault.kind}: host {role} ({host.address}){owner} "
                   f"at step {step}", flush=True)
-            if fault.kind == "host_down":
+            if fault.kind in SERVICE_HOSTS:
+                self.cluster.set_link(role, up=False)  # first: a dead machine sends its peers no FIN
+                record["killed"] = kill_services(self.cluster, role)
+                self._timer(fault.duration_s, self._restart, role, record)
+            elif fault.kind == "host_down":
                 self.cluster.kill_host(role)
             elif fault.kind == "partition":
                 self.cluster.set_link(role, up=False)
-                threading.Timer(fault.duration_s, self._heal, args=(role,)).start()
+                self._timer(fault.duration_s, self._heal, role)
             else:
                 self.cluster.slow_link(role, rate=fault.rate)
             self.fired.append(record)
+
+    def _timer(self, delay_s: float, action, *args) -> None:
+        # not a daemon: a launcher that ends first still heals the link and restarts the service at its time
+        threading.Timer(delay_s, action, args=args).start()
 
     def _heal(self, role: str) -> None:
         try:
             self.cluster.set_link(role, up=True)
         except RuntimeError:  # the cluster went down first
             pass
+
+    def _restart(self, role: str, record: dict) -> None:
+        """Link up, the service started again; the time it answers again goes into the marker."""
+        from megatrain.launch import cluster_services
+
+        try:
+            self.cluster.set_link(role, up=True)
+            cluster_services.restart(self.cluster, role)
+        except (RuntimeError, OSError) as exc:  # the cluster went down first
+            print(f"[launch_nodes] {role} not restarted: {exc}", flush=True)
+            return
+        record["restored"] = time.time()
+        marker(self.run_dir, record["kind"], record["node"]).write_text(json.dumps(record))
+        print(f"[launch_nodes] host {role} ({record['address']}) back: its service answers again", flush=True)
+
+
+def kill_services(cluster: hosts.Cluster, role: str, wait_s: float = 10.0) -> list[int]:
+    """SIGKILL every process of host ``role`` but its init; returns the pids killed."""
+    init = cluster.host(role).init_pid
+    pids = [pid for pid in cluster.pids(role) if pid != init]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s  # dead once a zombie; the init reaps its own, our children stay ours
+    while any(hosts.alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pids
