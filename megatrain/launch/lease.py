@@ -19,6 +19,10 @@ refreshes the heartbeat from a thread (writing the record again if it vanished: 
 Redis comes back empty); if it finds another holder's record (it was suspended past the
 timeout and taken over), it stops refreshing and calls ``on_lost``.
 
+A holder of an older fencing epoch (``reliability/fencing.py``: its attempt was fenced by a newer one,
+e.g. its host was cut off and the stage went on without it) is stale too, whatever its heartbeat
+says: a partitioned host's rank 0 keeps refreshing a lease on a shared volume it still reaches.
+
 Engine code: imports neither torch nor prefect.
 """
 
@@ -86,14 +90,17 @@ class LeaseRecord:
     started: float = field(default_factory=time.time)
     heartbeat: float = field(default_factory=time.time)
     token: str = field(default_factory=lambda: uuid.uuid4().hex)  # this holding, not this process
+    epoch: int | None = None  # the holder attempt's fencing epoch, where its launcher issued one
 
     def describe(self) -> str:
         age = time.time() - self.heartbeat
         return (f"{self.owner} (pid {self.pid} on {self.host}, since "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}, heartbeat {age:.0f} s ago)")
 
-    def stale_reason(self, stale_after_s: float) -> str | None:
-        """Why this holder is gone (None: it looks alive)."""
+    def stale_reason(self, stale_after_s: float, epoch: int | None = None) -> str | None:
+        """Why this holder is gone (None: it looks alive); ``epoch``: the contender's fencing epoch."""
+        if epoch is not None and self.epoch is not None and self.epoch < epoch:
+            return f"its attempt's epoch {self.epoch} is fenced by epoch {epoch}"
         if self.host == socket.gethostname():
             start = _process_start(self.pid)
             if start is None:
@@ -224,9 +231,9 @@ class Lease:
     def __init__(self, store: FileLeaseStore | RedisLeaseStore, owner: str, *, stale_after_s: float = 60.0,
                  heartbeat_s: float | None = None, wait_s: float = 0.0,
                  on_lost: Callable[[str], None] | None = None, log: Callable[[str], None] = print,
-                 log_takeover: Callable[[str], None] | None = None) -> None:
+                 log_takeover: Callable[[str], None] | None = None, epoch: int | None = None) -> None:
         self.store = store
-        self.record = LeaseRecord(owner=owner)
+        self.record = LeaseRecord(owner=owner, epoch=epoch)
         self.stale_after_s = stale_after_s
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else stale_after_s / 4
         self.wait_s = wait_s
@@ -244,7 +251,7 @@ class Lease:
             verdict: dict[str, str | None] = {}
 
             def free_or_stale(current: LeaseRecord | None) -> bool:
-                verdict["reason"] = None if current is None else current.stale_reason(self.stale_after_s)
+                verdict["reason"] = None if current is None else current.stale_reason(self.stale_after_s, self.record.epoch)
                 return current is None or verdict["reason"] is not None
 
             won, before = self.store.swap(self.record, free_or_stale)

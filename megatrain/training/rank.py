@@ -134,10 +134,15 @@ def run_preflight(cfg) -> None:
 
 def hold_run_dir(cfg) -> Lease:
     """One writer per run dir: rank 0 holds ``<run_dir>/lease.json`` while it trains (a restart
-    after a crash takes over the dead attempt's lease)."""
+    after a crash takes over the dead attempt's lease, an attempt of a newer fencing epoch that of a
+    fenced one)."""
+    from megatrain.reliability.fencing import EPOCH_ENV
+
     store = FileLeaseStore(cfg.train.run_dir)
     log = logging.getLogger("megatrain")  # taking over a crashed attempt's lease is routine; losing one is not
-    return Lease(store, f"megatrain train of {cfg.run_id}", log=log.warning, log_takeover=log.info).acquire()
+    epoch = int(os.environ[EPOCH_ENV]) if os.environ.get(EPOCH_ENV) else None
+    return Lease(store, f"megatrain train of {cfg.run_id}", log=log.warning, log_takeover=log.info,
+                 epoch=epoch).acquire()
 
 
 def _train(cfg) -> int:
