@@ -30,6 +30,7 @@ from prefect.events import emit_event
 
 from megatrain.config.campaign import CampaignConfig, stage_config
 from megatrain.config import load_config
+from megatrain.launch.shrink import change as layout_change, layout_for
 from tasks._artifacts import create_table_artifact  # secrets hidden
 from tasks._log import run_logger
 from tasks.attempts import abandoned_event, attempt_state, should_stop
@@ -83,12 +84,9 @@ def plan_nodes(campaign: CampaignConfig, index: int, config_path: str) -> NodePl
     nodes = [n for n in range(campaign.nnodes) if n not in excluded]
     if not nodes:
         raise NodeLost(f"every node failed its self-check: {described}")
-    world = len(nodes) * campaign.nproc_per_node
-    run = load_config(config_path, [f"parallel.world_size={world}"])  # a split that cannot work is named here
-    dp = run.parallel.data_parallel_size(world)
-    previous = _last_nodes(campaign)
-    change = None if previous is None or previous == nodes else ("shrink" if len(nodes) < len(previous) else "grow")
-    return NodePlan(nodes, excluded, world, dp, run.train.grad_accumulation_steps(dp), change)
+    layout = layout_for(config_path, nodes, campaign.nproc_per_node)  # a split that cannot work is named here
+    return NodePlan(nodes, excluded, layout.world_size, layout.dp, layout.accumulation,
+                    layout_change(_last_nodes(campaign), nodes))
 
 
 def _nodes_file(campaign: CampaignConfig) -> Path:

@@ -31,6 +31,11 @@ Backends (``--backend``, chosen explicitly; ``loopback`` is the default and need
   ``/tmp`` (a node's local disk: no other host sees it). A cluster without Redis (``--no-services``)
   falls back to torchrun agents meeting through c10d at the first node's address.
 
+  Each attempt on hosts gets a fencing epoch from the cluster's Redis (``reliability/fencing.py``,
+  ``MEGATRAIN_EPOCH`` in its ranks' environment; ``<run_dir>/epochs.jsonl``). A node the watch calls
+  lost is not signalled when the attempt ends: a real launcher cannot reach a cut-off host, so its
+  ranks live on until they fail by themselves, and the epoch keeps them from writing anything.
+
 Engine code: imports neither prefect nor torch.
 """
 
@@ -49,6 +54,7 @@ from pathlib import Path
 from megatrain.config import load_config
 from megatrain.launch import hosts
 from megatrain.launch.ranks import free_port, die_with_parent
+from megatrain.reliability.fencing import EPOCH_ENV, issue_epoch
 
 BACKENDS = ("loopback", "hosts")
 HOST_STAGING = "/tmp/megatrain/staging"  # inside a host: its private tmpfs, the node's local disk
@@ -119,7 +125,7 @@ def hosts_overrides(cluster_name: str) -> list[str]:
 
 
 def _start_in_hosts(cluster_name: str, config_path: str, nodes: list[int], nproc_per_node: int, run_id: str,
-                    overrides: list[str]) -> dict[int, subprocess.Popen]:
+                    overrides: list[str], extra_env: dict[str, str] | None = None) -> dict[int, subprocess.Popen]:
     """Each node's launcher inside its host; what reaches the other nodes goes over the bridge."""
     cluster = hosts.Cluster.load(cluster_name)
     missing = [host_role(n) for n in nodes if host_role(n) not in cluster.hosts]
@@ -136,7 +142,8 @@ def _start_in_hosts(cluster_name: str, config_path: str, nodes: list[int], nproc
         address = cluster.host(role).address
         staging = f"{HOST_STAGING}/{run_id}/node-{node}"
         node_overrides = [*shared, f"checkpoint.staging_dir={staging}", "checkpoint.upload_mode=thread"]
-        env = cluster.env(role, dict(os.environ, MEGATRAIN_NODE=str(node), MEGATRAIN_KEEPER_HOST=address))
+        env = cluster.env(role, dict(os.environ, MEGATRAIN_NODE=str(node), MEGATRAIN_KEEPER_HOST=address,
+                                     **(extra_env or {})))
         if "redis" in endpoints:
             env["MEGATRAIN_REDIS_PASSWORD"] = cluster_redis_password(cluster)
             argv = pod_command(config_path, len(nodes), nproc_per_node, position, master, port, node_overrides)
@@ -180,13 +187,15 @@ def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir
     port = free_port()
     run_id = f"{cfg.run_id}-{port}"
     agents: dict[int, subprocess.Popen] = {}
-    injector, lost = None, None
+    injector, lost, epoch = None, None, None
     if backend == "hosts":
         from megatrain.launch.host_faults import HostFaults
 
         injector = HostFaults(cfg.reliability.faults, hosts.Cluster.load(cluster), run_dir, host_role)
         lost = watch(cfg, hosts.Cluster.load(cluster), nodes, nproc_per_node) if watch else None
-        agents = _start_in_hosts(cluster, str(Path(config_path).resolve()), nodes, nproc_per_node, run_id, overrides)
+        epoch = _issue_epoch(cfg, nodes, nproc_per_node)
+        agents = _start_in_hosts(cluster, str(Path(config_path).resolve()), nodes, nproc_per_node, run_id, overrides,
+                                 {} if epoch is None else {EPOCH_ENV: str(epoch)})
     for position, node in enumerate(nodes if backend == "loopback" else []):
         staging = node_dir(nodes_dir, node) / "staging"
         node_overrides = [*overrides, f"checkpoint.staging_dir={staging}", "checkpoint.upload_mode=thread"]
@@ -199,12 +208,15 @@ def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir
         threading.Thread(target=_pump, args=(node, agents[node].stdout), daemon=True).start()
     evictions = [f for f in cfg.reliability.faults if f.kind == "evict_node" and f.node in agents]
     try:
-        return _supervise(agents, evictions, run_dir, injector, lost)
+        return _supervise(agents, evictions, run_dir, injector, lost, epoch)
     finally:
-        for proc in agents.values():
+        verdict = getattr(lost, "verdict", None)
+        # a lost host is out of reach: its agent is not signalled (the epoch fences its ranks instead)
+        reachable = [proc for node, proc in agents.items() if verdict is None or node != verdict["node"]]
+        for proc in reachable:
             _kill(proc, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        for proc in agents.values():
+        for proc in reachable:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -212,17 +224,47 @@ def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir
                 proc.wait()
 
 
-def _supervise(agents: dict[int, subprocess.Popen], evictions: list, run_dir: Path, injector=None, lost=None) -> int:
+def _issue_epoch(cfg, nodes: list[int], nproc_per_node: int) -> int | None:
+    """This attempt's fencing epoch from the cluster's Redis (None without one), kept in epochs.jsonl."""
+    if not cfg.reliability.redis_url:
+        return None
+    epoch, issued = issue_epoch(cfg.reliability.redis_url, cfg.run_id, nodes=nodes)
+    row = {"epoch": epoch, "time": issued, "nodes": nodes, "world_size": len(nodes) * nproc_per_node}
+    Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(cfg.train.run_dir) / "epochs.jsonl", "a") as out:
+        out.write(json.dumps(row) + "\n")
+    print(f"[launch_nodes] attempt on nodes {nodes}: epoch {epoch} (fences every earlier attempt)", flush=True)
+    return epoch
+
+
+def _timed(verdict: dict, injector, epoch: int | None, heartbeat_timeout_s: float | None) -> dict:
+    """The verdict with when the fault was injected (its marker's time), when it was found, and the gap."""
+    detected = time.time()
+    fired = [f for f in (injector.fired if injector is not None else []) if f.get("node") == verdict["node"]]
+    verdict = {**verdict, "epoch": epoch, "detected_at": detected, "heartbeat_timeout_s": heartbeat_timeout_s}
+    if fired:
+        verdict.update(fault=fired[-1]["kind"], fault_time=fired[-1]["time"],
+                       detection_s=round(detected - fired[-1]["time"], 2))
+    return verdict
+
+
+def _supervise(agents: dict[int, subprocess.Popen], evictions: list, run_dir: Path, injector=None, lost=None,
+               epoch: int | None = None) -> int:
     all_ended_at = None
+    run_dir.mkdir(parents=True, exist_ok=True)
     while True:
         if injector is not None:
             injector.poll(_last_step(run_dir))
         verdict = lost() if lost is not None else None
         if verdict is not None:
+            verdict = _timed(verdict, injector, epoch, getattr(lost, "timeout_s", None))
+            lost.verdict = verdict
             path = run_dir / "faults" / "host-lost.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(verdict))
-            print(f"[launch_nodes] {verdict['message']}; stopping the other nodes", flush=True)
+            timing = (f" ({verdict['fault']} injected {verdict['detection_s']:.2f} s before)"
+                      if "detection_s" in verdict else "")
+            print(f"[launch_nodes] {verdict['message']}{timing}; stopping the other nodes", flush=True)
             return 1
         for fault in list(evictions):
             marker = evicted_marker(run_dir, fault.node)
@@ -262,7 +304,7 @@ def _kill(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def main(argv: list[str] | None = None, watch=None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatrain.launch.nodes", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--nodes-dir", required=True, help="per-node directories (staging) go under it")
@@ -275,7 +317,13 @@ def main(argv: list[str] | None = None, watch=None) -> int:
     args = parser.parse_args(argv)
     if args.backend == "hosts" and not args.cluster:
         parser.error("--backend hosts needs --cluster NAME (megatrain cluster up --hosts N)")
-    nodes = [int(n) for n in args.nodes.split(",") if n != ""]
+    args.node_list = [int(n) for n in args.nodes.split(",") if n != ""]
+    return args
+
+
+def main(argv: list[str] | None = None, watch=None) -> int:
+    args = parse_args(argv)
+    nodes = args.node_list
     return run_nodes(args.config, nodes, args.nproc_per_node, args.nodes_dir, args.overrides, args.backend, args.cluster,
                      watch if args.backend == "hosts" else None)
 

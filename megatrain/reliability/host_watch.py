@@ -11,6 +11,14 @@ look alike from here, and a partitioned host's processes live on. The verdict na
 hostname its ranks reported, address on the bridge), the node, its ranks, their last step and how
 long they have been silent; the launcher writes it to ``<run_dir>/faults/host-lost.json``.
 
+With ``reliability.on_node_loss: shrink`` a lost host does not end the stage: the next attempt
+starts on the surviving nodes (``launch/shrink.py``, the rule the flow's self-check path uses too:
+smaller DP, more accumulation, same global batch, the newest committed checkpoint resharded, its
+data position re-split), with a new fencing epoch (``reliability/fencing.py``) that keeps the lost
+host's ranks, should they live on, from committing, uploading or beating. At most
+``reliability.max_restarts`` such attempts; ``wait`` (the default) ends the stage with the verdict.
+Each attempt is a row of ``<run_dir>/host-attempts.jsonl`` (nodes, layout, epoch, how it ended).
+
 Silence is measured against the beat's own timestamp: the hosts of one machine share its clock (a
 real cluster's would need the store's time instead; see docs/architecture.md).
 
@@ -34,6 +42,8 @@ class HostWatch:
         self.sink = make_sink(cfg.reliability, cfg.train.run_dir, cfg.run_id)
         self.started = time.time()
         self.patience_s = cfg.reliability.heartbeat_timeout_s + 5.0  # agents all ended: the beats decide by then
+        self.timeout_s = cfg.reliability.heartbeat_timeout_s
+        self.verdict: dict | None = None  # set by the launcher once it acts on one
         self._last_read = 0.0
 
     def ranks(self, position: int) -> list[int]:
@@ -55,6 +65,8 @@ class HostWatch:
             beats = [records.get(r) for r in ranks]
             if any(b is None for b in beats):
                 silent_s, limit = now - self.started, rel.init_timeout_s
+            elif all(b.phase == "done" for b in beats):
+                continue  # finished: its last beat said so; the silence after it is a rank exiting
             else:
                 silent_s = now - max(b.timestamp for b in beats)
                 limit = rel.heartbeat_timeout_s if all(b.first_step_done for b in beats) else rel.init_timeout_s
@@ -77,15 +89,52 @@ class HostWatch:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatrain.config import load_config
     from megatrain.launch import nodes
+    from megatrain.launch.shrink import layout_for
+
+    watches: list[HostWatch] = []
 
     def watch(cfg, cluster, stage_nodes, nproc):
-        return HostWatch(cfg, cluster, stage_nodes, nproc, nodes.host_role)
+        watches.append(HostWatch(cfg, cluster, stage_nodes, nproc, nodes.host_role))
+        return watches[-1]
 
-    args = sys.argv[1:] if argv is None else argv
-    if "--backend" not in args:
-        args = ["--backend", "hosts", *args]
-    return nodes.main(args, watch=watch)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--backend" not in argv:
+        argv = ["--backend", "hosts", *argv]
+    args = nodes.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    current, extra = args.node_list, []
+    for attempt in range(1, cfg.reliability.max_restarts + 2):
+        code = nodes.run_nodes(args.config, current, args.nproc_per_node, args.nodes_dir, [*args.overrides, *extra],
+                               args.backend, args.cluster, watch)
+        verdict = watches[-1].verdict if watches else None
+        _record(cfg.train.run_dir, attempt, current, extra, code, verdict)
+        survivors = [n for n in current if verdict is not None and n != verdict["node"]]
+        if code == 0 or verdict is None or cfg.reliability.on_node_loss != "shrink" or not survivors:
+            return code
+        if attempt == cfg.reliability.max_restarts + 1:
+            print(f"[host_watch] reliability.max_restarts={cfg.reliability.max_restarts} spent; the stage ends",
+                  flush=True)
+            return code
+        layout = layout_for(args.config, survivors, args.nproc_per_node, args.overrides)
+        print(f"[host_watch] shrink: attempt {attempt + 1} on nodes {survivors} without node {verdict['node']} "
+              f"({verdict['host']}): {layout.world_size} ranks, dp {layout.dp}, accumulation {layout.accumulation}, "
+              f"from the newest committed checkpoint", flush=True)
+        current, extra = survivors, layout.overrides()
+    return code
+
+
+def _record(run_dir: str, attempt: int, nodes: list[int], extra: list[str], code: int, verdict: dict | None) -> None:
+    import json
+    from pathlib import Path
+
+    row = {"attempt": attempt, "nodes": nodes, "overrides": extra, "exit": code, "time": time.time(),
+           "epoch": verdict.get("epoch") if verdict else None,
+           "lost": {k: verdict.get(k) for k in ("node", "host", "fault", "fault_time", "detected_at", "detection_s")}
+           if verdict else None}
+    with open(Path(run_dir) / "host-attempts.jsonl", "a") as out:
+        out.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

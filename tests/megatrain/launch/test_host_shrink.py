@@ -1,0 +1,56 @@
+"""Shrink on the survivors after a lost host (reliability.on_node_loss: shrink on the hosts launcher):
+two hosts x one rank, host_down of node1 at step 5; the heartbeat watch names node1, the next attempt
+(a new fencing epoch) runs on node0 alone (dp 2 -> 1, accumulation 1 -> 2, the same global batch) from
+the newest committed checkpoint, and the run finishes. Its losses after the shrink are those of a
+fault-free run of the final layout (one host, one rank) resumed from a copy of that checkpoint, bit for
+bit. The detection time (fault injected -> verdict) is in the verdict and printed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from host_runs import jsonl, launch, losses, overrides, shards
+
+STEPS, INTERVAL = 14, 2
+
+
+def test_host_down_shrinks_to_the_survivor_and_matches_a_resumed_run(served_cluster2, shared_dir, shard_url):
+    shards(shared_dir, shard_url)
+    run_dir = shared_dir / "shrink"
+    args = [*overrides(shared_dir, run_dir, STEPS, INTERVAL), "reliability.on_node_loss=shrink"]
+    code, out, wall = launch(served_cluster2, run_dir, "0,1", args, [{"kind": "host_down", "step": 5, "node": 1}])
+    assert code == 0, out[-5000:]
+    assert "shrink: attempt 2 on nodes [0] without node 1 (node1): 1 ranks, dp 1, accumulation 2" in out, out[-4000:]
+    verdict = json.loads((run_dir / "faults" / "host-lost.json").read_text())
+    print(f"host_down detection: {verdict['detection_s']:.2f} s after the fault (heartbeat timeout "
+          f"{verdict['heartbeat_timeout_s']} s, silent {verdict['silent_s']} s); whole run {wall:.1f} s")
+    assert (verdict["node"], verdict["fault"]) == (1, "host_down")
+    assert verdict["heartbeat_timeout_s"] <= verdict["detection_s"] < verdict["heartbeat_timeout_s"] + 4
+    epochs = jsonl(run_dir / "epochs.jsonl")
+    assert [e["nodes"] for e in epochs] == [[0, 1], [0]] and epochs[1]["epoch"] == epochs[0]["epoch"] + 1
+    attempts = jsonl(run_dir / "host-attempts.jsonl")
+    assert [(a["nodes"], a["exit"]) for a in attempts] == [([0, 1], 1), ([0], 0)]
+    restores = jsonl(run_dir / "restores.jsonl")
+    assert len(restores) == 1 and restores[0]["world_size"] == 1, restores
+    resumed = restores[0]["step"]
+    assert resumed >= INTERVAL and resumed % INTERVAL == 0, resumed
+    # every commit's manifest names its attempt: up to the resume step the first epoch's, after it the second's
+    for step_dir in sorted((run_dir / "durable").glob("step-*")):
+        manifest = json.loads((step_dir / "manifest.json").read_text())
+        expected = epochs[0]["epoch"] if manifest["step"] <= resumed else epochs[1]["epoch"]
+        assert manifest["epoch"] == expected and manifest["layout"]["world_size"] == (2 if expected == epochs[0]["epoch"]
+                                                                                        else 1)
+    shrunk = losses(run_dir)
+    assert sorted(shrunk) == list(range(1, STEPS + 1))
+
+    # the reference: one host, one rank, no fault, resumed from a copy of the same checkpoint
+    ref_dir = shared_dir / "reference"
+    step_name = f"step-{resumed:08d}"
+    shutil.copytree(run_dir / "durable" / step_name, ref_dir / "durable" / step_name)
+    code, out, _ = launch(served_cluster2, ref_dir, "0", [*overrides(shared_dir, ref_dir, STEPS, INTERVAL),
+                                                          "parallel.world_size=1"], module="megatrain.launch.nodes")
+    assert code == 0, out[-4000:]
+    reference = losses(ref_dir)
+    assert sorted(reference) == list(range(resumed + 1, STEPS + 1))
+    assert {s: shrunk[s] for s in reference} == reference  # bit for bit
