@@ -228,10 +228,15 @@ def _issue_epoch(cfg, nodes: list[int], nproc_per_node: int) -> int | None:
     """This attempt's fencing epoch from the cluster's Redis (None without one), kept in epochs.jsonl."""
     if not cfg.reliability.redis_url:
         return None
-    epoch, issued = issue_epoch(cfg.reliability.redis_url, cfg.run_id, nodes=nodes)
+    path = Path(cfg.train.run_dir) / "epochs.jsonl"
+    try:  # the newest epoch this run issued: the floor, should the store have restarted empty
+        floor = max((json.loads(line)["epoch"] for line in path.read_text().splitlines() if line.strip()), default=0)
+    except (OSError, ValueError, KeyError):
+        floor = 0
+    epoch, issued = issue_epoch(cfg.reliability.redis_url, cfg.run_id, floor=floor, nodes=nodes)
     row = {"epoch": epoch, "time": issued, "nodes": nodes, "world_size": len(nodes) * nproc_per_node}
-    Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
-    with open(Path(cfg.train.run_dir) / "epochs.jsonl", "a") as out:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as out:
         out.write(json.dumps(row) + "\n")
     print(f"[launch_nodes] attempt on nodes {nodes}: epoch {epoch} (fences every earlier attempt)", flush=True)
     return epoch

@@ -12,8 +12,12 @@ hold the same number, and a rank cannot ask a launcher it may be cut off from. T
 already reaches to meet and to beat is the one place that can order attempts for all of them; a
 fencing token is only as good as the check at the place written to, so the check happens there, in
 one Lua script (Redis runs a script atomically: no attempt can start between the compare and the
-record). ``INCR`` is monotonic for the life of the Redis data; a fresh Redis starts at 1 again,
-which a real cluster avoids with persistence (AOF) or a consensus store (etcd's revision).
+record). ``INCR`` is monotonic for the life of the Redis data. A Redis restarted empty (the cluster
+runs it without persistence) would start at 1 again, so the epoch is also a floor the writers hand
+back: the launcher issues ``max(store, the newest epoch in <run_dir>/epochs.jsonl) + 1``, and every
+compare of a writer holding epoch E sets a store below E to E (E was issued, so the store held it
+once). After a restart the current attempt's next beat puts the fence back, and a stale writer is
+refused again. (A consensus store, etcd's revision or a persistent Redis, needs none of this.)
 
 What each write does with the epoch:
 
@@ -57,6 +61,7 @@ if current > tonumber(ARGV[1]) then
   redis.call('RPUSH', KEYS[3], ARGV[3])
   return current
 end
+if current < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end  -- a store restarted empty
 if ARGV[4] ~= '' then redis.call('RPUSH', KEYS[4], ARGV[4]) end
 return current
 """
@@ -69,10 +74,19 @@ if current > tonumber(ARGV[1]) then
   redis.call('RPUSH', KEYS[3], ARGV[3])
   return current
 end
+if current < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
 if ARGV[7] == '1' then redis.call('DEL', KEYS[4]) end
 redis.call('HSET', KEYS[4], ARGV[4], ARGV[5])
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6]))
 return current
+"""
+
+
+# KEYS: epoch.  ARGV: the newest epoch the launcher knows of (its floor)
+_ISSUE = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if current < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+return redis.call('INCR', KEYS[1])
 """
 
 
@@ -99,13 +113,14 @@ def _as_os_error(exc: Exception) -> OSError:
     return OSError(f"fencing store unreachable: {type(exc).__name__}: {exc}")
 
 
-def issue_epoch(redis_url: str, run_id: str, **about: Any) -> tuple[int, float]:
-    """A new attempt's epoch (INCR: greater than every epoch issued before) and when it was issued,
-    also kept in ``megatrain:<run_id>:epochs`` (epoch -> time and ``about``): the fence's time."""
+def issue_epoch(redis_url: str, run_id: str, floor: int = 0, **about: Any) -> tuple[int, float]:
+    """A new attempt's epoch (INCR: greater than every epoch issued before, and than ``floor``, the
+    newest the caller knows of) and when it was issued, also kept in ``megatrain:<run_id>:epochs``
+    (epoch -> time and ``about``): the fence's time."""
     client = _client(redis_url)
     try:
         k = keys(run_id)
-        epoch = int(client.incr(k["epoch"]))
+        epoch = int(client.eval(_ISSUE, 1, k["epoch"], int(floor)))
         issued = time.time()
         client.hset(k["issued"], str(epoch), json.dumps({"time": issued, **about}))
         return epoch, issued
