@@ -371,3 +371,10 @@ def restore_per_run_environment():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No hosts cluster of this session left at its end: fails the session (tests/leftover_clusters.py)."""
+    import leftover_clusters
+
+    leftover_clusters.check(session)
