@@ -134,6 +134,10 @@ class ModelConfig(_Section):
         "parallel", description="parallel: x + attn(ln(x)) + mlp(ln(x)) (MegaScale/PaLM); serial: pre-LN"
     )
     attention: Literal["full", "sliding"] = "full"
+    attention_mask: Literal["causal", "document"] = Field(
+        "causal", description="causal: a token sees every earlier token of its packed sample; document: only "
+        "those of its own document (documents end at the data's EOS; positions are not reset per document)",
+    )
     window: int | None = Field(None, gt=0, description="sliding-window size in tokens (attention=sliding)")
     bias: bool = Field(True, description="biases in every linear and LayerNorm (GPT-2); Llama has none")
     tie_embeddings: bool = Field(True, description="the LM head reuses the token embedding matrix")

@@ -24,6 +24,7 @@ from megatrain.kernels.attention import attention_at_offset, causal_attention
 from megatrain.kernels.rope import qkv_rope, split_qkv
 from megatrain.model.cache import LayerKV
 from megatrain.model.position import RotaryEmbedding
+from megatrain.model.sequence import Sequence
 
 
 # Where the rotated q and k are stored, inside compiled blocks. SDPA's cuDNN and flash kernels give
@@ -59,6 +60,9 @@ class Attention(nn.Module):
         self.rope = RotaryEmbedding(cfg) if cfg.position == "rope" else None
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        # Set by GPT.forward before the blocks run (and kept through the backward, whose activation
+        # checkpointing recomputes this forward): positions, document ids, context-parallel attention.
+        self.sequence: Sequence | None = None
 
     def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
         return self.proj(self.attend(self.qkv(x), cache))
@@ -70,8 +74,14 @@ class Attention(nn.Module):
         n_kv = width // ((self.group + 2) * self.head_dim)
         n_head = n_kv * self.group
         offset = 0 if cache is None else cache.length
-        if self.rope is not None and cache is None and QKV_ROPE_ONE_PASS:
-            cos, sin = self.rope.tables(T, 0, qkv.device)
+        seq = self.sequence if cache is None else None
+        positions = None if seq is None else seq.positions
+        if self.rope is not None and cache is None and (QKV_ROPE_ONE_PASS or positions is not None):
+            # a context-parallel rank's tokens sit at their global positions (two chunks, not 0 .. T-1);
+            # positions are NOT reset per document (Llama 3's choice): a document starting mid-sample
+            # is rotated by its place in the sample, the document mask alone separates documents.
+            cos, sin = (self.rope.tables(T, 0, qkv.device) if positions is None
+                        else (self.rope.cos[positions], self.rope.sin[positions]))
             q, k, v = qkv_rope(qkv, cos, sin, n_head, n_kv, self.head_dim, self.rope.impl)
         else:
             q, k, v = split_qkv(qkv, n_head, n_kv, self.head_dim)
@@ -80,8 +90,11 @@ class Attention(nn.Module):
         # q [B, H, T, hd]; k, v [B, G, T, hd]
         if self.rope is not None and ROPE_TOKEN_MAJOR and torch.compiler.is_compiling():
             q, k = token_major(q), token_major(k)  # no copy where they are stored so already
-        if cache is None:
-            y = causal_attention(q, k, v, self.window, self.impl)  # [B, H, T, hd]
+        doc_ids = None if seq is None else seq.doc_ids
+        if seq is not None and seq.attend is not None:
+            y = seq.attend(q, k, v, self.window, doc_ids)  # across the context-parallel ranks
+        elif cache is None:
+            y = causal_attention(q, k, v, self.window, self.impl, doc_ids)  # [B, H, T, hd]
         else:
             k, v = cache.append(k, v)  # [B, G, offset + T, hd]
             y = attention_at_offset(q, k, v, offset, self.window)

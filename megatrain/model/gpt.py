@@ -12,6 +12,10 @@ State-dict names: ``embed.wte.weight`` [V, d] (HF Llama ``model.embed_tokens.wei
 ``model(idx, cache=KVCache(n_layer))`` decodes incrementally (``cache.py``): logits for the new
 tokens only, positions continuing after the cached ones.
 
+``model(idx, targets, sequence=Sequence(...))`` trains on a context-parallel rank's chunks
+(``sequence.py``). Under ``model.attention_mask: document`` without a sequence, the document ids
+come from the tokens and ``eos_id`` (set from the data's tokenizer by whoever feeds the model).
+
 Construction allocates and initialises; ``init_weights`` is separate so a model built under
 ``torch.device("meta")`` can be materialised (``to_empty``) and initialised later.
 """
@@ -24,11 +28,14 @@ import torch
 import torch.nn as nn
 
 from megatrain.config import ModelConfig
+from megatrain.kernels.attention import document_ids
 from megatrain.kernels.cross_entropy import lm_head_cross_entropy
+from megatrain.model.attention import Attention
 from megatrain.model.block import make_block
 from megatrain.model.cache import KVCache
 from megatrain.model.moe_experts import Experts
 from megatrain.model.norm import NORMS, make_norm
+from megatrain.model.sequence import Sequence
 
 
 class Embedding(nn.Module):
@@ -39,10 +46,13 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor, offset: int = 0) -> torch.Tensor:  # [B, T] int64 -> [B, T, d]
+    def forward(self, idx: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """idx [B, T] int64 -> [B, T, d]; ``positions`` [T]: the tokens' global positions (context parallel)."""
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(offset, offset + idx.shape[1], device=idx.device))
+            if positions is None:
+                positions = torch.arange(offset, offset + idx.shape[1], device=idx.device)
+            x = x + self.wpe(positions)
         return self.drop(x)
 
 
@@ -76,16 +86,26 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(make_block(cfg, i) for i in range(cfg.n_layer))
         self.head = Head(cfg, self.embed)
+        self.eos_id: int | None = None  # model.attention_mask document: the id that ends a document
+        # a plain list (not submodules): the blocks' attention layers, found again under any wrapper
+        self._attentions = [m for m in self.blocks.modules() if isinstance(m, Attention)]
         init_weights(self, cfg)
 
     def layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                sequence: Sequence | None = None) -> torch.Tensor:
         """idx [B, T] -> logits [B, T, V], or the mean loss when targets [B, T] are given.
         With a ``cache``, idx are the tokens after the cached ones (see the module docstring)."""
+        if sequence is None and cache is None and self.cfg.attention_mask == "document":
+            if self.eos_id is None:
+                raise ValueError("model.attention_mask=document: the model's eos_id is not set (the data's EOS id)")
+            sequence = Sequence(doc_ids=document_ids(idx, self.eos_id))
+        for attention in self._attentions:  # every forward sets it: a stale one would leak into the next call
+            attention.sequence = sequence
         if cache is None:
-            x = self.embed(idx)
+            x = self.embed(idx, positions=None if sequence is None else sequence.positions)
             for block in self.blocks:
                 x = block(x)
         else:
