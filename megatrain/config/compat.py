@@ -28,12 +28,13 @@ from megatrain.config.schema import Config
 # each only when it is set away from its default, so older recipes keep their fingerprints (and
 # resume their checkpoints). A branch adding fields to a section lists them here too.
 _LATER_KNOBS: dict[str, tuple[str, ...]] = {
-    "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp", "moe"),
+    "model": ("n_kv_head", "ffn_multiplier", "ffn_multiple_of", "position", "rope_theta", "rope_scaling", "norm", "mlp", "moe",
+              "attention_mask"),
     "model.kernels": ("rmsnorm", "swiglu", "rope", "experts", "moe_permute", "moe_router"),
     "train.fp8": ("casts", "experts"),  # casts: an implementation choice, like model.kernels: the same e4m3 values
     "data": ("mixture", "on_exhausted", "on_bad_source", "unit_bytes", "worker_cores", "max_replaced_fraction", "cursors"),
     "optim": ("decay_fraction",),
-    "parallel": ("ep",),  # expert parallelism: 1 for every run before it
+    "parallel": ("ep", "cp", "cp_mode"),  # expert and context parallelism: 1 for every run before them
     "parallel.overlap": ("ep_shared_expert",),
 }
 

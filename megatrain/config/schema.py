@@ -69,6 +69,13 @@ class ParallelConfig(_Section):
     ep: int = Field(1, gt=0, description="expert parallelism (model.mlp=moe): the DP ranks are cut into groups of "
                     "ep that hold n_experts/ep experts each and exchange tokens by all-to-all; needs zero_stage 0, "
                     "tp 1, pp 1 (megatrain/parallel/expert_parallel.py says why)")
+    cp: int = Field(1, gt=0, description="context parallelism: each sample's tokens split over cp ranks, which hold "
+                    "the same parameters and reduce gradients with the data-parallel ranks (megatrain/parallel/"
+                    "context_parallel.py); ranks ordered tp, cp, dp, pp")
+    cp_mode: Literal["ring", "alltoall"] = Field(
+        "ring", description="ring: K/V blocks passed around the cp ranks; alltoall (Ulysses): heads exchanged for "
+        "the sequence, whole-sequence attention on n_head/cp heads (needs heads and KV heads divisible by cp)",
+    )
     zero_stage: Literal[0, 1, 2, 3] = 1
     sequence_parallel: bool = True
     gpus_per_node: int = Field(8, gt=0, description="node size; tensor parallelism never crosses a node")
@@ -79,14 +86,14 @@ class ParallelConfig(_Section):
     init: InitConfig = InitConfig()
 
     def data_parallel_size(self, world_size: int) -> int:
-        """The DP degree for a world size; raises if tp * pp * dp cannot equal it."""
-        model_parallel = self.tp * self.pp
+        """The DP degree for a world size; raises if tp * pp * dp * cp cannot equal it."""
+        model_parallel = self.tp * self.cp * self.pp
         if world_size % model_parallel:
-            raise ValueError(f"world size {world_size} is not divisible by tp*pp = {model_parallel}")
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {model_parallel}")
         dp = world_size // model_parallel
         if self.dp is not None and self.dp != dp:
             raise ValueError(
-                f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {model_parallel * self.dp} != world size {world_size}"
+                f"tp*pp*dp*cp = {self.tp}*{self.pp}*{self.dp}*{self.cp} = {model_parallel * self.dp} != world size {world_size}"
             )
         return dp
 
@@ -98,6 +105,9 @@ class ParallelConfig(_Section):
             self.data_parallel_size(self.world_size)
         if self.ep > 1:
             self._check_expert_parallel()
+        if self.cp > 1 and (self.pp > 1 or self.ep > 1):
+            raise ValueError(f"parallel.cp={self.cp} with parallel.pp={self.pp}, parallel.ep={self.ep}: context "
+                             "parallelism composes with data and tensor parallelism only for now; use pp 1 and ep 1")
         return self
 
     def _check_expert_parallel(self) -> None:
@@ -358,6 +368,7 @@ class Config(_Section):
                              "(train.dtype=fp32) and the FP8 expert GEMMs take bf16 operands; use ep 1 or bf16")
         if self.parallel.pp > self.model.n_layer:
             raise ValueError(f"parallel.pp ({self.parallel.pp}) exceeds model.n_layer ({self.model.n_layer})")
+        self._check_context_parallel()
         if self.parallel.world_size is not None:
             self.train.grad_accumulation_steps(self.parallel.data_parallel_size(self.parallel.world_size))
         elif self.parallel.dp is not None:
@@ -383,6 +394,24 @@ class Config(_Section):
         if self.checkpoint.durable_url is None:
             self.checkpoint.durable_url = f"{run_dir}/checkpoints"
         return self
+
+    def _check_context_parallel(self) -> None:
+        """What parallel.cp needs of the model (megatrain/parallel/context_parallel.py says why)."""
+        cp, tp, m = self.parallel.cp, self.parallel.tp, self.model
+        if m.attention_mask == "document" and self.parallel.pp > 1:
+            raise ValueError(f"model.attention_mask=document with parallel.pp={self.parallel.pp}: the pipeline's stages "
+                             "do not carry the document ids yet; use pp 1")
+        if cp == 1:
+            return
+        if self.seq_len % (2 * cp * tp):
+            raise ValueError(f"parallel.cp ({cp}): the sequence length ({self.seq_len}) must be divisible by 2 * cp * tp "
+                             f"= {2 * cp * tp} (two chunks per cp rank, each split over the tp ranks)")
+        if self.parallel.cp_mode == "alltoall":
+            for name, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.kv_heads)):
+                if (heads // tp) % cp:
+                    raise ValueError(f"parallel.cp_mode=alltoall: {name} ({heads}) over parallel.tp ({tp}) gives "
+                                     f"{heads // tp} heads per rank, not divisible by parallel.cp ({cp}); use "
+                                     "parallel.cp_mode=ring or another cp")
 
     @property
     def seq_len(self) -> int:

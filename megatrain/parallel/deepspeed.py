@@ -38,7 +38,9 @@ def deepspeed_config(cfg: Config, dp: int, bf16: bool, n_params: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.train.grad_accumulation_steps(dp),
-        "train_batch_size": cfg.train.global_batch_size,
+        # ``dp`` is the data-parallel degree; DeepSpeed's data-parallel group is the dp x cp replica
+        # group, whose cp ranks each run a micro-batch of the same samples: it counts them cp times
+        "train_batch_size": cfg.train.global_batch_size * p.cp,
         # under expert parallelism megatrain clips by the exact global norm (expert_parallel.py)
         "gradient_clipping": cfg.optim.grad_clip if p.ep == 1 else 0.0,
         "bf16": {"enabled": bf16},

@@ -1,4 +1,10 @@
-"""The 3D layout (dp, tp, pp) and its process groups, passed around as one object.
+"""The layout (dp, cp, tp, pp, and ep inside dp) and its process groups, passed around as one object.
+
+Context parallelism (``cp``) splits each sample's tokens over cp ranks (``context_parallel.py``).
+Its ranks hold the same parameters and see the same samples, so their gradients are reduced with
+the data-parallel ones: the *replica* group of a rank is its dp x cp ranks (ZeRO partitions over
+it). ``ProcessGroups.replicas()`` is the layout as ZeRO, DeepSpeed and the checkpoint see it: dp'
+= dp * cp replicas, no cp; the data loader and the attention see the real dp and cp.
 
 Expert parallelism (``ep``) is carved out of the data-parallel ranks, as Megatron-Core and
 torchtitan do: each run of ``ep`` consecutive DP ranks is an EP group (its ranks hold different
@@ -6,8 +12,11 @@ experts and exchange tokens by all-to-all); the ranks at the same position of ev
 an expert-data-parallel (EDP) group, over which those experts' gradients are reduced. Non-expert
 parameters stay replicated over the whole DP group. ``ep=1``: no EP groups are created.
 
-Rank order: tensor parallel innermost (consecutive ranks share a node), then data parallel, then
-pipeline:  rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank.  DP groups are therefore built
+Rank order: tensor parallel innermost (consecutive ranks share a node), then context parallel,
+then data parallel, then pipeline (Megatron's order):
+rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank; with cp = 1 the
+3D order  rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank. The replica index of a rank,
+dp_rank * cp + cp_rank, is then its dp coordinate in the replica layout. DP groups are therefore built
 from nearby ranks, as MegaScale does (it builds DP groups before PP groups for locality).
 DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model) orders ranks the same way,
 so its pipeline groups and ours contain the same ranks (``megatrain.parallel.deepspeed``).
@@ -27,19 +36,25 @@ class ParallelDims:
     tp: int
     pp: int
     ep: int = 1  # expert-parallel degree, a divisor of dp (see the module docstring)
+    cp: int = 1  # context-parallel degree (see the module docstring)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    def replicas(self) -> ParallelDims:
+        """The layout as ZeRO sees it: dp * cp replicas of the (pp, tp) shards, no cp."""
+        return ParallelDims(dp=self.dp * self.cp, tp=self.tp, pp=self.pp, ep=self.ep)
 
     def validate(self, world_size: int, gpus_per_node: int, n_head: int, n_layer: int) -> None:
         """Fail before any group exists when the layout cannot work: wrong world size, a TP group
         that would straddle two nodes (its all-gathers and reduce-scatters run on every layer and
         need NVLink), or a model that cannot be split that way."""
-        if min(self.dp, self.tp, self.pp) < 1:
-            raise ValueError(f"dp, tp and pp must be >= 1, got dp={self.dp} tp={self.tp} pp={self.pp}")
+        if min(self.dp, self.cp, self.tp, self.pp) < 1:
+            raise ValueError(f"dp, cp, tp and pp must be >= 1, got dp={self.dp} cp={self.cp} tp={self.tp} pp={self.pp}")
         if self.world_size != world_size:
-            raise ValueError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} != world size {world_size}")
+            raise ValueError(f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {self.world_size} "
+                             f"!= world size {world_size}")
         # TP groups are runs of tp consecutive ranks; when tp divides the node size, no run straddles two nodes.
         if self.tp > gpus_per_node or gpus_per_node % self.tp:
             raise ValueError(f"tp ({self.tp}) must divide gpus_per_node ({gpus_per_node}): TP never crosses a node")
@@ -55,23 +70,42 @@ class ParallelDims:
             raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): EP groups are carved out of the DP ranks")
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """rank -> (pp_rank, dp_rank, tp_rank)."""
+        """rank -> (pp_rank, dp_rank, tp_rank) (the cp coordinate: ``cp_rank``)."""
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
         return pp_rank, dp_rank, tp_rank
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+    def cp_rank(self, rank: int) -> int:
+        return (rank // self.tp) % self.cp
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+
+    def _rest(self) -> list[tuple[int, int]]:
+        return [(p, c) for p in range(self.pp) for c in range(self.cp)]
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(p, d, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return [[self.rank_of(p, d, t, c) for t in range(self.tp)]
+                for p in range(self.pp) for d in range(self.dp) for c in range(self.cp)]
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(p, d, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        """The data-parallel ranks: different samples, same cp, tp, pp coordinates."""
+        return [[self.rank_of(p, d, t, c) for d in range(self.dp)] for p, c in self._rest() for t in range(self.tp)]
+
+    def cp_groups(self) -> list[list[int]]:
+        """The ranks sharing one sample's tokens (tp ranks apart: the ring's neighbours)."""
+        return [[self.rank_of(p, d, t, c) for c in range(self.cp)]
+                for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
+
+    def replica_groups(self) -> list[list[int]]:
+        """dp x cp ranks holding the same parameters, in rank order: gradients are reduced over them."""
+        return [[self.rank_of(p, d, t, c) for d in range(self.dp) for c in range(self.cp)]
+                for p in range(self.pp) for t in range(self.tp)]
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return [[self.rank_of(p, d, t, c) for p in range(self.pp)]
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def ep_groups(self) -> list[list[int]]:
         """Runs of ``ep`` consecutive DP ranks (nearby ranks: the all-to-all stays within a node)."""
@@ -84,9 +118,10 @@ class ParallelDims:
                 for p in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
 
     def stage_groups(self) -> list[list[int]]:
-        """All ranks of one pipeline stage (its TP x DP ranks): the group over which a per-tensor
+        """All ranks of one pipeline stage (its TP x CP x DP ranks): the group over which a per-tensor
         norm of a TP-sharded, ZeRO-partitioned tensor is summed (LAMB's trust ratio)."""
-        return [[self.rank_of(p, d, t) for d in range(self.dp) for t in range(self.tp)] for p in range(self.pp)]
+        return [[self.rank_of(p, d, t, c) for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
+                for p in range(self.pp)]
 
 
 @dataclass
@@ -101,10 +136,24 @@ class ProcessGroups:
     stage_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None  # ep > 1 only
     edp_group: dist.ProcessGroup | None = None  # ep > 1 only
+    cp_group: dist.ProcessGroup | None = None  # cp > 1 only
+    replica_group: dist.ProcessGroup | None = None  # cp > 1 only (else the dp group): dp x cp ranks
     coords: tuple[int, int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.coords = self.dims.coords(self.rank)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.dims.cp_rank(self.rank)
+
+    def replicas(self) -> ProcessGroups:
+        """This rank in the replica layout (dp * cp data-parallel ranks, no cp): what DeepSpeed's
+        ZeRO, the gradient reduction and the checkpoint's files see. Itself when cp = 1."""
+        if self.dims.cp == 1:
+            return self
+        return ProcessGroups(dims=self.dims.replicas(), rank=self.rank, tp_group=self.tp_group,
+                             dp_group=self.replica_group, pp_group=self.pp_group, stage_group=self.stage_group)
 
     @property
     def pp_rank(self) -> int:
@@ -132,11 +181,14 @@ def _layouts(dims: ParallelDims) -> tuple[tuple[str, list[list[int]]], ...]:
     )
     if dims.ep > 1:
         layouts += (("ep_group", dims.ep_groups()), ("edp_group", dims.edp_groups()))
+    if dims.cp > 1:
+        layouts += (("cp_group", dims.cp_groups()), ("replica_group", dims.replica_groups()))
     return layouts
 
 
 def build_process_groups(dims: ParallelDims, rank: int, mode: str = "ordered") -> ProcessGroups:
-    """Create the TP, DP, PP and stage groups and keep the ones this rank belongs to.
+    """Create the TP, DP, PP and stage groups (and CP, replica, EP, EDP when used) and keep the
+    ones this rank belongs to.
 
     ``mode`` (``parallel.init.groups``):
     - ``ordered``: one pass over the layout in a fixed global order; each rank creates only the
