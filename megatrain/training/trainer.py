@@ -41,6 +41,7 @@ from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
 from megatrain.observe.straggler import StragglerMonitor
 from megatrain.observe.timers import StepTimers
 from megatrain.optim import Lamb, build_optimizer, build_scheduler
+from megatrain.parallel.context_parallel import cp_sequence, loss_weight, shard_batch
 from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
 from megatrain.parallel.dims import ParallelDims, ProcessGroups, build_process_groups
 from megatrain.parallel.expert_parallel import attach_expert_grad_sync
@@ -111,6 +112,8 @@ class Trainer:
         self.startup = startup or StartupTimer(env.rank)  # times each start-up phase below
         with self.startup.phase("layout_groups"):
             self.groups = self._build_layout()
+            # the layout as ZeRO, the gradient reduction and the checkpoint see it: dp x cp replicas
+            self.replicas = self.groups.replicas()
         # Beating from the start: sharding, compiling and restoring show as phase "init".
         self.heartbeat = HeartbeatWriter(
             make_sink(cfg.reliability, cfg.train.run_dir, cfg.run_id), env.rank,
@@ -135,9 +138,11 @@ class Trainer:
                                                         init_weights=hf_weights(cfg.checkpoint.init_from))
         with self.startup.phase("engine"):
             self.engine = self._build_engine(model)
+        if cfg.model.attention_mask == "document":  # document ids from the data's EOS (pp 1: Config refuses others)
+            self.engine.module.eos_id = self.index.eos_id
         set_aux_loss_scale(model, 1.0 / self.grad_accumulation)  # MoE penalties scaled as DeepSpeed scales the loss
         self.fp8_guard = FP8Guard(model, cfg.train.precision == "fp8", env.device,
-                                  cfg.reliability.anomaly.fp8_check_interval, self.groups.dp_group)
+                                  cfg.reliability.anomaly.fp8_check_interval, self.replicas.dp_group)
         self.batches = self._device_batches()
 
         # the router checks need every MoE layer's shares on every rank: a pipeline stage sees only its own
@@ -146,7 +151,7 @@ class Trainer:
                                        lr_warmup_steps=cfg.optim.warmup_steps)  # before restore: it has windows
         self.step = 0
         with self.startup.phase("checkpoint_restore"):
-            self.checkpointer = Checkpointer(cfg, env, self.groups, tokenizer_sha256=self.index.tokenizer_sha256)
+            self.checkpointer = Checkpointer(cfg, env, self.replicas, tokenizer_sha256=self.index.tokenizer_sha256)
             self.step = self.checkpointer.restore(self)  # 0 when there is nothing to resume from
         self._apply_rollbacks()
         self.tokens_per_step = cfg.train.global_batch_size * cfg.seq_len
@@ -166,8 +171,8 @@ class Trainer:
         self.faults = FaultInjector.from_config(cfg.reliability, env.rank, cfg.train.run_dir, model=self.engine.module,
                                                 staging_dir=cfg.checkpoint.staging_dir)
         self.stragglers = StragglerMonitor(env.world_size)
-        log.info("model: %.1fM parameters, %s block, %s attention; layout dp=%d tp=%d pp=%d; accumulation %d",
-                 self.n_params / 1e6, cfg.model.block, cfg.model.attention, self.groups.dims.dp,
+        log.info("model: %.1fM parameters, %s block, %s attention; layout dp=%d cp=%d tp=%d pp=%d; accumulation %d",
+                 self.n_params / 1e6, cfg.model.block, cfg.model.attention, self.groups.dims.dp, self.groups.dims.cp,
                  self.groups.dims.tp, self.groups.dims.pp, self.grad_accumulation)
 
     def _build_loader(self):
@@ -197,7 +202,7 @@ class Trainer:
 
     def _build_layout(self) -> ProcessGroups:
         p = self.cfg.parallel
-        dims = ParallelDims(dp=p.data_parallel_size(self.env.world_size), tp=p.tp, pp=p.pp, ep=p.ep)
+        dims = ParallelDims(dp=p.data_parallel_size(self.env.world_size), tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp)
         dims.validate(self.env.world_size, p.gpus_per_node, self.cfg.model.n_head, self.cfg.model.n_layer)
         if self.cfg.model.mlp == "moe" and p.tp > 1:
             raise ConfigError(f"model.mlp=moe: not yet with parallel.tp={p.tp} > 1 (the experts have no "
@@ -211,7 +216,7 @@ class Trainer:
         bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and self.env.device.type == "cuda")
         ds_config = deepspeed_config(cfg, self.groups.dims.dp, bf16, self.n_params)
         # A PipelineModule brings its own topology (built in our rank order), so no mpu then.
-        mpu = None if self.groups.dims.pp > 1 else DeepSpeedMPU(self.groups)
+        mpu = None if self.groups.dims.pp > 1 else DeepSpeedMPU(self.replicas)
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu,
             dist_init_required=False,
@@ -228,7 +233,7 @@ class Trainer:
             attach_expert_grad_sync(engine.optimizer, engine.module, self.groups, cfg.optim.grad_clip)
         if isinstance(optimizer, Lamb) and cfg.parallel.zero_stage in (1, 2):
             # norms summed over the stage's TP x DP ranks: a TP-sharded tensor's norm is the whole tensor's
-            attach_lamb_segments(engine.optimizer, optimizer, self.groups.dp_group, norm_group=self.groups.stage_group)
+            attach_lamb_segments(engine.optimizer, optimizer, self.replicas.dp_group, norm_group=self.replicas.stage_group)
         return engine
 
     def _device_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -263,7 +268,7 @@ class Trainer:
         with self.phase("forward"):  # an injected slowdown counts as this rank's own compute
             self.faults.on_step_start(self.step + 1)
         step_loss = self._pipeline_batch() if self.groups.dims.pp > 1 else self._accumulated_batch()
-        moe = moe_end_step(self.engine.module, self.groups.dp_group)  # aux-free biases; expert-load health
+        moe = moe_end_step(self.engine.module, self.replicas.dp_group)  # aux-free biases; expert-load health
         self.step += 1
         step_time = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / step_time
@@ -286,19 +291,35 @@ class Trainer:
         for _ in range(self.grad_accumulation):
             with self.phase("data"):
                 inputs, targets = next(self.batches)
+                inputs, targets, sequence, weight = self._context_chunks(inputs, targets)
             with self.phase("forward"):
-                loss = self.faults.transform_loss(self.step + 1, self.engine(inputs, targets))
+                loss = self.engine(inputs, targets) if sequence is None else \
+                    self.engine(inputs, targets, sequence=sequence) * weight
+                loss = self.faults.transform_loss(self.step + 1, loss)
             with self.phase("backward"):
                 self.engine.backward(loss)
             with self.phase("optimizer"):
                 self.engine.step()
             micro_losses.append(loss.detach().float())
         step_loss = torch.stack(micro_losses).mean()
-        if self.groups.dims.dp > 1:  # the loss of the whole global batch, for logging and anomalies
+        if self.replicas.dims.dp > 1:  # the loss of the whole global batch (over dp and cp), for logging and anomalies
             with self.phase("comm"):
-                dist.all_reduce(step_loss, group=self.groups.dp_group)
-            step_loss /= self.groups.dims.dp
+                dist.all_reduce(step_loss, group=self.replicas.dp_group)
+            step_loss /= self.replicas.dims.dp
         return step_loss
+
+    def _context_chunks(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """parallel.cp > 1: this cp rank's two chunks of the samples, the Sequence its attention layers
+        read (global positions, document ids of the whole samples, the ring or all-to-all) and its
+        loss weight (parallel/context_parallel.py). cp = 1: the samples as they are."""
+        cp = self.groups.dims.cp
+        if cp == 1:
+            return inputs, targets, None, 1.0
+        eos = self.index.eos_id if self.cfg.model.attention_mask == "document" else None
+        x, y, positions, docs = shard_batch(inputs, targets, cp, self.groups.cp_rank, eos)
+        sequence = cp_sequence(positions, docs, self.cfg.parallel.cp_mode, self.groups.cp_group,
+                               self.cfg.model.kernels.attention)
+        return x, y, sequence, loss_weight(targets, y, cp)
 
     def _pipeline_batch(self) -> torch.Tensor:
         """1F1B: DeepSpeed pulls grad_accumulation micro-batches from self.batches (first and last
