@@ -73,6 +73,8 @@ def fenced_run(served_cluster2, shared_dir, shard_url, lost: int, monkeypatch) -
     code, out, wall = launch(served_cluster2, run_dir, "0,1", args, [fault])
     assert code == 0, out[-6000:]
     verdict = json.loads((run_dir / "faults" / "host-lost.json").read_text())
+    print("\n".join(line for line in out.splitlines() if line.startswith(("[launch_nodes]", "[host_watch]"))
+                     or "restored step" in line or "lease" in line))
     print(f"partition of node{lost} detection: {verdict['detection_s']:.2f} s after the fault (heartbeat timeout "
           f"{verdict['heartbeat_timeout_s']} s); whole run {wall:.1f} s")
     assert (verdict["node"], verdict["fault"]) == (lost, "partition")
