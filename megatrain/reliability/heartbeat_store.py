@@ -24,6 +24,10 @@ process that finds this run's own slot of a rank and rewrites it faster than the
 can still hide that rank's records, as it could delete them: file permissions and Redis ACLs keep
 it out, not this module.)
 
+A rank of an attempt with a fencing epoch (``MEGATRAIN_EPOCH``, hosts launcher) writes its records
+to Redis through a script that first compares the epoch (``fencing.py``): once a newer attempt
+exists, a stale rank's beat is refused and never lands where the watch reads.
+
 Timestamps are wall-clock (``time.time()``) from each rank's host; across hosts this assumes
 NTP-synchronised clocks, with skew far below the timeout (seconds vs tens of seconds).
 """
