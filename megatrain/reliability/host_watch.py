@@ -31,6 +31,7 @@ import sys
 import time
 
 from megatrain.reliability.heartbeat_store import make_sink
+from megatrain.reliability.slow_link import SlowLinkView
 
 
 class HostWatch:
@@ -45,6 +46,7 @@ class HostWatch:
         self.timeout_s = cfg.reliability.heartbeat_timeout_s
         self.verdict: dict | None = None  # set by the launcher once it acts on one
         self._last_read = 0.0
+        self.slow_link = SlowLinkView(cfg, cluster, nodes, nproc, role_of)  # a slow link named (and evicted)
 
     def ranks(self, position: int) -> list[int]:
         return list(range(position * self.nproc, (position + 1) * self.nproc))
@@ -73,7 +75,7 @@ class HostWatch:
             if silent_s >= limit:
                 silent.append((silent_s, position, node, beats))
         if not silent:
-            return None
+            return self.slow_link(records, now)
         # the node silent longest: its peers' ranks fall silent after it, failing on its absence
         silent_s, position, node, beats = max(silent, key=lambda item: item[0])
         ranks = self.ranks(position)
