@@ -113,7 +113,7 @@ def run_comparison(args, log=print) -> dict:
     per_step = args.batch * cfg.seq_len
     steps = args.steps
     schedule = Schedule.of(optim_cfg, steps)
-    out = Path(args.out).with_suffix(".json")
+    out = report_mod.json_path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "convergence", "family": args.family, "shape": args.shape, "model": cfg.model_dump(),
               "params": sum(p.numel() for p in runs[0].model.parameters()),
@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge:
         report = report_mod.merge(args.merge)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=1))
+        if args.target_run:  # runs trained in separate processes on the same batches, compared here
+            report["time_to_target"] = report_mod.time_to_target(report, args.target_run)
+        report_mod.json_path(args.out).write_text(json.dumps(report, indent=1))
     else:
         report = run_comparison(args, log=lambda msg: print(msg, flush=True))
     if args.png:

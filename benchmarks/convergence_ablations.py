@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import convergence  # noqa: E402
 import convergence_data as data  # noqa: E402
 import convergence_models as models  # noqa: E402
+import convergence_report as report_mod  # noqa: E402
 
 MOE_EXPERTS, MOE_TOP_K = 64, 8
 
@@ -223,7 +224,7 @@ def run_ablations(args, log=print) -> dict:
     index = data.build_shards(data_cfg, cfg.seq_len, cfg.vocab_size)
     val = data.held_out(index, args.val_windows)
     arms = {name: parse_arm(name, args.family, cfg, args) for name in args.arms.split(",")}  # all refused before any runs
-    out = Path(args.out).with_suffix(".json")
+    out = report_mod.json_path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "convergence_ablations", "family": args.family, "shape": args.shape,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

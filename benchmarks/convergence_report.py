@@ -181,6 +181,12 @@ def plot(report: dict, path: Path, window: int = 25) -> None:
     plt.close(fig)
 
 
+def json_path(out: str) -> Path:
+    """``--out`` as the JSON's path: ``<out>.json`` (``with_suffix`` would take ``.3b`` of
+    ``convergence-gpt-1.3b`` for a suffix and write ``convergence-gpt-1.json``)."""
+    return Path(out if out.endswith(".json") else out + ".json")
+
+
 def merge(paths: list[str]) -> dict:
     """One report from several: the runs of each, checked to have read the same corpus and the
     same batches (shard version, tokenizer hash, every step's batch digest)."""

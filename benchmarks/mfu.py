@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. the baseline
     recipe_mb = recipe.train.micro_batch_size
     baseline_mbs = [int(x) for x in (args.baseline_mbs or ("16,8" if args.quick else "16,8,12")).split(",")]
-    late_baseline_mbs = [int(x) for x in (args.late_baseline_mbs or ("12" if args.quick else "")).split(",") if x]
+    late_baseline_mbs = [int(x) for x in (("12" if args.quick else "") if args.late_baseline_mbs is None else args.late_baseline_mbs).split(",") if x]
 
     def baseline(mb: int, **variant) -> Result | None:
         """variant: run_baseline's convert/key/label/precision (fp8_rows.py's torchao row)."""
