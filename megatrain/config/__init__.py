@@ -23,7 +23,7 @@ from megatrain.config.load import (
     parse_overrides,
     read_yaml,
 )
-from megatrain.config.model import KernelConfig, ModelConfig, RopeScaling
+from megatrain.config.model import CheckpointingPolicy, KernelConfig, ModelConfig, RopeScaling, YarnScaling
 from megatrain.config.schema import (
     AnomalyConfig,
     CheckpointConfig,
@@ -42,6 +42,6 @@ from megatrain.config.schema import (
 __all__ = [
     "AnomalyConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FP8Config", "FaultConfig",
     "InitConfig", "KernelConfig", "MixtureComponent", "ModelConfig", "OptimConfig", "OverlapConfig", "ParallelConfig",
-    "ReliabilityConfig", "RopeScaling", "SelfCheckConfig", "TrainConfig", "format_validation_error", "load_config",
+    "ReliabilityConfig", "RopeScaling", "YarnScaling", "CheckpointingPolicy", "SelfCheckConfig", "TrainConfig", "format_validation_error", "load_config",
     "merge", "parse_overrides", "read_yaml",
 ]

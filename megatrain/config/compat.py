@@ -81,6 +81,7 @@ def fingerprint(cfg: Config) -> str:
         for knob in knobs:
             if knob in dumped and getattr(section, knob) == getattr(defaults, knob):
                 dumped.pop(knob)
+    _as_before(keep["model"])
     for knob in _TRACKING_KNOBS:  # what is measured, not how the model trains
         keep["train"].pop(knob)
     if cfg.data.val_fraction == 0.0:  # counts only when a validation split is asked for
@@ -91,11 +92,24 @@ def fingerprint(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _as_before(model: dict) -> None:
+    """A model section dumped as it was before the tagged RoPE scaling and the checkpointing
+    policies: an untagged Llama 3 scaling, a bool for none / full; so recipes keep their
+    fingerprints and checkpoints their state fields."""
+    scaling = model.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type") == "llama3":
+        scaling.pop("rope_type")
+    policy = model.get("activation_checkpointing")
+    if isinstance(policy, dict) and policy.get("policy") in ("none", "full") and policy.get("n") == 1:
+        model["activation_checkpointing"] = policy["policy"] == "full"
+
+
 def state_fields(cfg: Config) -> dict[str, object]:
     """The fields that define what a checkpoint holds, by dotted name: the model's shapes and
     math, the optimizer kind, the precision, the data (and so its sample order) and the seeds.
     A checkpoint written under other values of any of these cannot be continued."""
     dump = cfg.model_dump(mode="json", exclude=_NOT_STATE)
+    _as_before(dump["model"])
     return {k: v for k, v in _flatten(dump).items() if k not in SCHEDULE_FIELDS}
 
 

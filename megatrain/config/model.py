@@ -6,9 +6,10 @@ imports neither torch nor prefect.
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from megatrain.config.section import _Section
 
@@ -47,8 +48,9 @@ class RopeScaling(_Section):
     "llama3"): wavelengths shorter than original_max_position / high_freq_factor are kept,
     those longer than original_max_position / low_freq_factor are divided by ``factor``, and the
     band between is interpolated smoothly. Llama 3.1/3.2 use factor 32 (3.2) or 8 (3.1),
-    low 1, high 4, original 8192."""
+    low 1, high 4, original 8192. ``rope_type`` may be left out (older recipes): llama3."""
 
+    rope_type: Literal["llama3"] = "llama3"
     factor: float = Field(32.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     high_freq_factor: float = Field(4.0, gt=0)
@@ -59,6 +61,80 @@ class RopeScaling(_Section):
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor})")
         return self
+
+
+class YarnScaling(_Section):
+    """YaRN (Peng et al. 2023; Hugging Face's rope_type "yarn", ``_compute_yarn_parameters``):
+    dimensions that turn more than ``beta_fast`` times over ``original_max_position`` keep their
+    frequency, those turning fewer than ``beta_slow`` times are divided by ``factor``, a linear ramp
+    between (over dimension indices, rounded outwards unless ``truncate`` false); cos and sin are
+    multiplied by the attention factor: ``attention_factor``, else mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are set, else 0.1 ln(factor) + 1 (1 for factor <= 1)."""
+
+    rope_type: Literal["yarn"] = "yarn"
+    factor: float = Field(gt=0, description="context extension: new length / original_max_position")
+    original_max_position: int = Field(gt=0, description="the context the model was trained at before")
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    attention_factor: float | None = Field(None, gt=0, description="None: derived from factor (and mscale)")
+    mscale: float | None = Field(None, description="DeepSeek's mscale (with mscale_all_dim)")
+    mscale_all_dim: float | None = None
+    truncate: bool = Field(True, description="round the ramp's ends to whole dimensions (transformers' default)")
+
+    @model_validator(mode="after")
+    def _check(self) -> YarnScaling:
+        if self.beta_fast < self.beta_slow:
+            raise ValueError(f"beta_fast ({self.beta_fast}) must be >= beta_slow ({self.beta_slow})")
+        return self
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor cos and sin are multiplied by (transformers' ``attention_scaling``)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def get(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        if self.mscale and self.mscale_all_dim:
+            return get(self.factor, self.mscale) / get(self.factor, self.mscale_all_dim)
+        return get(self.factor)
+
+
+def _rope_type(value: object) -> str:
+    """The tag of a rope_scaling value; an untagged dict (recipes before YaRN) is Llama 3's."""
+    if isinstance(value, dict):
+        return value.get("rope_type", "llama3")
+    return getattr(value, "rope_type", "llama3")
+
+
+RopeScalingChoice = Annotated[Union[Annotated[RopeScaling, Tag("llama3")], Annotated[YarnScaling, Tag("yarn")]],
+                              Discriminator(_rope_type)]
+
+
+class CheckpointingPolicy(_Section):
+    """What a block keeps for backward (applied from outside the model, parallel/parallelize.py):
+    none keeps every activation; full recomputes every block; selective recomputes attention only
+    (its [B, H, T, hd] projections and softmax statistics, the part that grows with seq_len);
+    every_n recomputes blocks 0, n, 2n, ... (every n-th). ``true``/``false`` read as full/none."""
+
+    policy: Literal["none", "full", "selective", "every_n"] = "none"
+    n: int = Field(1, gt=0, description="every_n: one block in n is recomputed")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bool_or_name(cls, value: object) -> object:
+        if isinstance(value, bool):
+            return {"policy": "full" if value else "none"}
+        if isinstance(value, str):
+            return {"policy": value}
+        return value
+
+    def __bool__(self) -> bool:  # "is anything recomputed", for callers that asked the old bool
+        return self.policy != "none"
+
+    def recomputed(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) is recomputed whole (full, every_n)."""
+        return self.policy == "full" or (self.policy == "every_n" and layer % self.n == 0)
 
 
 class MoEConfig(_Section):
@@ -120,7 +196,8 @@ class ModelConfig(_Section):
         "rotary embeddings applied to q and k in every layer (no table; Hugging Face's rotate-half layout)",
     )
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base (Llama 3: 500000)")
-    rope_scaling: RopeScaling | None = Field(None, description="Llama 3's frequency scaling; None = plain RoPE")
+    rope_scaling: RopeScalingChoice | None = Field(
+        None, description="{rope_type: llama3, ...} (Llama 3's frequency scaling; the default tag) or {rope_type: yarn, ...} (YaRN); None = plain RoPE")
     norm: Literal["layernorm", "rmsnorm"] = Field(
         "layernorm", description="layernorm (with a bias when model.bias) or rmsnorm (a gain only)"
     )
@@ -145,7 +222,8 @@ class ModelConfig(_Section):
     norm_eps: float = Field(1e-5, gt=0, description="epsilon of LayerNorm / RMSNorm (Llama 3: 1e-5)")
     init_std: float = Field(0.02, gt=0)
     kernels: KernelConfig = KernelConfig()
-    activation_checkpointing: bool = False
+    activation_checkpointing: CheckpointingPolicy = Field(
+        CheckpointingPolicy(), description="none | full | selective | every_n ({policy: every_n, n: 2}); true = full")
     compile: bool = Field(False, description="wrap the model in torch.compile (GPU recipes)")
 
     @property

@@ -150,6 +150,8 @@ def _differences(wanted: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path) -
     wanted = {**wanted, "n_kv_head": wanted.get("n_kv_head") or wanted["n_head"]}
     if cfg.rope_scaling is not None:
         ours["rope_scaling"] = cfg.rope_scaling.model_dump()
+    if wanted.get("rope_scaling") is not None:  # as the recipe spells it: with its rope_type and defaults
+        wanted["rope_scaling"] = ModelConfig(position="rope", rope_scaling=wanted["rope_scaling"]).rope_scaling.model_dump()
     if full_attention(cfg):  # a window as long as the context
         ours.update(attention="full", window=None)
     return [f"model.{k}: recipe {ours[k]!r}, {hf_dir} {v!r}" for k, v in wanted.items()

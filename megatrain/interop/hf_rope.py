@@ -13,12 +13,14 @@ non-empty ``rope_scaling`` replaces ``rope_parameters``; inside the dict ``rope_
 beats the dict's (Phi-3's exception), which defaults to ``max_position_embeddings``. Where two
 spellings say different things this module refuses rather than pick one silently.
 
-Types megatrain computes exactly: ``default``; ``llama3`` (megatrain's ``rope_scaling``, the
+Types megatrain computes exactly: ``default``; ``yarn`` (megatrain's ``rope_scaling`` with
+``rope_type: yarn``: factor, original_max_position, beta_fast / beta_slow (transformers' ``or``
+defaults 32 / 1), attention_factor or mscale / mscale_all_dim, truncate); ``llama3`` (megatrain's ``rope_scaling``, the
 same formula as transformers' ``_compute_llama3_parameters``); ``linear`` (every frequency
 divided by ``factor``), which is Llama 3's rule with every band below its low-frequency cut:
 ``original_max_position`` 1 puts the cut at a wavelength of 1, and the shortest RoPE wavelength is
 2 pi, so each inverse frequency is divided by ``factor``, the same single division transformers
-does. Everything else (``yarn`` and ``longrope`` scale attention as well, ``dynamic`` changes the
+does. Everything else (``longrope`` scales attention as well, ``dynamic`` changes the
 base with the sequence length at run time, ``proportional``, per-layer RoPE, a partial rotary
 dimension) is refused naming the field and its value: importing it as plain RoPE would train a
 different model than the one published.
@@ -39,12 +41,14 @@ _KEYS = {
     "default": _COMMON,
     "linear": _COMMON | {"factor"},
     "llama3": _COMMON | {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": _COMMON | {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                       "mscale", "mscale_all_dim", "truncate"},
 }
 # Linear scaling as Llama 3's rule (see the module docstring): every wavelength lies above the cut.
 _ALL_BANDS = {"low_freq_factor": 1.0, "high_freq_factor": 2.0, "original_max_position": 1}
 
 
-def rope_fields(hf: HFConfig, types: tuple[str, ...] = ("default", "llama3", "linear"), theta_key: str = "rope_theta",
+def rope_fields(hf: HFConfig, types: tuple[str, ...] = ("default", "llama3", "linear", "yarn"), theta_key: str = "rope_theta",
                 partial_key: str = "partial_rotary_factor", partial_default: float = 1.0) -> dict[str, Any]:
     """``{"rope_theta": ..., "rope_scaling": None | {...}}`` for ModelConfig, or ImportMismatch
     naming the config.json field megatrain cannot compute. ``theta_key``, ``partial_key`` and
@@ -64,7 +68,7 @@ def rope_fields(hf: HFConfig, types: tuple[str, ...] = ("default", "llama3", "li
     if "type" in params and "rope_type" in params and params["type"] != params["rope_type"]:
         raise hf.refuse(f"{key}.type", f"differs from {key}.rope_type={params['rope_type']!r}", params["type"])
     if rope_type not in types:
-        why = {"yarn": "YaRN also scales the attention logits", "longrope": "LongRoPE also scales the attention logits",
+        why = {"longrope": "LongRoPE also scales the attention logits",
                "dynamic": "dynamic NTK changes the base with the sequence length at run time"}.get(rope_type, "")
         computed = ", ".join(types)
         raise hf.refuse(f"{key}.{type_key}", f"megatrain computes RoPE {computed} exactly{'; ' + why if why else ''} "
@@ -85,6 +89,8 @@ def rope_fields(hf: HFConfig, types: tuple[str, ...] = ("default", "llama3", "li
 
     if rope_type == "default":
         return {"rope_theta": float(theta), "rope_scaling": None}
+    if rope_type == "yarn":
+        return {"rope_theta": float(theta), "rope_scaling": _yarn(hf, key, params)}
     if "factor" not in params:
         raise hf.refuse(key, f"{rope_type} RoPE without a factor")
     if rope_type == "linear":
@@ -101,3 +107,24 @@ def rope_fields(hf: HFConfig, types: tuple[str, ...] = ("default", "llama3", "li
     return {"rope_theta": float(theta), "rope_scaling": {
         "factor": float(params["factor"]), "low_freq_factor": float(params["low_freq_factor"]),
         "high_freq_factor": float(params["high_freq_factor"]), "original_max_position": int(original)}}
+
+
+def _yarn(hf: HFConfig, key: str, params: dict[str, Any]) -> dict[str, Any]:
+    """megatrain's YaRN fields as transformers' ``_compute_yarn_parameters`` reads the dict: the
+    original context top-level first, else the dict's, else max_position_embeddings; a missing
+    factor is max_position_embeddings / original; beta_fast and beta_slow fall back (``or``) to 32 and 1."""
+    original = hf.get("original_max_position_embeddings")
+    if original is None:
+        original = params.get("original_max_position_embeddings", hf["max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf["max_position_embeddings"] / original
+    out = {"rope_type": "yarn", "factor": float(factor), "original_max_position": int(original),
+           "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+           "truncate": bool(params.get("truncate", True))}
+    for name in ("attention_factor", "mscale", "mscale_all_dim"):
+        if params.get(name) is not None:
+            out[name] = float(params[name])
+    if out["beta_fast"] < out["beta_slow"]:
+        raise hf.refuse(f"{key}.beta_fast", f"must be >= beta_slow={out['beta_slow']}", out["beta_fast"])
+    return out

@@ -46,9 +46,17 @@ def _llama_like_refusal(cfg: ModelConfig, name: str, sliding: bool) -> str | Non
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's RoPE dict (transformers 5's ``rope_parameters``: the type, the base and the
+    type's keys; hf_rope.py reads it back)."""
     scaling = field(cfg, "rope_scaling")
     if scaling is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if scaling.rope_type == "yarn":
+        optional = {k: getattr(scaling, k) for k in ("attention_factor", "mscale", "mscale_all_dim")
+                    if getattr(scaling, k) is not None}
+        return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": scaling.factor,
+                "original_max_position_embeddings": scaling.original_max_position, "beta_fast": scaling.beta_fast,
+                "beta_slow": scaling.beta_slow, "truncate": scaling.truncate, **optional}
     return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": scaling.factor,
             "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_position}

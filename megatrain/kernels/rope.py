@@ -12,7 +12,8 @@ q and k projections, which Hugging Face's conversion does.) The rotation is comp
 rounded once. Its backward is the rotation by the opposite angle.
 
 ``rope_tables`` builds cos and sin [T, hd/2] (fp32) for positions offset .. offset + T - 1;
-``rope_inv_freq`` gives the frequencies, with Llama 3's scaling when the config asks for it.
+``rope_inv_freq`` gives the frequencies, with Llama 3's or YaRN's scaling when the config asks for
+it (YaRN also multiplies cos and sin by its attention factor, ``rope_scale``).
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from megatrain.kernels import resolve
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling=None, device: torch.device | None = None) -> torch.Tensor:
-    """[hd/2] fp32 angular frequencies theta^(-2i/hd); ``scaling`` (config_model.RopeScaling) applies Llama 3's
-    rule: keep high frequencies, divide low ones by ``factor``, interpolate the band between."""
+    """[hd/2] fp32 angular frequencies theta^(-2i/hd); ``scaling`` (config.model.RopeScaling or
+    YarnScaling, told apart by ``rope_type``) applies Llama 3's rule (keep high frequencies,
+    divide low ones by ``factor``, interpolate the band between) or YaRN's (``_yarn``)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if getattr(scaling, "rope_type", "llama3") == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
     old = scaling.original_max_position
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen, high_freq_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
@@ -39,11 +43,41 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None, device: torch.devic
     return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
 
 
-def rope_tables(inv_freq: torch.Tensor, seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [T, hd/2] fp32 for positions offset .. offset + T - 1."""
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023, as transformers computes them): dimension pair i
+    turns original_max_position * inv_freq[i] / 2 pi times over the original context. The pair
+    index d(r) at which it turns r times is hd ln(L / (2 pi r)) / (2 ln theta); pairs below
+    d(beta_fast) (fast, many turns) keep inv_freq, pairs above d(beta_slow) take inv_freq / factor,
+    and a linear ramp over the pair index blends the two between (ends rounded outwards when
+    ``truncate``, clamped to [0, hd - 1])."""
+    def turns_at(rotations: float) -> float:
+        return head_dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turns_at(s.beta_fast), turns_at(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width: transformers' guard against dividing by zero
+    pair = torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device)
+    interpolated = ((pair - low) / (high - low)).clamp(0, 1)  # 0: keep the frequency, 1: divide it by factor
+    return inv_freq / s.factor * interpolated + inv_freq * (1 - interpolated)
+
+
+def rope_scale(scaling=None) -> float:
+    """The factor cos and sin are multiplied by: YaRN's attention factor (which so scales every
+    logit q.k by its square), 1 otherwise."""
+    return float(scaling.attention_scale) if getattr(scaling, "rope_type", None) == "yarn" else 1.0
+
+
+def rope_tables(inv_freq: torch.Tensor, seq_len: int, offset: int = 0,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, hd/2] fp32 for positions offset .. offset + T - 1, times ``scale`` (rope_scale)."""
     positions = torch.arange(offset, offset + seq_len, device=inv_freq.device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # [T, hd/2]
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from megatrain.config import ModelConfig
-from megatrain.kernels.rope import rope, rope_inv_freq, rope_tables
+from megatrain.kernels.rope import rope, rope_inv_freq, rope_scale, rope_tables
 
 
 class RotaryEmbedding(nn.Module):
@@ -34,7 +34,7 @@ class RotaryEmbedding(nn.Module):
 
     def _tables(self, length: int, offset: int, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device)  # [hd/2] fp32
-        return rope_tables(inv_freq, length, offset)
+        return rope_tables(inv_freq, length, offset, rope_scale(self.scaling))  # YaRN: times its attention factor
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)

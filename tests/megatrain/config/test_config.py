@@ -98,7 +98,7 @@ def _error(tmp_path, text, overrides=None):
         ("model: {n_head: 12, n_kv_head: 5}", "model", "n_head (12) must be divisible by n_kv_head (5)"),
         ("model: {d_model: 36, n_head: 12, position: rope}", "model", "position rope needs an even head_dim"),
         ("model: {rope_scaling: {factor: 8}}", "model", "rope_scaling: only with position 'rope'"),
-        ("model: {position: rope, rope_scaling: {low_freq_factor: 4, high_freq_factor: 1}}", "model.rope_scaling",
+        ("model: {position: rope, rope_scaling: {low_freq_factor: 4, high_freq_factor: 1}}", "model.rope_scaling.llama3",
          "high_freq_factor (1.0) must exceed low_freq_factor"),
         ("model: {norm: batchnorm}", "model.norm", "'layernorm' or 'rmsnorm'"),
         ("model: {mlp: relu}", "model.mlp", "'gelu', 'swiglu' or 'moe'"),

@@ -45,8 +45,8 @@ def _truncate(path: Path, keep: float) -> None:
 
 # id: (how the good folder is spoiled, what the one line must name). "{tmp}" is the test's tmp dir.
 ROWS = {
-    "yarn rope_scaling": (lambda f: edit_config(f, drop=("rope_parameters",), rope_scaling={"type": "yarn", "factor": 4.0}),
-                          ["{tmp}/bad/config.json", "rope_scaling.type='yarn'", "megatrain computes RoPE"]),
+    "dynamic rope_scaling": (lambda f: edit_config(f, drop=("rope_parameters",), rope_scaling={"type": "dynamic", "factor": 4.0}),
+                             ["{tmp}/bad/config.json", "rope_scaling.type='dynamic'", "megatrain computes RoPE"]),
     "an unknown key": (lambda f: edit_config(f, my_new_knob=3), ["{tmp}/bad/config.json", "my_new_knob=3"]),
     "a wrong-shaped tensor": (lambda f: _tensors(f, lambda t: t.update({K_PROJ: torch.zeros(48, 64)})),
                               [f"{K_PROJ} is [48, 64]", "config.json makes it [32, 64]"]),

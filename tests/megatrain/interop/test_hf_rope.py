@@ -44,9 +44,10 @@ EXACT = {
 }
 # name: (config.json keys replacing every RoPE key, what the refusal must name)
 REFUSED = {
-    "rope_scaling type=yarn": ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.type='yarn'"),
-    "rope_parameters yarn": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
-                                                  "original_max_position_embeddings": 16}}, "rope_parameters.rope_type='yarn'"),
+    "yarn beta_fast below beta_slow": ({"rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 1.0,
+                                                         "beta_slow": 2.0}}, "rope_scaling.beta_fast=1.0"),
+    "a key yarn does not have": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                      "low_freq_factor": 1.0}}, "rope_parameters.low_freq_factor=1.0"),
     "rope_scaling dynamic": ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
     "rope_scaling longrope": ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
                                                 "long_factor": [2.0] * 8}}, "rope_scaling.rope_type='longrope'"),
