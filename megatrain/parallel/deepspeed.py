@@ -78,7 +78,7 @@ def deepspeed_config(cfg: Config, dp: int, bf16: bool, n_params: int) -> dict:
         config["pipeline"] = {
             "pipe_partitioned": partitioned,
             "grad_partitioned": partitioned,
-            "activation_checkpoint_interval": 1 if cfg.model.activation_checkpointing else 0,
+            "activation_checkpoint_interval": 1 if cfg.model.activation_checkpointing.policy == "full" else 0,
         }
     return config
 

@@ -35,9 +35,34 @@ class CheckpointedBlock(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def apply_activation_checkpointing(model: GPT) -> None:
+def _recompute_attention(attention: nn.Module) -> None:
+    """Selective checkpointing: the attention core (between the qkv and output projections: RoPE,
+    softmax(QK^T)V) is recomputed in the backward; the projections, norms and MLP keep their
+    activations. The core's stored tensors are what grows with the context (q, k, v rotated, the
+    output and its statistics), so this saves most of the long-sequence memory at the cost of one
+    attention forward. The method is wrapped on the instance, so parameter names do not change."""
+    core = attention.attend  # the bound method: q, k, v -> attention output [B, T, H hd]
+
+    def attend(qkv: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is not None or not torch.is_grad_enabled():  # generation: nothing to store
+            return core(qkv, cache)
+        return checkpoint(core, qkv, use_reentrant=False)
+
+    attention.attend = attend
+
+
+def apply_activation_checkpointing(model: GPT, policy: object = "full") -> None:
+    """Apply ``model.activation_checkpointing`` (config.model.CheckpointingPolicy, or its name) to
+    the blocks: full wraps every block, every_n blocks 0, n, 2n, ..., selective the attention core of
+    every block, none nothing."""
+    from megatrain.config.model import CheckpointingPolicy
+
+    policy = CheckpointingPolicy.model_validate(policy) if not isinstance(policy, CheckpointingPolicy) else policy
     for i, block in enumerate(model.blocks):
-        model.blocks[i] = CheckpointedBlock(block)
+        if policy.recomputed(i):
+            model.blocks[i] = CheckpointedBlock(block)
+        elif policy.policy == "selective":
+            _recompute_attention(block.attn)
 
 
 # Inductor options for the compiled blocks (``torch.compile(options=...)``), e.g.
@@ -71,11 +96,18 @@ def parallelize(model: GPT, cfg: Config, groups: ProcessGroups, materialize: Cal
     if groups.dims.pp > 1:
         from megatrain.parallel.pipeline import build_pipeline_module
 
+        policy = cfg.model.activation_checkpointing
+        if policy.policy == "every_n":  # DeepSpeed's interval checkpoints runs of n layers, not one in n
+            raise ValueError("model.activation_checkpointing every_n with parallel.pp > 1: the pipeline recomputes "
+                             "full or selective only")
+        if policy.policy == "selective":  # full: the pipeline's own activation_checkpoint_interval
+            apply_activation_checkpointing(model, policy)
+
         if cfg.model.compile:
             _compile_blocks(model)
         return build_pipeline_module(model, cfg, groups)
     if cfg.model.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
     if cfg.model.compile:
         _compile_blocks(model)
     return model

@@ -102,7 +102,7 @@ def build_pipeline_module(model: GPT, cfg: Config, groups: ProcessGroups) -> Pip
         topology=pipeline_topology(dims),
         loss_fn=partial(_head_loss, model.head),
         partition_method="type:" + "|".join(BLOCK_TYPES),
-        activation_checkpoint_interval=1 if cfg.model.activation_checkpointing else 0,
+        activation_checkpoint_interval=1 if cfg.model.activation_checkpointing.policy == "full" else 0,
         activation_checkpoint_func=partial(checkpoint, use_reentrant=False),
         checkpointable_layers=list(BLOCK_TYPES),
     )
