@@ -55,7 +55,7 @@ from megatrain.config import Config
 from megatrain.observe.jsonl import open_append
 from megatrain.parallel.dims import ProcessGroups
 from megatrain.parallel.init import DistEnv
-from megatrain.reliability.fencing import Fence
+from megatrain.launch.fencing import Fence
 
 log = logging.getLogger("megatrain.checkpoint")
 NOTABLE_STALL_S = 0.05  # a memory checkpoint that blocked the loop this long is logged at INFO

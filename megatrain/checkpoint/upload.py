@@ -13,7 +13,7 @@
    write ``manifest.json`` atomically (temporary name, then rename). Restore ignores any step
    without a manifest, so a crash anywhere before this point leaves a step that is never used.
 
-With a ``fence`` (``reliability/fencing.py``: the attempt's epoch, on a cluster whose launcher issued
+With a ``fence`` (``launch/fencing.py``: the attempt's epoch, on a cluster whose launcher issued
 one) every file and marker upload first checks that no newer epoch exists, the markers and the
 manifest carry the epoch, and the commit is a compare-and-record in the run's Redis before the
 manifest is written: a fenced attempt's rank uploads and commits nothing (``StaleEpoch``).

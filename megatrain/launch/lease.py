@@ -19,7 +19,7 @@ refreshes the heartbeat from a thread (writing the record again if it vanished: 
 Redis comes back empty); if it finds another holder's record (it was suspended past the
 timeout and taken over), it stops refreshing and calls ``on_lost``.
 
-A holder of an older fencing epoch (``reliability/fencing.py``: its attempt was fenced by a newer one,
+A holder of an older fencing epoch (``launch/fencing.py``: its attempt was fenced by a newer one,
 e.g. its host was cut off and the stage went on without it) is stale too, whatever its heartbeat
 says: a partitioned host's rank 0 keeps refreshing a lease on a shared volume it still reaches.
 

@@ -31,7 +31,7 @@ Backends (``--backend``, chosen explicitly; ``loopback`` is the default and need
   ``/tmp`` (a node's local disk: no other host sees it). A cluster without Redis (``--no-services``)
   falls back to torchrun agents meeting through c10d at the first node's address.
 
-  Each attempt on hosts gets a fencing epoch from the cluster's Redis (``reliability/fencing.py``,
+  Each attempt on hosts gets a fencing epoch from the cluster's Redis (``launch/fencing.py``,
   ``MEGATRAIN_EPOCH`` in its ranks' environment; ``<run_dir>/epochs.jsonl``). A node the watch calls
   lost is not signalled when the attempt ends: a real launcher cannot reach a cut-off host, so its
   ranks live on until they fail by themselves, and the epoch keeps them from writing anything.
@@ -54,7 +54,7 @@ from pathlib import Path
 from megatrain.config import load_config
 from megatrain.launch import hosts
 from megatrain.launch.ranks import free_port, die_with_parent
-from megatrain.reliability.fencing import EPOCH_ENV, issue_epoch
+from megatrain.launch.fencing import EPOCH_ENV, issue_epoch
 
 BACKENDS = ("loopback", "hosts")
 HOST_STAGING = "/tmp/megatrain/staging"  # inside a host: its private tmpfs, the node's local disk

@@ -90,7 +90,7 @@ class HeartbeatRecord:
     init_phase: str | None = None  # during phase "init": the start-up phase (megatrain/observe/startup.py)
     waits: list[dict[str, Any]] | None = None  # waits on other processes now (megatrain/waits.py)
     started_at: float = field(default_factory=time.time)  # when this record's writer began: its attempt
-    epoch: int | None = None  # the attempt's fencing epoch (reliability/fencing.py); None: not fenced
+    epoch: int | None = None  # the attempt's fencing epoch (launch/fencing.py); None: not fenced
     run_id: str | None = None  # whose record this is (stamped by the sink's Identity)
     signature: str | None = None  # HMAC-SHA256 of the rest under the run's token
 
@@ -287,7 +287,7 @@ def make_sink(cfg: ReliabilityConfig, run_dir: str | Path, run_id: str) -> Heart
     identity = Identity(run_id, os.environ.get(RUN_TOKEN_ENV))
     if cfg.redis_url:
         # Keep records well past the timeout so a watcher can still show a dead rank's last state.
-        from megatrain.reliability.fencing import Fence
+        from megatrain.launch.fencing import Fence
 
         return RedisSink(cfg.redis_url, run_id, ttl_s=max(10 * cfg.heartbeat_timeout_s, 300.0), identity=identity,
                          fence=Fence.from_env(cfg.redis_url, run_id))

@@ -14,7 +14,7 @@ long they have been silent; the launcher writes it to ``<run_dir>/faults/host-lo
 With ``reliability.on_node_loss: shrink`` a lost host does not end the stage: the next attempt
 starts on the surviving nodes (``launch/shrink.py``, the rule the flow's self-check path uses too:
 smaller DP, more accumulation, same global batch, the newest committed checkpoint resharded, its
-data position re-split), with a new fencing epoch (``reliability/fencing.py``) that keeps the lost
+data position re-split), with a new fencing epoch (``launch/fencing.py``) that keeps the lost
 host's ranks, should they live on, from committing, uploading or beating. At most
 ``reliability.max_restarts`` such attempts; ``wait`` (the default) ends the stage with the verdict.
 Each attempt is a row of ``<run_dir>/host-attempts.jsonl`` (nodes, layout, epoch, how it ended).

@@ -136,7 +136,7 @@ def hold_run_dir(cfg) -> Lease:
     """One writer per run dir: rank 0 holds ``<run_dir>/lease.json`` while it trains (a restart
     after a crash takes over the dead attempt's lease, an attempt of a newer fencing epoch that of a
     fenced one)."""
-    from megatrain.reliability.fencing import EPOCH_ENV
+    from megatrain.launch.fencing import EPOCH_ENV
 
     store = FileLeaseStore(cfg.train.run_dir)
     log = logging.getLogger("megatrain")  # taking over a crashed attempt's lease is routine; losing one is not

@@ -1,5 +1,5 @@
 """The case of test_host_fencing.py and test_host_split_brain.py: fencing a partitioned host's stale
-ranks with the attempt epoch (reliability/fencing.py), on two hosts x one rank with
+ranks with the attempt epoch (launch/fencing.py), on two hosts x one rank with
 reliability.on_node_loss: shrink.
 
 - node1 (not rank 0's host) partitioned at step 5 for 7 s: the watch names it lost like host_down, the
@@ -26,7 +26,7 @@ from pathlib import Path
 from host_runs import ROOT, jsonl, launch, overrides, redis_env, shards
 
 from megatrain.config import load_config
-from megatrain.reliability.fencing import EPOCH_ENV, read_log
+from megatrain.launch.fencing import EPOCH_ENV, read_log
 
 STEPS, INTERVAL, PARTITION_S = 20, 2, 7
 WRITER = Path(__file__).with_name("stale_writer.py")

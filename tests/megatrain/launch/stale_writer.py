@@ -9,7 +9,7 @@ import sys
 
 from megatrain.checkpoint.upload import upload_checkpoint
 from megatrain.config.reliability import ReliabilityConfig
-from megatrain.reliability.fencing import Fence, StaleEpoch
+from megatrain.launch.fencing import Fence, StaleEpoch
 from megatrain.reliability.heartbeat_store import HeartbeatRecord, make_sink
 
 url, run_id, staged, durable = sys.argv[1:5]

@@ -1,4 +1,4 @@
-"""Fencing with the attempt epoch (reliability/fencing.py), two hosts x one rank, on_node_loss: shrink:
+"""Fencing with the attempt epoch (launch/fencing.py), two hosts x one rank, on_node_loss: shrink:
 node1 (not rank 0's host) partitioned at step 5 for 7 s is named lost like host_down, attempt 2 (epoch
 + 1) runs on node0; its ranks are out of reach and live on, and once the link is back the store refuses
 their heartbeats, and a stale writer in node1 (the real heartbeat and upload paths, the old epoch) is

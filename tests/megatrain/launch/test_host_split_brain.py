@@ -1,4 +1,4 @@
-"""No split brain when rank 0's host is cut off (reliability/fencing.py), two hosts x one rank,
+"""No split brain when rank 0's host is cut off (launch/fencing.py), two hosts x one rank,
 on_node_loss: shrink: node0 (rank 0, the committer) partitioned at step 5 for 7 s; node1's watch names
 it lost, attempt 2 (epoch + 1) runs on node1 alone as rank 0 and takes over the run dir's lease from
 the fenced holder. The stale rank 0 lives on; when its link is back its uploads, commits and heartbeats
