@@ -65,6 +65,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("megatrain/parallel/expert_parallel.py", "ctx.flight.work.wait()"): COLLECTIVE,
     ("megatrain/parallel/expert_parallel.py", "flight.work.wait()"): COLLECTIVE,
     ("megatrain/parallel/overlap.py", "work.wait()"): COLLECTIVE,
+    ("megatrain/parallel/ring_attention.py", "request.wait()"): COLLECTIVE,
     ("megatrain/parallel/overlap.py", "bucket.work.wait()"): COLLECTIVE,
     ("flows/lifecycle.py", "state.result()"): FINAL_STATE,
     ("flows/pretrain.py", "validated.result()"): FINAL_STATE,

@@ -78,7 +78,8 @@ def fenced_run(served_cluster2, shared_dir, shard_url, lost: int, monkeypatch) -
     print(f"partition of node{lost} detection: {verdict['detection_s']:.2f} s after the fault (heartbeat timeout "
           f"{verdict['heartbeat_timeout_s']} s); whole run {wall:.1f} s")
     assert (verdict["node"], verdict["fault"]) == (lost, "partition")
-    assert verdict["heartbeat_timeout_s"] <= verdict["detection_s"] < verdict["heartbeat_timeout_s"] + 4
+    # the fault is stamped just after the link goes down, the silence counted from the last beat before it
+    assert verdict["heartbeat_timeout_s"] - 0.5 <= verdict["detection_s"] < verdict["heartbeat_timeout_s"] + 4
     epochs = jsonl(run_dir / "epochs.jsonl")
     survivor = 1 - lost
     assert [e["nodes"] for e in epochs] == [[0, 1], [survivor]] and epochs[1]["epoch"] == epochs[0]["epoch"] + 1
@@ -95,8 +96,10 @@ def fenced_run(served_cluster2, shared_dir, shard_url, lost: int, monkeypatch) -
     print(f"refused writes of epoch {epochs[0]['epoch']} after the fence: {log['fenced']}; stale writer: {answers}")
     assert answers["heartbeat"].startswith("refused") and answers["commit"].startswith("refused"), answers
     assert log["fenced"].get("heartbeat", 0) >= 2 and log["fenced"].get("upload", 0) >= 1, log["fenced"]
-    stale_hosts = {r["host"] for r in log["refused"]}
-    assert stale_hosts == {f"node{lost}"}, stale_hosts  # only the cut-off host was refused anything
+    # The cut-off host was refused; anything refused elsewhere is of the old epoch too (the survivor's
+    # rank of the first attempt may still beat between the new epoch's issue and its own exit).
+    assert f"node{lost}" in {r["host"] for r in log["refused"]}, log["refused"]
+    assert {r["epoch"] for r in log["refused"]} == {epochs[0]["epoch"]}, log["refused"]
     by_step = _check_commits(run_dir, log, epochs)
     assert epochs[1]["epoch"] in {e for s in by_step.values() for e in s}  # the new attempt committed
     return log

@@ -26,7 +26,8 @@ def test_host_down_shrinks_to_the_survivor_and_matches_a_resumed_run(served_clus
     print(f"host_down detection: {verdict['detection_s']:.2f} s after the fault (heartbeat timeout "
           f"{verdict['heartbeat_timeout_s']} s, silent {verdict['silent_s']} s); whole run {wall:.1f} s")
     assert (verdict["node"], verdict["fault"]) == (1, "host_down")
-    assert verdict["heartbeat_timeout_s"] <= verdict["detection_s"] < verdict["heartbeat_timeout_s"] + 4
+    # the fault is stamped just after the link goes down, the silence counted from the last beat before it
+    assert verdict["heartbeat_timeout_s"] - 0.5 <= verdict["detection_s"] < verdict["heartbeat_timeout_s"] + 4
     epochs = jsonl(run_dir / "epochs.jsonl")
     assert [e["nodes"] for e in epochs] == [[0, 1], [0]] and epochs[1]["epoch"] == epochs[0]["epoch"] + 1
     attempts = jsonl(run_dir / "host-attempts.jsonl")

@@ -82,7 +82,7 @@ def test_cli_prints_the_table(capsys):
 
 def test_cli_rejects_a_world_size_that_does_not_fit(capsys):
     assert cli([RECIPE, "--world-size", "100"]) == 2
-    assert "not divisible by tp*pp = 64" in capsys.readouterr().out
+    assert "not divisible by tp*pp*cp = 64" in capsys.readouterr().out
 
 
 LLAMA_8B = str(Path(__file__).resolve().parents[3] / "configs" / "llama-8b.yaml")
