@@ -374,7 +374,7 @@ def restore_per_run_environment():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """No hosts cluster of this session left at its end: fails the session (tests/leftover_clusters.py)."""
+    """No hosts cluster of this test run left at its end: fails the run (tests/leftover_clusters.py)."""
     import leftover_clusters
 
     leftover_clusters.check(session)

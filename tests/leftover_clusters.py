@@ -1,5 +1,5 @@
-"""At the end of a test session: no namespace, link, mount or process of a hosts cluster
-(megatrain/launch/hosts.py, everything named ``mtc<6 hex>``) that this session made may be left.
+"""At the end of a pytest run: no namespace, link, mount or process of a hosts cluster
+(megatrain/launch/hosts.py, everything named ``mtc<6 hex>``) that this run made may be left.
 
 A session's clusters are those owned by its own process or by one that is gone (an xdist worker, which
 has ended by the time the controller gets here, or a test's child killed with SIGKILL), and those with
