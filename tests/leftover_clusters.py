@@ -1,11 +1,11 @@
 """At the end of a pytest run: no namespace, link, mount or process of a hosts cluster
 (megatrain/launch/hosts.py, everything named ``mtc<6 hex>``) that this run made may be left.
 
-A session's clusters are those owned by its own process or by one that is gone (an xdist worker, which
+A run's clusters are those owned by its own process or by one that is gone (an xdist worker, which
 has ended by the time the controller gets here, or a test's child killed with SIGKILL), and those with
 no state file. A cluster whose owner still runs (another test run on the machine) or that has no owner
-(``megatrain cluster up``, an operator's) is not this session's. What is found fails the session (exit
-status 1, each item listed) and is then taken down, so the next session starts clean.
+(``megatrain cluster up``, an operator's) is not this run's. What is found fails the run (exit
+status 1, each item listed) and is then taken down, so the next run starts clean.
 
 Only the controlling process checks: an xdist worker ends before the others do, while their clusters
 still stand (``workerinput`` is set on a worker's config only).
@@ -45,7 +45,7 @@ def check(session) -> None:
     from megatrain.launch import hosts
 
     if hosts.available() is not None:
-        return  # no root: this session could make no cluster
+        return  # no root: this run could make no cluster
     left = session_clusters(os.getpid())
     if not left:
         return
