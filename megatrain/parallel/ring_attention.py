@@ -52,6 +52,19 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
+
+def _visible_pairs(cp: int, r: int, src: int, c: int, window, q_doc, k_doc, device):
+    """(query slice, key slice, mask) for each pair of rank r's chunks and rank src's that is not
+    fully masked: forward and backward walk the same pairs."""
+    for a, qc in enumerate(chunk_ids(cp, r)):
+        qs = slice(a * c, (a + 1) * c)
+        for b, kc in enumerate(chunk_ids(cp, src)):
+            ks = slice(b * c, (b + 1) * c)
+            mask = _pair_mask(qc, kc, c, window, None if q_doc is None else q_doc[:, qs],
+                              None if k_doc is None else k_doc[:, ks], device)
+            if mask is not False:
+                yield qs, ks, mask
+
 def _pair_mask(qc: int, kc: int, c: int, window: int | None, q_doc: torch.Tensor | None,
                k_doc: torch.Tensor | None, device: torch.device) -> torch.Tensor | None | bool:
     """Mask of query chunk qc against key chunk kc (chunk size c): False when the pair is hidden
@@ -113,19 +126,12 @@ class RingAttention(torch.autograd.Function):
             pending = ring_exchange(blocks, group) if step < cp - 1 else None  # the next block travels meanwhile
             kb, vb = _repeat(blocks[0].float(), H), _repeat(blocks[1].float(), H)
             kdoc = blocks[2] if doc_ids is not None else None
-            for a, qc in enumerate(chunk_ids(cp, r)):
-                qs = slice(a * c, (a + 1) * c)
-                for b, kc in enumerate(chunk_ids(cp, src)):
-                    ks = slice(b * c, (b + 1) * c)
-                    mask = _pair_mask(qc, kc, c, window, None if doc_ids is None else doc_ids[:, qs],
-                                      None if kdoc is None else kdoc[:, ks], q.device)
-                    if mask is False:
-                        continue
-                    s = _scores(qf[:, :, qs], kb[:, :, ks], mask, scale)
-                    blk_lse = torch.logsumexp(s, -1)  # [B, H, c]
-                    safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
-                    blk_out = torch.exp(s - safe[..., None]) @ vb[:, :, ks]
-                    _merge(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
+            for qs, ks, mask in _visible_pairs(cp, r, src, c, window, doc_ids, kdoc, q.device):
+                s = _scores(qf[:, :, qs], kb[:, :, ks], mask, scale)
+                blk_lse = torch.logsumexp(s, -1)  # [B, H, c]
+                safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
+                blk_out = torch.exp(s - safe[..., None]) @ vb[:, :, ks]
+                _merge(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
             if pending is not None:
                 _wait(pending[0])
                 blocks = pending[1]
@@ -152,20 +158,13 @@ class RingAttention(torch.autograd.Function):
             kb, vb = _repeat(blocks[0].float(), H), _repeat(blocks[1].float(), H)
             kdoc = blocks[2] if doc_ids is not None else None
             dk_rep, dv_rep = torch.zeros_like(kb), torch.zeros_like(vb)
-            for a, qc in enumerate(chunk_ids(cp, r)):
-                qs = slice(a * c, (a + 1) * c)
-                for b, kc in enumerate(chunk_ids(cp, src)):
-                    ks = slice(b * c, (b + 1) * c)
-                    mask = _pair_mask(qc, kc, c, window, None if doc_ids is None else doc_ids[:, qs],
-                                      None if kdoc is None else kdoc[:, ks], q.device)
-                    if mask is False:
-                        continue
-                    s = _scores(qf[:, :, qs], kb[:, :, ks], mask, scale)
-                    p = torch.exp(s - lse[:, :, qs, None])  # [B, H, c, c], the forward's probabilities
-                    dv_rep[:, :, ks] += p.transpose(-2, -1) @ do[:, :, qs]
-                    ds = p * (do[:, :, qs] @ vb[:, :, ks].transpose(-2, -1) - delta[:, :, qs, None])
-                    dq[:, :, qs] += (ds @ kb[:, :, ks]) * scale
-                    dk_rep[:, :, ks] += (ds.transpose(-2, -1) @ qf[:, :, qs]) * scale
+            for qs, ks, mask in _visible_pairs(cp, r, src, c, window, doc_ids, kdoc, q.device):
+                s = _scores(qf[:, :, qs], kb[:, :, ks], mask, scale)
+                p = torch.exp(s - lse[:, :, qs, None])  # [B, H, c, c], the forward's probabilities
+                dv_rep[:, :, ks] += p.transpose(-2, -1) @ do[:, :, qs]
+                ds = p * (do[:, :, qs] @ vb[:, :, ks].transpose(-2, -1) - delta[:, :, qs, None])
+                dq[:, :, qs] += (ds @ kb[:, :, ks]) * scale
+                dk_rep[:, :, ks] += (ds.transpose(-2, -1) @ qf[:, :, qs]) * scale
             dkv[0] += _unrepeat(dk_rep, G)
             dkv[1] += _unrepeat(dv_rep, G)
             if pending is not None:
