@@ -65,8 +65,11 @@ def test_forked_ranks_crash_restart_and_match_a_torchrun_run(tmp_path) -> None:
     assert second.ok, "\n".join(lines[-40:])
     got, want = _losses(run_dir), _losses(reference)
     assert sorted(got) == list(range(1, 9)) and all(got[s] == want[s] for s in got), (got, want)
+    # Forked after the server's imports: a rank's own import phase is a fraction of a torchrun rank's
+    # (both measured in this test, so a busy machine slows both; a fixed bound read 1.07 s on CI).
     startup = json.loads((run_dir / "startup.json").read_text())
-    assert startup["phases_s"]["imports"] < 1.0, startup  # forked after the server's imports
+    spawned = json.loads((reference / "startup.json").read_text())
+    assert startup["phases_s"]["imports"] < 0.5 * spawned["phases_s"]["imports"], (startup, spawned)
     pids = {r.pid for r in DirectorySink(run_dir / "heartbeats").read_all(2).values()}
     assert len(pids) == 2 and os.getpid() not in pids
 
