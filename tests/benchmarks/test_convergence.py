@@ -116,3 +116,23 @@ def test_other_optimizer_settings_or_data_order_are_told_apart(report):
     assert ours[0] == peer[0] and max(abs(a - b) / b for a, b in zip(ours, peer)) > 1e-5
     ours, peer = _pair_losses(work, peer_data_seed=99)
     assert max(abs(a - b) / b for a, b in zip(ours, peer)) > 1e-3
+
+
+def test_the_probe_gives_both_models_the_same_gradients_group_by_group(report, tmp_path):
+    """benchmarks/convergence_probe.py on the fixture's shards: the first step's gradient norms of
+    megatrain and the peer agree per tensor group (embedding, blocks, final norm), on the loader's
+    shifted targets. In several processes it tells a process's state from the models' arithmetic."""
+    import convergence_probe
+
+    _, work = report
+    out = tmp_path / "probe.json"
+    convergence_probe.main(["--probe-out", str(out), "--shape", "tiny", "--batch", "4", "--steps", "1",
+                            "--max-source-bytes", "300000", "--doc-roots", "", "--num-workers", "1",
+                            "--work", str(work), "--device", "cpu", "--runs", "megatrain:0,peer:0,peer:1"])
+    (row,) = json.loads(out.read_text())
+    assert row["targets_equal_shifted_inputs"]
+    ours, peer, other = (row["runs"][name] for name in ("megatrain:0", "peer:0", "peer:1"))
+    assert set(ours["groups"]) == set(peer["groups"]) >= {"embedding", "block 0", "last block", "final norm"}
+    for group, norm in ours["groups"].items():
+        assert abs(norm - peer["groups"][group]) <= 1e-5 * norm, (group, norm, peer["groups"][group])
+    assert abs(ours["grad_norm"] - other["grad_norm"]) > 1e-3 * ours["grad_norm"]  # another init is told apart
