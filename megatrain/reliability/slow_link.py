@@ -7,7 +7,9 @@ sees nothing: all ranks are equally slow. Two pieces of evidence name the host i
 
 1. from the heartbeats (``recent_step_s``, ``recent_forward_s``): every rank's step time is over
    ``1 + reliability.straggler_slowdown`` times its own steady time (the lowest median of three steps
-   seen in this attempt) while its forward time is not: the slowdown is in communication, not compute;
+   seen in this attempt), and over that factor times its forward's own slowdown: the slowdown is in
+   communication, not compute (a busy machine slows forward too, by less: a fixed limit on forward's
+   ratio let the jitter of a loaded machine reset a slow link's clock at every read);
 2. from the links: while that holds, the watch sends each node host an ICMP echo of ``PROBE_BYTES``
    (the host's kernel answers: no process of the host is involved) from the machine's side of the
    bridge; the host whose echo takes over ``PROBE_FACTOR`` times its peers' median (and at least
@@ -114,7 +116,10 @@ class SlowLinkView:
     def __call__(self, records: dict, now: float | None = None) -> dict | None:
         now = time.time() if now is None else now
         ratios = self._ratios(records)
-        comm_bound = ratios is not None and all(s > self.factor and f < self.factor for s, f in ratios.values())
+        # the step slowed past the factor, and by the factor more than forward did: on a busy machine forward
+        # alone jitters 1.5-2x (a 4-rank cluster on 2 cores, load 15-22: named at 5.6x step, 1.36x forward,
+        # then forward medians of 1.5-1.9x reset the eviction clock at every read until the stage ended)
+        comm_bound = ratios is not None and all(s > self.factor and f * self.factor < s for s, f in ratios.values())
         if not comm_bound:
             self.slow_since = None  # the steps recovered (or compute is what slowed): nothing to name now
             return None

@@ -58,6 +58,24 @@ def test_the_rule_names_the_link_only_when_steps_slow_and_forward_does_not():
     assert off.reported["host"] == "node1"
 
 
+def test_forward_jitter_of_a_busy_machine_does_not_reset_a_slow_links_clock():
+    """4 hosts x 1 rank on 2 busy cores (load 15-22): steps 5.6x their steady time after tbf, forward
+    medians 1.4-1.9x from the load. Forward's slowdown explains none of the step's: the link stays slow
+    and is evicted; a machine that slows both alike (2x step, 2x forward) names nothing."""
+    view = _view(evict_after_s=3)
+    assert view(_beats([0.4] * 3, [0.068] * 3), now=0.0) is None
+    assert view(_beats([0.4] * 3 + [2.2] * 3, [0.068] * 3 + [0.093] * 3), now=5.0) is None  # named: 5.5x, 1.37x
+    assert view.reported["host"] == "node1" and view.slow_since == 5.0
+    for now, forward in ((6.0, 0.105), (7.0, 0.114), (7.5, 0.128)):  # 1.54x, 1.68x, 1.88x: not compute
+        verdict = view(_beats([0.4] * 3 + [2.2] * 3, [0.068] * 3 + [forward] * 3), now=now)
+        assert verdict is None and view.slow_since == 5.0, (now, forward)
+    verdict = view(_beats([0.4] * 3 + [2.2] * 3, [0.068] * 3 + [0.12] * 3), now=8.5)
+    assert verdict["cause"] == "slow_link" and verdict["node"] == 1 and verdict["slow_for_s"] == 3.5
+    busy = _view(evict_after_s=1)  # the whole machine twice as slow: compute, not a link
+    busy(_beats([0.4] * 3, [0.068] * 3), now=0.0)
+    assert busy(_beats([0.8] * 3, [0.136] * 3), now=9.0) is None and not hasattr(busy, "reported")
+
+
 def test_a_tbf_limited_link_is_named_by_host_and_evicted(served_cluster2, shared_dir, shard_url):
     shards(shared_dir, shard_url)
     run_dir = shared_dir / "run"
