@@ -105,9 +105,9 @@ class ParallelConfig(_Section):
             self.data_parallel_size(self.world_size)
         if self.ep > 1:
             self._check_expert_parallel()
-        if self.cp > 1 and (self.pp > 1 or self.ep > 1):
-            raise ValueError(f"parallel.cp={self.cp} with parallel.pp={self.pp}, parallel.ep={self.ep}: context "
-                             "parallelism composes with data and tensor parallelism only for now; use pp 1 and ep 1")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"parallel.cp={self.cp} with parallel.ep={self.ep}: context parallelism composes with "
+                             "data, tensor and pipeline parallelism, not yet with expert parallelism; use ep 1")
         return self
 
     def _check_expert_parallel(self) -> None:

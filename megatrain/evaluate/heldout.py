@@ -46,6 +46,7 @@ from megatrain.evaluate.validation_sets import (
     ValidationSet, component_windows, describe, held_out_windows, read_record, validation_sets, write_record,
 )
 from megatrain.observe.metrics import StepMetrics
+from megatrain.parallel.context_parallel import shard_batch
 from megatrain.parallel.dims import ProcessGroups
 
 __all__ = ["EvalResult", "Evaluator", "evaluate_checkpoint", "held_out_windows", "loss_on_windows", "mix",
@@ -167,6 +168,8 @@ class Evaluator:
         def micro_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for first, count in rounds:
                 inputs, targets = to_tensors(windows[first:first + count])
+                if g.dims.cp > 1:  # this rank's chunks: the stages hold their positions (pipeline.py)
+                    inputs, targets, _, _ = shard_batch(inputs, targets, g.dims.cp, g.cp_rank)
                 yield inputs.to(self.device), targets.to(self.device)
 
         # the mean over micro-batches and DP, broadcast to every stage

@@ -45,11 +45,17 @@ class Embedding(nn.Module):
         # learned positions; with RoPE the positions enter inside attention instead
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
+        # The global positions [T] of the tokens this module embeds when none are passed: set from
+        # outside for a pipeline stage under context parallelism, whose layers are called one by one
+        # (GPT.forward, which passes a Sequence's positions, is not), like Attention.sequence.
+        self.positions: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """idx [B, T] int64 -> [B, T, d]; ``positions`` [T]: the tokens' global positions (context parallel)."""
         x = self.wte(idx)
         if self.wpe is not None:
+            if positions is None and offset == 0:
+                positions = self.positions
             if positions is None:
                 positions = torch.arange(offset, offset + idx.shape[1], device=idx.device)
             x = x + self.wpe(positions)

@@ -19,6 +19,15 @@ gradients between the first and last stage of each (dp, tp) fibre after every ba
 (``allreduce_tied_weight_gradients``), and marks the last stage's copy ``ds_pipe_replicated`` so
 the global gradient norm counts it once. The tied layer on the last stage only passes hidden
 states through; ``Head.loss`` reads the same module's weight.
+
+Context parallelism (``parallel.cp``): DeepSpeed's data axis is the dp x cp replica group (the
+topology of ``ParallelDims.replicas()``, in our rank order), so it reduces gradients and averages
+the loss over both. A cp rank's tokens are the same two chunks of every micro-batch, so the
+stage's layers hold them once (``hold_context_chunks``): the chunks' global positions on the
+embedding and on every attention layer, with the ring or all-to-all attention. The trainer and the
+evaluator feed the stages the rank's chunks of each micro-batch (``context_parallel.shard_batch``).
+The document mask is refused with pp (``Config``): its ids change with every micro-batch and the
+stages pass only hidden states.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from torch.utils.checkpoint import checkpoint
 from megatrain.config import Config
 from megatrain.model.block import ParallelBlock, SerialBlock
 from megatrain.model.gpt import GPT, Embedding, Head
+from megatrain.model.attention import Attention
+from megatrain.parallel.context_parallel import chunk_positions, cp_sequence
 from megatrain.parallel.deepspeed import pipeline_topology
 from megatrain.parallel.dims import ProcessGroups
 
@@ -86,6 +97,17 @@ def pipeline_layers(model: GPT) -> list:
     ]
 
 
+def hold_context_chunks(model: GPT, cfg: Config, groups: ProcessGroups) -> None:
+    """A cp rank's layers see its two chunks of every sample: their global positions on the
+    embedding (learned positions) and on each attention layer (RoPE), with the cross-rank attention."""
+    positions = chunk_positions(cfg.seq_len, groups.dims.cp, groups.cp_rank)
+    sequence = cp_sequence(positions, None, cfg.parallel.cp_mode, groups.cp_group, cfg.model.kernels.attention)
+    model.embed.positions = positions
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.sequence = sequence
+
+
 def build_pipeline_module(model: GPT, cfg: Config, groups: ProcessGroups) -> PipelineModule:
     """Wrap a (possibly tensor-parallel) GPT as this rank's pipeline stage. Every rank must call
     it (PipelineModule creates process groups). Train the result with ``deepspeed.initialize(
@@ -96,10 +118,12 @@ def build_pipeline_module(model: GPT, cfg: Config, groups: ProcessGroups) -> Pip
         # The last stage holds the whole Embedding for its tied token table; its position table
         # is never used there and must not be trained (it would get no gradient).
         model.embed.wpe.weight.requires_grad_(False)
+    if dims.cp > 1:
+        hold_context_chunks(model, cfg, groups)
     layers = pipeline_layers(model)
     pipe = PipelineModule(
         layers=layers,
-        topology=pipeline_topology(dims),
+        topology=pipeline_topology(dims.replicas()),  # DeepSpeed's data axis: the dp x cp replicas
         loss_fn=partial(_head_loss, model.head),
         partition_method="type:" + "|".join(BLOCK_TYPES),
         activation_checkpoint_interval=1 if cfg.model.activation_checkpointing.policy == "full" else 0,

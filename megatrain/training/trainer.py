@@ -321,14 +321,28 @@ class Trainer:
                                self.cfg.model.kernels.attention)
         return x, y, sequence, loss_weight(targets, y, cp)
 
+    def _pipeline_chunks(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch -> this cp rank's two chunks of it, for a pipeline stage. DeepSpeed averages
+        the chunks' mean losses over the replicas unweighted: exact while every target counts (the
+        loader ignores none), checked here rather than assumed."""
+        inputs, targets = batch
+        x, y, _, _ = shard_batch(inputs, targets, self.groups.dims.cp, self.groups.cp_rank)
+        if loss_weight(targets, y, self.groups.dims.cp) != 1.0:
+            raise ValueError("parallel.cp with parallel.pp: a micro-batch with ignored targets would weigh the cp "
+                             "ranks' losses unevenly; the pipeline averages them unweighted")
+        return x, y
+
     def _pipeline_batch(self) -> torch.Tensor:
         """1F1B: DeepSpeed pulls grad_accumulation micro-batches from self.batches (first and last
         stage only), interleaves their forwards and backwards across the stages, reduces
         gradients (DP, and the tied embedding between first and last stage) and steps. Its loss
         is already averaged over micro-batches and DP, and broadcast to every stage. An injected
-        loss fault can only change the reported loss here: the backward runs inside DeepSpeed."""
+        loss fault can only change the reported loss here: the backward runs inside DeepSpeed.
+        Under cp the stages get this rank's chunks of each micro-batch (their positions and the ring
+        are held by the layers, ``pipeline.hold_context_chunks``)."""
+        batches = self.batches if self.groups.dims.cp == 1 else map(self._pipeline_chunks, self.batches)
         with self.phase("pipeline"):
-            loss = self.engine.train_batch(self.batches)
+            loss = self.engine.train_batch(batches)
         return self.faults.transform_loss(self.step + 1, loss.detach().float())
 
     def train(self) -> TrainResult:

@@ -10,6 +10,10 @@ what the parent compares with the single-process run of the same global batch:
 - ``grads``: the whole (DP-reduced, TP-gathered) gradient of a few parameters at step 1, taken
   just before the optimizer step;
 - ``weights``: every parameter of this rank's stage after the last step, TP-gathered.
+
+Under context parallelism with a pipeline (``parallel.cp`` with ``parallel.pp``) each rank feeds
+its stages its two chunks of every micro-batch, as the trainer's ``_pipeline_chunks`` does; the
+replica group (dp x cp) is what DeepSpeed reduces over.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 from megatrain.config import Config
 from megatrain.model import GPT, count_parameters
 from megatrain.optim import Lamb, build_optimizer, build_scheduler
+from megatrain.parallel.context_parallel import shard_batch
 from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
 from megatrain.parallel.dims import ParallelDims, build_process_groups
 from megatrain.parallel.init import init_distributed, shutdown_distributed
@@ -105,14 +110,15 @@ def compare_norms(zero) -> dict[str, float | bool]:
 def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     cfg = build_config(variant, world)
     p = cfg.parallel
-    dims = ParallelDims(dp=p.data_parallel_size(world), tp=p.tp, pp=p.pp)
+    dims = ParallelDims(dp=p.data_parallel_size(world), tp=p.tp, pp=p.pp, cp=p.cp)
     dims.validate(world, p.gpus_per_node, cfg.model.n_head, cfg.model.n_layer)
-    groups = build_process_groups(dims, rank)
+    all_groups = build_process_groups(dims, rank)
+    groups = all_groups.replicas()  # dp x cp replicas, as ZeRO and the reduction see them (itself at cp 1)
 
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
     n_params = count_parameters(model)
-    module = parallelize(model, cfg, groups)
+    module = parallelize(model, cfg, all_groups)
     # GPT's own names, also under a pipeline; CheckpointedBlock wraps a block as blocks.i.block
     names = {id(param): name.replace(".block.", ".") for name, param in model.named_parameters()}
     optimizer = build_optimizer(module, cfg.optim)
@@ -164,7 +170,11 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
         engine.clip_fp32_gradients = capture_then_clip
     losses, norms = [], []
     for step in range(cfg.train.steps):
-        micro = my_micro_batches(cfg, step, groups.dp_rank, dims.dp)
+        micro = my_micro_batches(cfg, step, all_groups.dp_rank, dims.dp)
+        if dims.cp > 1:
+            micro = [shard_batch(x, y, dims.cp, all_groups.cp_rank)[:2] for x, y in micro]
+            if variant.get("swap_chunks"):  # the two chunks' tokens exchanged, their positions kept: must not match
+                micro = [(x.roll(x.shape[1] // 2, 1), y.roll(y.shape[1] // 2, 1)) for x, y in micro]
         if dims.pp > 1:
             loss = engine.train_batch(iter(micro))  # 1F1B over the micro-batches, DP-averaged
         else:
@@ -187,7 +197,7 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     if reducer is not None:
         reducer.remove()
     weights = {names[id(q)]: whole(q).clone() for q in params}
-    if groups.dp_rank == 0 and groups.tp_rank == 0:
+    if all_groups.dp_rank == 0 and all_groups.tp_rank == 0 and all_groups.cp_rank == 0:
         result = {"loss": losses, "grad_norm": norms, "grads": grads, "weights": weights, "stage": groups.pp_rank,
                   "norm_check": norm_check}
         torch.save(result, out_dir / f"{variant['name']}.stage{groups.pp_rank}.pt")

@@ -70,7 +70,13 @@ WORLD4 = {
     "tp2xpp2-sp-checkpointed": {**TP2, **PP2, "model.activation_checkpointing": True},
     "llama-tp2xdp2-serial-sp-zero2": {**LLAMA, **SERIAL, **TP2, "parallel.zero_stage": 2},
     "llama-tp2xpp2-parallel-sp": {**LLAMA, **TP2, **PP2},
+    # context parallelism inside the pipeline's stages: learned positions (tied) and RoPE (untied), ring and all-to-all
+    "pp2xcp2-ring": {**PP2, "parallel.cp": 2},
+    "pp2xcp2-alltoall-checkpointed": {**PP2, "parallel.cp": 2, "parallel.cp_mode": "alltoall",
+                                      "model.activation_checkpointing": True},
+    "llama-pp2xcp2-ring-untied": {**LLAMA, **SERIAL, **PP2, "parallel.cp": 2, "model.tie_embeddings": False},
 }
+SWAPPED = {"pp2xcp2-ring-swapped-chunks": {**PP2, "parallel.cp": 2}}  # must NOT match (test below)
 TOLERANCE = 1e-5
 
 
@@ -90,7 +96,8 @@ def world2(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="session")
 def world4(tmp_path_factory) -> dict[str, dict]:
-    return run_parity(4, variants(WORLD4), tmp_path_factory.mktemp("world4"))
+    swapped = [{"name": name, "set": overrides, "swap_chunks": True} for name, overrides in SWAPPED.items()]
+    return run_parity(4, variants(WORLD4) + swapped, tmp_path_factory.mktemp("world4"))
 
 
 @pytest.fixture(scope="session")
@@ -178,3 +185,12 @@ def test_variants_really_differ_from_each_other(world2, reference):
     initial = dict(GPT(build_config({}, 1).model).named_parameters())
     moved = relative_error(world2["dp2"]["weights"]["blocks.0.mlp.fc.weight"], initial["blocks.0.mlp.fc.weight"].detach())
     assert moved > 100 * TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_misplaced_context_chunk_inside_the_pipeline_fails_the_comparison(world4, reference):
+    """The cp rank's two chunks exchanged (tokens moved, positions kept): the comparison that
+    pp2xcp2-ring passes must fail, so it sees where each chunk sits."""
+    (name, overrides), = SWAPPED.items()
+    with pytest.raises(AssertionError):
+        assert_matches(world4[name], reference(overrides))
