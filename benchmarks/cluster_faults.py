@@ -15,7 +15,12 @@ each appeared:
 - first step after recovery: the first row that appeared after the recovery (the verdict for a lost
   host: the shrunk attempt's first step; the service's restart for redis/storage), from the fault;
 - steps redone: rows of steps trained again (the shrunk attempt restores the newest commit);
-- lost: the time from the fault until the run is past the step it was in, less one steady step.
+- lost: how much later than a steady run the run got past the highest step it reached before the
+  recovery (the step it was in for a lost host; a slow link trains on, slowly, until its eviction): the
+  first row past that step after the recovery, less the last row before the fault, less a steady step
+  for each step in between (the fault fires within a launcher poll, 0.2 s, of a row: counting from the
+  fault itself would hide up to a step). No recovery (a slow link not evicted before the stage ended):
+  the extra time until the stage's last row, a floor (``recovered: false``).
 
 ETTR estimate (not a run of that length): a campaign of ``--campaign-minutes`` with a fault every
 ``--every-minutes``, the classes in turn, each costing its measured lost time, against the same campaign
@@ -38,10 +43,15 @@ CLASSES = ("host_down", "partition", "slow_link", "redis_host_down", "storage_ho
 
 
 def steady_step_s(rows: list[tuple[float, dict]]) -> float:
-    """Median of the rows' step times after the first two (start-up, warm caches)."""
-    times = [r["step_time_s"] for _, r in rows[2:] if r.get("step_time_s")] or [r["step_time_s"] for _, r in rows
-                                                                                 if r.get("step_time_s")]
-    return statistics.median(times) if times else float("nan")
+    """Median wall time between consecutive rows after the first two (start-up, warm caches): what a
+    step costs the run, checkpoint saves and logging included, which a rank's ``step_time_s`` leaves out.
+    Too few rows: the median ``step_time_s``."""
+    times = [t for t, _ in rows[2:]]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    if len(gaps) >= 3:
+        return statistics.median(gaps)
+    own = [r["step_time_s"] for _, r in rows if r.get("step_time_s")]
+    return statistics.median(own) if own else float("nan")
 
 
 def measure(result: dict, step_s: float) -> dict:
@@ -52,7 +62,7 @@ def measure(result: dict, step_s: float) -> dict:
     out = {"class": result["name"], "exit": result["exit"], "fired": fault is not None,
            "final_step": max(steps, default=0), "steps": result["steps"],
            "steps_redone": len(steps) - len(set(steps)), "detection_s": None, "first_step_after_s": None,
-           "lost_s": None, "found_as": None}
+           "lost_s": None, "found_as": None, "recovered": None}
     if fault is None:
         return out
     t0 = fault["time"]
@@ -61,26 +71,42 @@ def measure(result: dict, step_s: float) -> dict:
         out["found_as"] = verdict.get("cause", "lost host")
         recovered = verdict.get("detected_at", t0)
     else:
-        recovered = fault.get("restored", t0)
-        out["found_as"] = "outage (retried)" if "restored" in fault else None
+        recovered = fault.get("restored")
+        out["found_as"] = "outage (retried)" if recovered is not None else None
+    out["recovered"] = recovered is not None
+    before = [(t, r["step"]) for t, r in rows if t <= t0]
+    last_t, at_fault = max(before, default=(result["start"], 0))
+    if recovered is None:  # the fault lasted past the run's end (a slow link never evicted): lost till then
+        if rows and max(steps) > at_fault:
+            end_t = max(t for t, _ in rows)
+            out["lost_s"] = round(max(0.0, end_t - last_t - (max(steps) - at_fault) * step_s), 2)
+        return out
     after = [t for t, _ in rows if t > recovered]
     if after:
         out["first_step_after_s"] = round(min(after) - t0, 2)
-    at_fault = max((r["step"] for t, r in rows if t <= t0), default=0)
-    past = [t for t, r in rows if t > t0 and r["step"] > at_fault]
+    # the highest step reached before the recovery (a slow link trains slowly until its eviction): the
+    # run is back once past it; the steps from the fault's to that one would have taken a steady step each
+    reached = max([at_fault, *(r["step"] for t, r in rows if t0 < t <= recovered)])
+    past = [t for t, r in rows if t > recovered and r["step"] > reached]
     if past:
-        out["lost_s"] = round(max(0.0, min(past) - t0 - step_s), 2)
+        out["lost_s"] = round(max(0.0, min(past) - last_t - (reached + 1 - at_fault) * step_s), 2)
     return out
 
 
 def ettr_estimate(measured: list[dict], startup_s: float, minutes: float, every_minutes: float) -> dict:
+    """``(T - startup - k x mean lost) / T``, ``k = floor(T / every)``: the mean over the classes that
+    gave a lost time; those that did not are named (``not_counted``), never counted as free."""
+    if minutes <= 0:
+        raise ValueError(f"--campaign-minutes must be positive, got {minutes}")
     total = minutes * 60.0
-    lost = [m["lost_s"] for m in measured if m.get("lost_s") is not None]
-    per_fault = statistics.mean(lost) if lost else 0.0
+    counted = [m for m in measured if m.get("lost_s") is not None]
+    per_fault = statistics.mean(m["lost_s"] for m in counted) if counted else 0.0
     faults = int(minutes // every_minutes) if every_minutes > 0 else 0
     clean = max(0.0, total - startup_s) / total
     faulted = max(0.0, total - startup_s - faults * per_fault) / total
     return {"campaign_minutes": minutes, "every_minutes": every_minutes, "faults": faults,
+            "counted": [m["class"] for m in counted],
+            "not_counted": [m["class"] for m in measured if m.get("lost_s") is None],
             "mean_lost_per_fault_s": round(per_fault, 2), "startup_s": round(startup_s, 2),
             "ettr_without_faults": round(clean, 4), "ettr_with_faults": round(faulted, 4),
             "ettr_ratio": round(faulted / clean, 4) if clean else None}
@@ -101,6 +127,8 @@ def table(measured: list[dict], ettr: dict, step_s: float) -> str:
               f"({ettr['faults']} faults, {ettr['mean_lost_per_fault_s']} s lost each): "
               f"{ettr['ettr_with_faults']:.3f} vs {ettr['ettr_without_faults']:.3f} without faults "
               f"(ratio {ettr['ettr_ratio']})"]
+    if ettr["not_counted"]:
+        lines.append(f"not in the mean (no lost time measured): {', '.join(ettr['not_counted'])}")
     return "\n".join(lines)
 
 
@@ -112,6 +140,18 @@ def report(results: list[dict], clean: dict, minutes: float, every: float) -> di
     return {"step_s": step_s, "classes": measured, "ettr": ettr, "table": table(measured, ettr, step_s),
             "clean": {"exit": clean["exit"], "final_step": max((r["step"] for _, r in clean["rows"]), default=0),
                       "wall_s": round(clean["end"] - clean["start"], 1)}}
+
+
+RUN_KEYS = ("name", "exit", "cluster", "fault", "verdict", "load", "left", "log_tail")
+
+
+def document(results: list[dict], clean: dict, minutes: float, every: float, meta: dict) -> dict:
+    """The JSON written: ``report``'s numbers, each run's record (what fired, the verdict, the load
+    average before and after, what was left of its cluster) and ``meta`` (command, commit, work)."""
+    out = report(results, clean, minutes, every)
+    out["runs"] = [{k: r.get(k) for k in RUN_KEYS} for r in [clean, *results]]
+    out.update(meta)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,10 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in classes:
         results.append(runs.run_class(name, shards, work, args.steps, args.interval, args.fault_step))
         print(f"{name}: exit {results[-1]['exit']}, {len(results[-1]['rows'])} rows", flush=True)
-    out = report(results, clean, args.campaign_minutes, args.every_minutes)
-    out["runs"] = [{k: r[k] for k in ("name", "exit", "fault", "verdict", "log_tail")} for r in results]
-    out["work"] = str(work)
+    out = document(results, clean, args.campaign_minutes, args.every_minutes,
+                   {"command": " ".join(["benchmarks/cluster_faults.py", *(argv if argv is not None else sys.argv[1:])]),
+                    "commit": runs.commit(), "work": str(work)})
     print(out["table"])
+    for run in out["runs"]:
+        if any(run["left"].values()):
+            print(f"{run['name']}: left behind after hosts.down: {run['left']}", file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     print(f"wrote {args.out}")

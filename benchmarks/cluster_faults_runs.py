@@ -87,7 +87,7 @@ def run_class(name: str | None, shards: Path, work: Path, steps: int, interval: 
     tail.start()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MEGATRAIN_FAULTS=json.dumps([fault] if fault else []),
                MEGATRAIN_RUN_TOKEN=f"token-{run_dir.name}-0123456789ab")
-    start = time.time()
+    load_before, start = os.getloadavg(), time.time()
     try:
         done = subprocess.run([sys.executable, "-m", "megatrain.reliability.host_watch", "--cluster", cluster.name,
                                "--config", CONFIG, "--nodes-dir", str(run_dir / "nodes"),
@@ -101,6 +101,7 @@ def run_class(name: str | None, shards: Path, work: Path, steps: int, interval: 
         if fault and fault["kind"] == "slow_link":
             cluster.clear_link(f"node{FAULT_NODE}")
         hosts.down(cluster.name)
+    left = leftovers(cluster.name, run_dir)
     fired = marker(run_dir, fault["kind"], fault.get("node", 0)) if fault else None
     lost = run_dir / "faults" / "host-lost.json"
     (run_dir / "launcher.log").write_text(done.stdout + done.stderr)
@@ -109,7 +110,26 @@ def run_class(name: str | None, shards: Path, work: Path, steps: int, interval: 
             "verdict": json.loads(lost.read_text()) if lost.exists() else None,
             "rows": [(t, {"step": r["step"], "loss": r["loss"], "step_time_s": r.get("step_time_s")})
                      for t, r in tail.rows],
-            "steps": steps, "log_tail": (done.stdout + done.stderr)[-1500:]}
+            "steps": steps, "log_tail": (done.stdout + done.stderr)[-1500:], "cluster": cluster.name,
+            "load": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+            "left": left}
+
+
+def leftovers(name: str, run_dir: Path) -> dict[str, list]:
+    """What of cluster ``name`` and of the run is still there after ``hosts.down``: its namespaces,
+    links, and any process whose command line names the run's folder (a rank outside every host)."""
+    from megatrain.launch import hosts
+
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if str(run_dir).encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return {"netns": [ns for ns in hosts.list_netns() if ns.startswith(name)],
+            "links": [link for link in hosts.list_links() if link.startswith(name)], "pids": pids}
 
 
 def prepared_shards(work: Path) -> Path:
@@ -123,6 +143,14 @@ def prepared_shards(work: Path) -> Path:
     cfg = load_config(ROOT / CONFIG, ["data.max_source_bytes=300000", f"data.shard_url={target}"])
     shard_corpus(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
     return target
+
+
+def commit() -> str:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return f"{head}+dirty" if dirty else head
 
 
 def work_dir(path: str | None) -> Path:
