@@ -22,6 +22,7 @@ from flows.lifecycle import campaign_lease, run_from_command_line
 from flows.shard_data import shard_campaign_data
 from megatrain.launch.lease import LeaseHeld
 from tasks.campaign import validate_campaign
+from tasks.cluster import ClusterUnavailable, campaign_cluster
 from tasks.export import export_final_model
 from tasks.report import sample_stage, write_report
 from tasks.selfcheck import run_self_check
@@ -55,9 +56,10 @@ def pretrain(campaign_path: str = DEFAULT_CAMPAIGN, overrides: list[str] | None 
         return Completed(message=finished.splitlines()[0])
     with stop_on_signals():
         try:
-            with campaign_lease(campaign, lease_wait_s):
-                return _run_stages(campaign)
-        except LeaseHeld as exc:
+            # launcher hosts: the campaign's cluster, brought up here and always taken down (tasks/cluster.py)
+            with campaign_lease(campaign, lease_wait_s), campaign_cluster(campaign) as on_cluster:
+                return _run_stages(on_cluster)
+        except (LeaseHeld, ClusterUnavailable) as exc:
             return Failed(message=str(exc), data=exc)
 
 

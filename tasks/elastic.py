@@ -1,7 +1,11 @@
 """A multi-node stage on this machine, and what happens when a node is lost: shrink and grow.
 
 ``launch_nodes`` is one attempt of a stage whose campaign has ``nnodes > 1`` and ``launcher:
-local``: N torchrun agents of ``nproc_per_node`` ranks each (``megatrain.launch.nodes``).
+local``: N torchrun agents of ``nproc_per_node`` ranks each (``megatrain.launch.nodes``); or of a
+``launcher: hosts`` campaign: each node's ranks inside its host of the campaign's cluster
+(``tasks/cluster.py``), watched by the host watch (``megatrain.reliability.host_watch``), whose
+verdict on a lost host (its ranks' heartbeats silent in the cluster's Redis, never a process's
+exit) ends the attempt; the host then fails its check for the rest of the stage.
 Before it starts the ranks it self-checks every node of the campaign (``check_node``) and
 applies ``reliability.on_node_loss``:
 
@@ -60,11 +64,51 @@ def check_node(campaign: CampaignConfig, index: int, node: int) -> list[str]:
     failing = []
     if evicted_marker(cfg.train.run_dir, node).exists():
         failing.append("alive (evicted by an injected evict_node fault)")
+    if campaign.launcher == "hosts":
+        failing += host_problems(campaign, cfg.train.run_dir, node)
     if campaign.self_check:
         from megatrain.reliability.selfcheck import run_node_checks
 
         failing += run_node_checks(cfg, node=f"node-{node}").failing
     return failing
+
+
+def host_problems(campaign: CampaignConfig, run_dir: str, node: int) -> list[str]:
+    """A node of a hosts campaign fails when the host watch called its host lost in this stage (its
+    ranks' heartbeats fell silent: ``<run_dir>/host-attempts.jsonl``), for the rest of the stage as an
+    evicted node does, and when its host does not answer an ICMP echo over the cluster's bridge (a
+    host lost in an earlier stage, gone for good, is left out of the next stage's attempts)."""
+    from megatrain.launch import hosts
+    from megatrain.launch.nodes import host_role
+    from megatrain.reliability.slow_link import echo_ms
+
+    failing = []
+    for row in _jsonl(Path(run_dir) / "host-attempts.jsonl"):
+        lost = row.get("lost") or {}
+        if lost.get("node") == node:
+            failing.append(f"alive (host {lost.get('host')} named lost in attempt {row.get('attempt')}: its "
+                           "ranks' heartbeats in the cluster's Redis fell silent)")
+            break
+    host = hosts.Cluster.load(campaign.cluster).host(host_role(node))
+    if not any(echo_ms(host.address, payload=56) is not None for _ in range(3)):
+        failing.append(f"reachable (host {host.role} at {host.address} answers no echo over the bridge)")
+    return failing
+
+
+def _jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def lost_host(run_dir: str, since: float) -> dict | None:
+    """The host watch's verdict of an attempt that started at ``since`` (``faults/host-lost.json``), or None."""
+    try:
+        verdict = json.loads((Path(run_dir) / "faults" / "host-lost.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return verdict if verdict.get("detected_at", 0.0) >= since else None
 
 
 def plan_nodes(campaign: CampaignConfig, index: int, config_path: str) -> NodePlan:
@@ -149,18 +193,31 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
 
     ensure_run_token()  # before the ranks' env and the watcher: only this run's ranks sign heartbeats it believes
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+    on_hosts = campaign.launcher == "hosts"
+    if on_hosts and not campaign.cluster:
+        raise ValueError(f"campaign {campaign.id}: launcher hosts without a cluster (the flow brings one up: "
+                         "tasks/cluster.py)")
+    # on hosts the node launcher's host watch reads the ranks' beats in the cluster's Redis and names a lost
+    # host; it ends the attempt, and the next one is planned here as for nodes on this machine
     command = nodes_command(config_path, plan.nodes, campaign.nproc_per_node, campaign.stage_dir(index) / "nodes",
-                            [f"parallel.world_size={plan.world_size}"])
-    watcher = HeartbeatWatcher.from_config(cfg.reliability, cfg.train.run_dir, cfg.run_id, world_size=plan.world_size)
+                            [f"parallel.world_size={plan.world_size}"], cluster=campaign.cluster if on_hosts else None,
+                            one_attempt=on_hosts)
+    watcher = None if on_hosts else HeartbeatWatcher.from_config(cfg.reliability, cfg.train.run_dir, cfg.run_id,
+                                                                 world_size=plan.world_size)
     attempt_log = AttemptLog(cfg.train.run_dir, attempt, forward=logger.info)
     abandoned = abandoned_event(config_path)
+    started = time.time()
     try:  # a hung rank on any node: stacks collected, every node stopped (megatrain.launch.ranks.run_ranks)
         result = run_ranks(command, on_line=attempt_log, watcher=watcher, timeout_s=campaign.stage_timeout_s, env=env,
                            verdict_reader=verdict, poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
                            should_stop=should_stop(abandoned))
     finally:
-        watcher.close()
+        if watcher is not None:
+            watcher.close()
+    lost = lost_host(cfg.train.run_dir, started) if on_hosts else None
+    if lost is not None and not result.ok:  # the cause is the host, not the survivors' ranks failing on its absence
+        result.status, result.message, result.faulty_ranks = "crashed", lost["message"], lost["ranks"]
     result.message = f"{result.message} [{summary}]".strip()
     return attempt_state(result, attempt, attempt_log, abandoned, extra=dict(
         nodes=plan.nodes, excluded={str(n): c for n, c in plan.excluded.items()}, dp=plan.dp,
-        accumulation=plan.accumulation, change=plan.change))
+        accumulation=plan.accumulation, change=plan.change, lost_host=lost))

@@ -314,14 +314,16 @@ def _stopped(stage_name: str, cfg, uploaded: set[int]) -> Cancelled:
 
 
 def _launch(campaign: CampaignConfig, index: int, config_path: str, attempt: int):
-    """One attempt's ranks: torchrun here, or an indexed Job of nnodes pods on Kubernetes."""
+    """One attempt's ranks: torchrun here, nodes here or on hosts, or an indexed Job of nnodes pods on Kubernetes."""
     if campaign.launcher == "kubernetes":
         from tasks.kubernetes import launch_kubernetes_job, stage_manifests
 
         manifests = stage_manifests(campaign, index, attempt, Path(config_path).read_text(),
                                     image=os.environ.get("MEGATRAIN_IMAGE", "megatrain:latest"))
         return launch_kubernetes_job.submit(manifests, campaign.stage_timeout_s)
-    if campaign.nnodes > 1:  # N torchrun agents here, each node self-checked first (shrink/grow: tasks/elastic.py)
+    # N node launchers (torchrun agents here, or each inside its host of the campaign's cluster), each node
+    # checked first (shrink/grow: tasks/elastic.py)
+    if campaign.nnodes > 1 or campaign.launcher == "hosts":
         from tasks.elastic import launch_nodes
 
         return launch_nodes.submit(campaign, index, config_path, attempt)

@@ -59,7 +59,14 @@ class CampaignConfig(_Section):
     nnodes: int = Field(1, gt=0, description="nodes of nproc_per_node ranks; launcher local: that many torchrun "
                         "agents on this machine meeting through a c10d rendezvous (megatrain.launch.nodes), each node "
                         "self-checked before every attempt (reliability.on_node_loss: wait | shrink)")
-    launcher: Literal["local", "kubernetes"] = "local"
+    launcher: Literal["local", "kubernetes", "hosts"] = Field(
+        "local", description="local: this machine's processes (nnodes torchrun agents on loopback); kubernetes: an "
+        "indexed Job of nnodes pods; hosts: nnodes hosts of a one-machine cluster (megatrain/launch/hosts.py, root "
+        "only), each node's ranks started inside its host, found lost by their heartbeats in the cluster's Redis")
+    cluster: str | None = Field(
+        None, pattern=r"^mtc[0-9a-f]{6}$", description="launcher hosts: the name of a running cluster (megatrain "
+        "cluster up --hosts N, with its services) the stages run on, left up afterwards; None: the flow brings up "
+        "one of nnodes hosts for the campaign and takes it down when it ends, however it ends")
     root_dir: str = Field("runs/campaigns", description="local directory for run dirs, staging and reports")
     durable_url: str | None = Field(None, description="fsspec URL for committed checkpoints; default <root_dir>/<id>/durable")
     shard_url: str | None = Field(None, description="where the shards go; default the recipe's data.shard_url")
@@ -85,6 +92,13 @@ class CampaignConfig(_Section):
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         return stages
+
+    @model_validator(mode="after")
+    def _cluster_is_for_hosts(self) -> CampaignConfig:
+        if self.cluster is not None and self.launcher != "hosts":
+            raise ValueError(f"cluster {self.cluster}: only launcher hosts runs on a cluster of hosts "
+                             f"(launcher is {self.launcher})")
+        return self
 
     @model_validator(mode="after")
     def _every_stage_is_a_valid_run(self) -> CampaignConfig:

@@ -69,10 +69,11 @@ def evicted_marker(run_dir: str | Path, node: int) -> Path:
 
 
 def nodes_command(config_path: str | Path, nodes: list[int], nproc_per_node: int, nodes_dir: str | Path,
-                  overrides: list[str] | None = None, cluster: str | None = None) -> list[str]:
+                  overrides: list[str] | None = None, cluster: str | None = None, one_attempt: bool = False) -> list[str]:
     """The command ``run_ranks`` supervises for a stage on ``nodes`` (indices into the campaign's nodes);
-    with ``cluster`` each node inside its host of that cluster (backend ``hosts``)."""
-    backend = ["--backend", "hosts", "--cluster", cluster] if cluster else []
+    with ``cluster`` each node inside its host of that cluster (backend ``hosts``); ``one_attempt``: the
+    watch ends the stage's attempt with a lost host's verdict and its caller plans the next (the flow)."""
+    backend = ["--backend", "hosts", "--cluster", cluster, *(["--one-attempt"] if one_attempt else [])] if cluster else []
     module = "megatrain.reliability.host_watch" if cluster else "megatrain.launch.nodes"  # a lost host: by heartbeats
     return [sys.executable, "-m", module, "--config", str(config_path), "--nodes-dir", str(nodes_dir),
             "--nodes", ",".join(map(str, nodes)), "--nproc-per-node", str(nproc_per_node), *backend, *(overrides or [])]

@@ -18,6 +18,9 @@ data position re-split), with a new fencing epoch (``launch/fencing.py``) that k
 host's ranks, should they live on, from committing, uploading or beating. At most
 ``reliability.max_restarts`` such attempts; ``wait`` (the default) ends the stage with the verdict.
 Each attempt is a row of ``<run_dir>/host-attempts.jsonl`` (nodes, layout, epoch, how it ended).
+With ``--one-attempt`` (the pretrain flow's launch, ``tasks/elastic.py``) the launcher ends after the
+first attempt with the verdict written, and the flow's elastic path plans the next attempt on the
+survivors with the same rule.
 
 Silence is measured against the beat's own timestamp: the hosts of one machine share its clock (a
 real cluster's would need the store's time instead; see docs/architecture.md).
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return watches[-1]
 
     argv = sys.argv[1:] if argv is None else argv
+    # the flow's elastic path (tasks/elastic.py) plans the next attempt itself: one attempt here
+    one_attempt = "--one-attempt" in argv
+    argv = [a for a in argv if a != "--one-attempt"]
     if "--backend" not in argv:
         argv = ["--backend", "hosts", *argv]
     args = nodes.parse_args(argv)
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict = watches[-1].verdict if watches else None
         _record(cfg.train.run_dir, attempt, current, extra, code, verdict)
         survivors = [n for n in current if verdict is not None and n != verdict["node"]]
-        if code == 0 or verdict is None or cfg.reliability.on_node_loss != "shrink" or not survivors:
+        if code == 0 or verdict is None or cfg.reliability.on_node_loss != "shrink" or not survivors or one_attempt:
             return code
         if attempt == cfg.reliability.max_restarts + 1:
             print(f"[host_watch] reliability.max_restarts={cfg.reliability.max_restarts} spent; the stage ends",
