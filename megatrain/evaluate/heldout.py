@@ -16,6 +16,9 @@ The loss of a set is the mean over every token of it, whatever dp, tp or pp are:
   none: that rank runs a forward on a stand-in micro-batch, not counted, so the ranks' collectives
   (ZeRO-3 gathers, expert all-to-alls) stay in step;
 - tp: the ranks of a TP group read the same samples and compute one (vocab-parallel) loss;
+- cp: each rank runs its two chunks of every window through the ring or all-to-all, as in training
+  (a long window is never whole on one rank), and the token-loss sums are all-reduced over the
+  dp x cp replicas; under a pipeline the stages get the rank's chunks (``pipeline.py``);
 - pp: DeepSpeed's ``eval_batch`` runs equal micro-batches through the stages and averages over
   them and DP, broadcasting the result to every stage; a set that is not whole rounds is read
   ``lcm(n, dp * mb) / n`` times over (each window as often as every other: the same mean).
@@ -46,7 +49,7 @@ from megatrain.evaluate.validation_sets import (
     ValidationSet, component_windows, describe, held_out_windows, read_record, validation_sets, write_record,
 )
 from megatrain.observe.metrics import StepMetrics
-from megatrain.parallel.context_parallel import shard_batch
+from megatrain.parallel.context_parallel import rank_chunks, shard_batch
 from megatrain.parallel.dims import ProcessGroups
 
 __all__ = ["EvalResult", "Evaluator", "evaluate_checkpoint", "held_out_windows", "loss_on_windows", "mix",
@@ -151,11 +154,17 @@ class Evaluator:
         for first, count in rank_rounds(len(windows), g.dims.dp, mb, g.dp_rank):
             # a rank past the set's end runs a stand-in micro-batch, so every rank's collectives match
             inputs, targets = to_tensors(windows[first:first + count] if count else windows[:mb])
-            loss = engine(inputs.to(self.device), targets.to(self.device))
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            if g.dims.cp > 1:  # this rank's chunks through the ring, as in training: a long window never whole here
+                inputs, targets, sequence, _ = rank_chunks(inputs, targets, self.cfg, g, engine.module.eos_id)
+                loss = engine(inputs, targets, sequence=sequence)
+            else:
+                loss = engine(inputs, targets)
             if count:
-                total += loss.double() * targets.numel()
-        if g.dims.dp > 1:
-            dist.all_reduce(total, group=g.dp_group)
+                total += loss.double() * targets.numel()  # the sum of this rank's token losses
+        replicas = g.replicas()  # dp x cp: every rank holds a share of the set's tokens
+        if replicas.dims.dp > 1:
+            dist.all_reduce(total, group=replicas.dp_group)
         return total.item() / (windows.size - len(windows))
 
     def _pipelined_loss(self, engine: Any, windows: np.ndarray) -> float:

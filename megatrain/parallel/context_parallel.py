@@ -136,3 +136,16 @@ def cp_sequence(positions: torch.Tensor, doc_ids: torch.Tensor | None, mode: str
                 group: dist.ProcessGroup, impl: str = "auto") -> Sequence:
     """What the model's attention layers need for one micro-batch on a cp rank."""
     return Sequence(positions=positions, doc_ids=doc_ids, attend=make_attend(mode, group, impl))
+
+
+def rank_chunks(inputs: torch.Tensor, targets: torch.Tensor, cfg, groups, eos_id: int | None):
+    """Whole samples -> (inputs, targets, sequence, loss weight) of this cp rank: its two chunks,
+    the ``Sequence`` its attention layers read (global positions, document ids of the whole samples
+    under ``model.attention_mask: document``, the ring or all-to-all) and its loss weight. What the
+    trainer's forward and the held-out loss both run on. cfg: the run's ``Config``; groups: its
+    ``ProcessGroups`` (with cp > 1)."""
+    cp = groups.dims.cp
+    eos = eos_id if cfg.model.attention_mask == "document" else None
+    x, y, positions, docs = shard_batch(inputs, targets, cp, groups.cp_rank, eos)
+    sequence = cp_sequence(positions, docs, cfg.parallel.cp_mode, groups.cp_group, cfg.model.kernels.attention)
+    return x, y, sequence, loss_weight(targets, y, cp)

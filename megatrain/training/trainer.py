@@ -41,7 +41,7 @@ from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
 from megatrain.observe.straggler import StragglerMonitor
 from megatrain.observe.timers import StepTimers
 from megatrain.optim import Lamb, build_optimizer, build_scheduler
-from megatrain.parallel.context_parallel import cp_sequence, loss_weight, shard_batch
+from megatrain.parallel.context_parallel import loss_weight, rank_chunks, shard_batch
 from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
 from megatrain.parallel.dims import ParallelDims, ProcessGroups, build_process_groups
 from megatrain.parallel.expert_parallel import attach_expert_grad_sync
@@ -312,14 +312,9 @@ class Trainer:
         """parallel.cp > 1: this cp rank's two chunks of the samples, the Sequence its attention layers
         read (global positions, document ids of the whole samples, the ring or all-to-all) and its
         loss weight (parallel/context_parallel.py). cp = 1: the samples as they are."""
-        cp = self.groups.dims.cp
-        if cp == 1:
+        if self.groups.dims.cp == 1:
             return inputs, targets, None, 1.0
-        eos = self.index.eos_id if self.cfg.model.attention_mask == "document" else None
-        x, y, positions, docs = shard_batch(inputs, targets, cp, self.groups.cp_rank, eos)
-        sequence = cp_sequence(positions, docs, self.cfg.parallel.cp_mode, self.groups.cp_group,
-                               self.cfg.model.kernels.attention)
-        return x, y, sequence, loss_weight(targets, y, cp)
+        return rank_chunks(inputs, targets, self.cfg, self.groups, self.index.eos_id)
 
     def _pipeline_chunks(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch -> this cp rank's two chunks of it, for a pipeline stage. DeepSpeed averages

@@ -55,14 +55,15 @@ def test_without_a_fraction_the_shards_are_those_of_before(tmp_path):
     assert index.val_shards == [] and "val_fraction" not in index.params
 
 
-LAYOUTS = {"dp2": ["parallel.tp=1"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
+# cp2: each rank's chunks of every window through the ring, the token sums reduced over dp x cp
+LAYOUTS = {"dp2": ["parallel.tp=1"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
 COMMON = ["data.max_source_bytes=400000", "data.val_fraction=0.1", "train.steps=2", "train.eval_interval=1",
           "train.eval_batches=2", "train.micro_batch_size=4", "train.global_batch_size=8", "checkpoint.interval=2",
           "optim.warmup_steps=1", "model.kernels.cross_entropy=reference"]
 
 
 @pytest.mark.slow
-def test_validation_loss_is_the_same_in_one_process_dp2_tp2_pp2_and_from_each_checkpoint(run_training, tmp_path):
+def test_validation_loss_is_the_same_in_one_process_dp2_tp2_pp2_cp2_and_from_each_checkpoint(run_training, tmp_path):
     single, _ = run_training(COMMON, nproc=1, name="single")
     reference = [(m["step"], m["val_loss"]) for m in single]
     assert [s for s, _ in reference] == [1, 2] and all(v is not None and 3 < v < 9 for _, v in reference)
