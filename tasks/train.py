@@ -159,6 +159,19 @@ def train_stage(campaign: CampaignConfig, index: int, data_version: str) -> dict
         cursors = carried_data_cursors(campaign, index)
     except StageFailed as exc:
         return _failed(str(exc))
+    if index > 0:  # what it changes of the stage whose final checkpoint it starts from (stage_change.py)
+        change = campaign.stage_change(index)
+        if change.refusal:  # validate-campaign refused it already; a campaign built otherwise too
+            return Failed(message=change.refusal, data=RanksRefused(change.refusal))
+        if change.line:
+            run_logger().info(change.line)
+        if cursors and change.seq_len[0] != change.seq_len[1]:
+            # the shards are packed per seq_len and a cursor counts samples of one packing: the ranks
+            # start each component at sample 0 of the new one (megatrain/data/position.py), said aloud here
+            run_logger().warning(
+                "stage %s: the data is re-packed at seq_len %s, so each data component starts at sample 0 of the "
+                "new packing and may replay text stage %s trained on (a data cursor applies within one packing)",
+                campaign.stages[index].name, change.seq_len[1], campaign.stages[index - 1].name)
     if cursors:  # each data component goes on where the previous stage left it (data_cursor: continue)
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"cursors": cursors})})
     if campaign.launcher == "local":

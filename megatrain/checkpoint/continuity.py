@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain import errors
-from megatrain.config import compat
+from megatrain.config import compat, stage_change
 from megatrain.optim.schedule import RESTART_MODES, Difference, Schedule, resume_difference, same_lr
 
 
@@ -58,6 +58,34 @@ class RunIdentity:
         return cls(compat.fingerprint(cfg), compat.state_fields(cfg), compat.schedule_fields(cfg),
                    ckpt.allow_schedule_change, tokenizer_sha256, Schedule.of(cfg.optim, cfg.train.steps).record(),
                    ckpt.resume_lr, ckpt.rewarm_steps or max(1, cfg.optim.warmup_steps))
+
+
+@dataclass(frozen=True)
+class StageStart:
+    """A run starting from another run's checkpoint (``checkpoint.init_from``: a campaign stage
+    starting from the previous stage's final one): what it may change is ``config/stage_change.py``'s
+    rule, judged against what the checkpoint recorded. The stages are named by their durable URLs'
+    last part (a campaign's ``<durable>/<stage>``)."""
+
+    fields: dict[str, Any]  # stage_change.stage_fields of this run
+    previous: str
+    stage: str
+
+    @classmethod
+    def of(cls, cfg: Any) -> StageStart:
+        name = lambda url: str(url).rstrip("/").rsplit("/", 1)[-1]  # noqa: E731
+        return cls(stage_change.stage_fields(cfg), name(cfg.checkpoint.init_from), name(cfg.checkpoint.durable_url))
+
+    def judge(self, meta0: dict[str, Any] | None, url: str) -> stage_change.StageChange | None:
+        """What this run changes of the checkpoint's run; CheckpointMismatch (deterministic) for a
+        shape. None: a checkpoint written before checkpoints recorded their fields (not judged)."""
+        if meta0 is None or "state_fields" not in meta0:
+            return None
+        saved = {**meta0["state_fields"], **(meta0.get("layout_fields") or {})}
+        change = stage_change.judge(saved, self.fields, self.previous, self.stage)
+        if change.refusal:
+            raise CheckpointMismatch(f"{url}: {change.refusal}")
+        return change
 
 
 def check_tokenizer(meta0: dict[str, Any] | None, tokenizer_sha256: str | None, url: str) -> None:

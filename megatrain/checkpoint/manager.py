@@ -47,11 +47,11 @@ from megatrain.checkpoint.files import (
     MANIFEST, STAGED, parse_step, rank_marker, rank_meta_file, rank_tensor_file, step_dir_name,
 )
 from megatrain.checkpoint.memory import MemoryCheckpoints, PeerSettings, restore_from_memory
-from megatrain.checkpoint.restore import RunIdentity, restore_checkpoint
+from megatrain.checkpoint.restore import RunIdentity, StageStart, restore_checkpoint
 from megatrain.checkpoint.retention import apply_retention, clean_staging
 from megatrain.checkpoint.snapshot import RankSnapshot, Snapshotter, SnapshotTiming
 from megatrain.checkpoint.upload import UploadError, mark_staged, upload_checkpoint
-from megatrain.config import Config
+from megatrain.config import Config, stage_change
 from megatrain.observe.jsonl import open_append
 from megatrain.parallel.dims import ProcessGroups
 from megatrain.parallel.init import DistEnv
@@ -136,7 +136,7 @@ class Checkpointer:
                                           tokenizer_sha256=tokenizer)
         if restored is None and self.ckpt.init_from and not self.ckpt.init_from.startswith("hf:"):  # hf: trainer.py
             found = restore_checkpoint(trainer, self.ckpt.init_from, None, self.layout, self.groups, full=False,
-                                       tokenizer_sha256=tokenizer)
+                                       tokenizer_sha256=tokenizer, stage=StageStart.of(self.cfg))
             if found is None:
                 log.warning("checkpoint.init_from=%s holds no committed checkpoint: starting from scratch",
                             self.ckpt.init_from)
@@ -275,6 +275,7 @@ class Checkpointer:
             "engine": state.engine_counters(engine), "loader": loader_state, "rng": rng_meta,
             "shards": reshard.param_map(engine.module, engine.optimizer, g.dp_rank),
             "state_fields": self.identity.state, "schedule_fields": self.identity.schedule, "history": self.history,
+            "layout_fields": stage_change.layout_fields(self.cfg),  # what a next stage's line names (stage_change.py)
             "tokenizer_sha256": self.identity.tokenizer_sha256,
             # the anomaly detector's windows: the step after a restore is judged as without the restart
             "anomaly": trainer.anomaly.state_dict() if getattr(trainer, "anomaly", None) is not None else None,

@@ -45,8 +45,8 @@ from megatrain.checkpoint.files import (
     sha256_stream,
 )
 from megatrain.checkpoint.continuity import (  # noqa: F401  (re-exported: the restore's errors and checks)
-    CheckpointError, CheckpointMismatch, LRResume, RunIdentity, _differences, check_compatible, check_loader,
-    check_tokenizer, judge_lr, restore_schedule,
+    CheckpointError, CheckpointMismatch, LRResume, RunIdentity, StageStart, _differences, check_compatible,
+    check_loader, check_tokenizer, judge_lr, restore_schedule,
 )
 from megatrain.checkpoint.names import live_names
 from megatrain.observe.laps import Laps
@@ -169,9 +169,12 @@ class Candidate:
         return fixed or self.lr.jump
 
 
-def _candidates(durable_url: str, identity: RunIdentity | None, tokenizer_sha256: str | None) -> list[Candidate]:
+def _candidates(durable_url: str, identity: RunIdentity | None, tokenizer_sha256: str | None,
+                stage: StageStart | None = None) -> list[Candidate]:
     """Committed checkpoints, newest first, after checking that this run can continue each one
-    (``identity``; None: any config) and that it trained on this run's tokenizer."""
+    (``identity``; None: any config, within what ``stage`` allows) and that it trained on this
+    run's tokenizer. The stage's change is said once, in one line (rank 0's log)."""
+    said = False
     infos = list(reversed(catalog.list_checkpoints(durable_url)))
     for info in infos:
         if info.problem:
@@ -185,6 +188,10 @@ def _candidates(durable_url: str, identity: RunIdentity | None, tokenizer_sha256
             except (ChecksumError, OSError, ValueError) as exc:
                 log.warning("checkpoint %s: rank 0's JSON unreadable (%s)", info.url, exc)
         check_tokenizer(meta0, tokenizer_sha256, info.url)
+        change = stage.judge(meta0, info.url) if stage is not None else None
+        if change is not None and change.line and not said:
+            log.info("%s", change.line)
+            said = True
         changes = {} if identity is None else check_compatible(info.manifest, meta0, identity, info.url)
         lr = LRResume() if identity is None or info.manifest.get("fingerprint") == identity.fingerprint \
             else judge_lr(meta0, identity, info.url)  # one fingerprint: one config, one schedule
@@ -201,19 +208,21 @@ class Restored:
 
 
 def restore_checkpoint(trainer: Any, durable_url: str, identity: RunIdentity | None, layout: dict[str, int],
-                       groups: ProcessGroups, full: bool = True, tokenizer_sha256: str | None = None) -> Restored | None:
+                       groups: ProcessGroups, full: bool = True, tokenizer_sha256: str | None = None,
+                       stage: StageStart | None = None) -> Restored | None:
     """Put the newest verified committed checkpoint under ``durable_url`` into ``trainer``.
 
     Returns its step and history, or None when the URL holds no committed checkpoint.
     ``identity=None`` accepts any config (a campaign stage starting from the previous stage);
     ``full=False`` puts back only model and optimizer tensors (see ``apply_rank_state``);
-    ``tokenizer_sha256``: refuse a checkpoint trained on another tokenizer's data. A
+    ``tokenizer_sha256``: refuse a checkpoint trained on another tokenizer's data; ``stage``: a
+    run starting from another's checkpoint, refused when it changes the model's shapes. A
     checkpoint written at another layout (dp, tp, pp, ZeRO or not) is resharded (reshard.py).
     """
     found: Any = None
     if groups.rank == 0:
         try:
-            found = ("ok", _candidates(durable_url, identity, tokenizer_sha256))
+            found = ("ok", _candidates(durable_url, identity, tokenizer_sha256, stage))
         except Exception as exc:  # every rank must learn of the failure, or they wait forever below
             mismatch = isinstance(exc, CheckpointMismatch)
             found = ("error", str(exc) if mismatch else f"{type(exc).__name__}: {exc}", mismatch)

@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from megatrain.config import compat
+from megatrain.config import compat, stage_change
 from megatrain.config.load import (
     ConfigError, Override, format_validation_error, load_config, merge, parse_overrides, read_yaml,
 )
@@ -102,12 +102,23 @@ class CampaignConfig(_Section):
 
     @model_validator(mode="after")
     def _every_stage_is_a_valid_run(self) -> CampaignConfig:
+        configs = []
         for index in range(len(self.stages)):
             try:
-                stage_config(self, index)
+                configs.append(stage_config(self, index))
             except ConfigError as exc:  # not a ValueError to pydantic: it would file it under "(top level)"
                 raise StageConfigError(str(exc)) from None
+        for index in range(1, len(self.stages)):  # each starts from the one before: the same shapes (stage_change.py)
+            refusal = self.stage_change(index, configs[index - 1], configs[index]).refusal
+            if refusal:
+                raise StageConfigError(refusal)
         return self
+
+    def stage_change(self, index: int, previous: Config | None = None, current: Config | None = None):
+        """What stage ``index`` (> 0) changes of the stage before it (``stage_change.judge``)."""
+        previous = previous or stage_config(self, index - 1)
+        current = current or stage_config(self, index)
+        return stage_change.judge_configs(previous, current, self.stages[index - 1].name, self.stages[index].name)
 
     @property
     def campaign_dir(self) -> Path:
