@@ -36,7 +36,7 @@ from megatrain import storage
 from megatrain.checkpoint import catalog
 from megatrain.checkpoint.files import load_safetensors, model_file, parse_step
 from megatrain.checkpoint.restore import read_verified
-from megatrain.config import Config
+from megatrain.config import CheckpointingPolicy, Config
 from megatrain.config.campaign import stage_dirs
 from megatrain.config.run_dirs import (
     RUN_RECORD,
@@ -307,6 +307,13 @@ class LoadedRun:
             return load_index(self.data_index).bos_id
         return None
 
+    def eos_id(self) -> int | None:
+        """The id that ended its documents, as its run record or shard version says."""
+        record = _read_record(self.durable_url) or {}
+        if record.get("eos_id") is not None:
+            return record["eos_id"]
+        return self.index().eos_id
+
     def tokenizer_bytes(self) -> bytes:
         return self._tokenizer_json()[1]
 
@@ -342,11 +349,16 @@ def load_run(checkpoint: str, config: str | None = None, device: str | torch.dev
     if not infos:
         raise RunNotFound(_nothing_committed(checkpoint, where, step))
     info = infos[-1]
-    model_cfg = where.cfg.model.model_copy(update={"dropout": 0.0, "activation_checkpointing": False, "compile": False})
+    # model_copy does not validate: the policy itself, not its name (a str "none" is truthy)
+    model_cfg = where.cfg.model.model_copy(update={"dropout": 0.0, "activation_checkpointing": CheckpointingPolicy(),
+                                                   "compile": False})
     with torch.device("meta"):
         skeleton = GPT(model_cfg)
     tensors = full_state_dict(info.url, info.manifest, skeleton)
     model = GPT(model_cfg)
     model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     device = torch.device(device)
-    return LoadedRun(where.cfg, model.to(device).eval(), info.step, info.url, where.durable, device, where.data_index)
+    run = LoadedRun(where.cfg, model.to(device).eval(), info.step, info.url, where.durable, device, where.data_index)
+    if model_cfg.attention_mask == "document":  # as trained: each token sees only its own document
+        model.eos_id = run.eos_id()
+    return run
