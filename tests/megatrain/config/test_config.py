@@ -14,7 +14,8 @@ RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
 def test_there_are_recipes():
     names = {p.name for p in RECIPES}
     assert {"tiny-cpu.yaml", "gpt-125m.yaml", "gpt-1.3b.yaml", "gpt-175b.yaml", "llama-tiny-cpu.yaml", "llama-1b.yaml",
-            "llama-8b.yaml", "campaign-llama-local.yaml"} <= names
+            "llama-8b.yaml", "campaign-llama-local.yaml", "campaign-long-context.yaml",
+            "campaign-long-context-gpu.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
