@@ -19,8 +19,9 @@ each appeared:
   recovery (the step it was in for a lost host; a slow link trains on, slowly, until its eviction): the
   first row past that step after the recovery, less the last row before the fault, less a steady step
   for each step in between (the fault fires within a launcher poll, 0.2 s, of a row: counting from the
-  fault itself would hide up to a step). No recovery (a slow link not evicted before the stage ended):
-  the extra time until the stage's last row, a floor (``recovered: false``).
+  fault itself would hide up to a step). A fault that outlived the stage (a slow link not evicted, a
+  service back after the last step while the ranks trained on): the extra time until the stage's last
+  row (``recovered: false``; a floor where the fault still cost time at the end).
 
 ETTR estimate (not a run of that length): a campaign of ``--campaign-minutes`` with a fault every
 ``--every-minutes``, the classes in turn, each costing its measured lost time, against the same campaign
@@ -73,10 +74,12 @@ def measure(result: dict, step_s: float) -> dict:
     else:
         recovered = fault.get("restored")
         out["found_as"] = "outage (retried)" if recovered is not None else None
-    out["recovered"] = recovered is not None
     before = [(t, r["step"]) for t, r in rows if t <= t0]
     last_t, at_fault = max(before, default=(result["start"], 0))
-    if recovered is None:  # the fault lasted past the run's end (a slow link never evicted): lost till then
+    # recovered within the stage: a row came after the verdict or the service's restart
+    out["recovered"] = recovered is not None and any(t > recovered for t, _ in rows)
+    if not out["recovered"]:  # the fault outlived the stage (a slow link never evicted, a store back after
+        # the last step while the ranks trained on): the extra time until the stage's last row
         if rows and max(steps) > at_fault:
             end_t = max(t for t, _ in rows)
             out["lost_s"] = round(max(0.0, end_t - last_t - (max(steps) - at_fault) * step_s), 2)
@@ -142,16 +145,32 @@ def report(results: list[dict], clean: dict, minutes: float, every: float) -> di
                       "wall_s": round(clean["end"] - clean["start"], 1)}}
 
 
-RUN_KEYS = ("name", "exit", "cluster", "fault", "verdict", "load", "left", "log_tail")
+RUN_KEYS = ("name", "exit", "cluster", "start", "end", "steps", "fault", "verdict", "load", "left", "rows", "log_tail")
 
 
 def document(results: list[dict], clean: dict, minutes: float, every: float, meta: dict) -> dict:
     """The JSON written: ``report``'s numbers, each run's record (what fired, the verdict, the load
     average before and after, what was left of its cluster) and ``meta`` (command, commit, work)."""
     out = report(results, clean, minutes, every)
+    out["minutes"], out["every_minutes"] = minutes, every
     out["runs"] = [{k: r.get(k) for k in RUN_KEYS} for r in [clean, *results]]
     out.update(meta)
     return out
+
+
+def report_again(source: Path, out: Path, minutes: float, every: float) -> int:
+    try:
+        saved = json.loads(source.read_text())
+        runs = [{**r, "rows": [tuple(row) for row in r["rows"]]} for r in saved["runs"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--report-from {source}: not a cluster_faults JSON with its runs' rows ({exc})") from None
+    meta = {k: saved.get(k) for k in ("command", "commit", "work")}
+    again = document(runs[1:], runs[0], minutes, every, meta)
+    print(again["table"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(again, indent=1, default=str))
+    print(f"wrote {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every-minutes", type=float, default=4.0)
     parser.add_argument("--work", default=None, help="folder for shards and runs (default: a new one in /var/tmp)")
     parser.add_argument("--out", default="runs/cluster-faults.json")
+    parser.add_argument("--report-from", default=None, help="a JSON this wrote: its report again from its runs' "
+                        "records (no cluster), printed and written to --out")
     args = parser.parse_args(argv)
+    if args.report_from:
+        return report_again(Path(args.report_from), Path(args.out), args.campaign_minutes, args.every_minutes)
     from megatrain.launch import hosts
 
     reason = hosts.available()

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cluster_faults import document, ettr_estimate, measure, report, steady_step_s, table  # noqa: E402
+from cluster_faults import document, ettr_estimate, main, measure, report, steady_step_s, table  # noqa: E402
 
 
 def rows(*pairs: tuple[float, int], step_time_s: float = 0.5) -> list[tuple[float, dict]]:
@@ -79,6 +79,10 @@ def test_slow_link_and_a_store_outage() -> None:
     # back once past step 11, the highest reached before the eviction: step 12 at 133, 25 s after step
     # 8's row where 4 steady steps take 4 s (not step 9's slow row at 110.5: 1.5 s)
     assert slow["lost_s"] == pytest.approx(21.0) and slow["recovered"] is True
+    # the store back after the stage's last row, the ranks having trained on: lost until that row
+    late = measure({**REDIS, "fault": {**REDIS["fault"], "restored": 120.0}}, 1.0)
+    assert late["recovered"] is False and late["first_step_after_s"] is None
+    assert late["lost_s"] == pytest.approx(3.0)  # step 12 at 115 where 4 steady steps after 108 end at 112
     on = measure(SLOW_ON, 1.0)
     assert on["recovered"] is False and on["found_as"] is None and on["first_step_after_s"] is None
     assert on["lost_s"] == pytest.approx(6.0)  # steps 9-12 took 10 s instead of 4: a floor, the fault outlived the stage
@@ -112,7 +116,7 @@ def test_ettr_estimate() -> None:
         ettr_estimate(measured, 10.0, 0.0, 4.0)
 
 
-def test_report_table_and_json() -> None:
+def test_report_table_and_json(tmp_path) -> None:
     runs = [HOST_DOWN, SLOW, REDIS, UNFIRED]
     out = report(runs, CLEAN, 20.0, 4.0)
     assert out["step_s"] == pytest.approx(1.0)
@@ -132,12 +136,21 @@ def test_report_table_and_json() -> None:
     clean = {**CLEAN, "cluster": "mtc000001", "load": {"before": [1.0, 1, 1], "after": [2.0, 2, 2]},
              "left": {"netns": [], "links": [], "pids": []}}
     doc = json.loads(json.dumps(document(runs, clean, 20.0, 4.0, meta), default=str))
-    assert set(doc) == {"step_s", "classes", "ettr", "table", "clean", "runs", "command", "commit", "work"}
+    assert set(doc) == {"step_s", "classes", "ettr", "table", "clean", "runs", "command", "commit", "work", "minutes",
+                        "every_minutes"}
     assert [r["name"] for r in doc["runs"]] == ["clean", "host_down", "slow_link", "redis_host_down", "partition"]
-    assert set(doc["runs"][0]) == {"name", "exit", "cluster", "fault", "verdict", "load", "left", "log_tail"}
+    assert set(doc["runs"][0]) == {"name", "exit", "cluster", "start", "end", "steps", "fault", "verdict", "load",
+                                   "left", "rows", "log_tail"}
     assert doc["runs"][0]["left"] == {"netns": [], "links": [], "pids": []}
     assert set(doc["classes"][0]) == {"class", "exit", "fired", "final_step", "steps", "steps_redone", "detection_s",
                                       "first_step_after_s", "lost_s", "found_as", "recovered"}
     assert set(doc["ettr"]) == {"campaign_minutes", "every_minutes", "faults", "counted", "not_counted",
                                 "mean_lost_per_fault_s", "startup_s", "ettr_without_faults", "ettr_with_faults",
                                 "ettr_ratio"}
+
+    # the report again from the JSON alone, as --report-from makes it: the same numbers
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(doc))
+    assert main(["--report-from", str(path), "--out", str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["classes"] == doc["classes"] and again["ettr"] == doc["ettr"] and again["commit"] == "abc1234"
