@@ -46,6 +46,7 @@ from megatrain.model.gpt import (
     expected_parameter_count,
     moe_layer_parameters,
 )
+from megatrain.parallel.plan_activations import ActivationPlan, plans_by_policy
 
 GIB = 1024**3
 
@@ -70,7 +71,9 @@ def activation_widths(cfg: Config) -> tuple[float, float]:
 def activation_bytes_per_layer(cfg: Config, mode: str) -> float:
     """Korthikanti et al. (2022) bytes of one layer's activations for one micro-batch."""
     m, p = cfg.model, cfg.parallel
-    s, b, h, a, t = cfg.seq_len, cfg.train.micro_batch_size, m.d_model, m.n_head, p.tp
+    # a context-parallel rank holds seq_len/cp tokens of each sample (the scores term then reads
+    # its local s^2: ring attention stores none, see plan_activations.py for what it does store)
+    s, b, h, a, t = cfg.seq_len / p.cp, cfg.train.micro_batch_size, m.d_model, m.n_head, p.tp
     sp = p.sequence_parallel and t > 1
     attention_scores = 5 * a * s / (h * t)
     if mode == "full":
@@ -245,11 +248,24 @@ class MemoryPlan:
     total_params: int = 0  # the whole model
     active_params: int = 0  # what one token passes through (MoE: top_k of the routed experts)
     ep: int = 1  # expert parallelism: each GPU holds 1/ep of the routed experts
+    cp: int = 1  # context parallelism: each GPU holds seq_len/cp tokens of every sample
+    seq_len: int = 0
+    policy: str = "none"  # model.activation_checkpointing
+    # by policy: the activations as megatrain's kernels store them, term by term (plan_activations.py)
+    activations: dict[str, ActivationPlan] = field(default_factory=dict)
+
+    @property
+    def states_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> float:
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes
-                + self.activation_bytes[self.recompute] + self.recompute_working_bytes)
+        return self.states_bytes + self.activation_bytes[self.recompute] + self.recompute_working_bytes
+
+    def peak_bytes(self, policy: str | None = None) -> float:
+        """Model states + stored activations + working set under ``policy`` (default the recipe's),
+        as megatrain's kernels store them."""
+        return self.states_bytes + self.activations[policy or self.policy].total_bytes
 
 
 def memory_plan(cfg: Config, world_size: int | None = None) -> MemoryPlan:
@@ -259,24 +275,27 @@ def memory_plan(cfg: Config, world_size: int | None = None) -> MemoryPlan:
     if world_size is None:
         world_size = p.world_size or p.tp * p.pp * (p.dp or 1)
     dp = p.data_parallel_size(world_size)
+    replicas = dp * p.cp  # ZeRO partitions over the dp x cp replicas (context_parallel.py)
     accumulation = cfg.train.grad_accumulation_steps(dp)
     bf16 = cfg.train.dtype in ("bf16", "auto")  # auto is bf16 on the GPUs this plan is for
     n = params_per_gpu(cfg)
     param_b, grad_b, optim_b = (2, 2, 12) if bf16 else (4, 4, 8)
     layers = math.ceil(cfg.model.n_layer / p.pp)
     in_flight = min(p.pp, accumulation)
-    recompute = "full" if cfg.model.activation_checkpointing else "none"
+    policy = cfg.model.activation_checkpointing.policy
+    recompute = policy if policy in ("none", "selective") else "full"  # the Korthikanti modes
     stored = {mode: layers * in_flight * activation_bytes_per_layer(cfg, mode) for mode in ("none", "selective", "full")}
     working = activation_bytes_per_layer(cfg, "none") - activation_bytes_per_layer(cfg, recompute)
     return MemoryPlan(
         name=cfg.name, world_size=world_size, dp=dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
         dtype="bf16" if bf16 else "fp32", layers_per_stage=layers, micro_batches_in_flight=in_flight, params=n,
-        params_bytes=param_b * n / (dp if p.zero_stage >= 3 else 1),
-        grads_bytes=grad_b * n / (dp if p.zero_stage >= 2 else 1),
-        optimizer_bytes=optim_b * n / (dp if p.zero_stage >= 1 else 1),
+        params_bytes=param_b * n / (replicas if p.zero_stage >= 3 else 1),
+        grads_bytes=grad_b * n / (replicas if p.zero_stage >= 2 else 1),
+        optimizer_bytes=optim_b * n / (replicas if p.zero_stage >= 1 else 1),
         recompute=recompute, activation_bytes=stored, recompute_working_bytes=working,
         checkpoint=checkpoint_size(cfg, world_size, cuda=bf16),
         total_params=expected_parameter_count(cfg.model), active_params=active_parameter_count(cfg.model), ep=p.ep,
+        cp=p.cp, seq_len=cfg.seq_len, policy=policy, activations=plans_by_policy(cfg, layers, in_flight),
     )
 
 
@@ -315,7 +334,29 @@ def format_plan(plan: MemoryPlan) -> str:
     for mode, value in plan.activation_bytes.items():
         mark = "  <- this recipe" if mode == plan.recompute else ""
         lines.append(f"  {mode:<42}{gib(value)}{mark}")
+    if plan.activations:
+        lines += ["", *format_activations(plan)]
     return "\n".join(lines)
+
+
+def format_activations(plan: MemoryPlan) -> list[str]:
+    """The per-term block: the recipe's policy term by term, then each policy's per-GPU peak."""
+    def gib(x: float) -> str:
+        return f"{x / GIB:10.2f}"
+
+    mine = plan.activations[plan.policy]
+    tokens = plan.seq_len // plan.cp
+    lines = [f"activations as megatrain stores them (policy {plan.policy}, {tokens:,} tokens per sample on this "
+             f"GPU: seq_len {plan.seq_len:,} / cp {plan.cp}; megatrain/parallel/plan_activations.py):"]
+    lines += [f"  {name:<72}{gib(value)}" for name, value in mine.stored.items() if value]
+    lines.append(f"  {'stored':<72}{gib(mine.stored_bytes)}")
+    lines += [f"  working set: {name:<59}{gib(value)}" for name, value in mine.working.items() if value]
+    lines += ["", f"per-GPU peak by policy (model states {plan.states_bytes / GIB:.2f} GiB + stored + working set):"]
+    for policy, act in plan.activations.items():
+        mark = "  <- this recipe" if policy == plan.policy else ""
+        lines.append(f"  {policy:<12} stored {act.stored_bytes / GIB:8.2f}  working {act.working_bytes / GIB:8.2f}  "
+                     f"total {plan.peak_bytes(policy) / GIB:8.2f} GiB{mark}")
+    return lines
 
 
 def cli(argv: list[str]) -> int:

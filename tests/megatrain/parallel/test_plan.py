@@ -76,7 +76,7 @@ def test_cli_prints_the_table(capsys):
     assert cli([RECIPE, "--world-size", str(WORLD)]) == 0
     out = capsys.readouterr().out
     assert "tp=8 pp=8 dp=192 (world 12288), ZeRO-1, bf16, 8 micro-batches in flight" in out
-    assert f"{TOTAL / GIB:10.2f}" in out.splitlines()[-6]  # the "total" row
+    assert f"{TOTAL / GIB:10.2f}" in next(line for line in out.splitlines() if line.startswith("total"))
     assert "full" in out and "<- this recipe" in out
 
 
@@ -146,3 +146,19 @@ def test_175b_checkpoint_size_matches_the_hand_calculation(capsys):
     out = capsys.readouterr().out
     assert f"checkpoint: {CHECKPOINT / GIB:.2f} GiB (two: {2 * CHECKPOINT / GIB:.2f} GiB)" in out
     assert "checkpoint: 2289.76 GiB (two: 4579.51 GiB)" in out
+
+
+def test_llama_8b_at_128k_cp8_prints_each_policy_term_by_term(capsys):
+    """128k tokens over cp=8: 16,384 a GPU; each policy's peak and the terms that make it."""
+    args = [LLAMA_8B, "model.seq_len=131072", "train.seq_len=131072", "parallel.cp=8", "--world-size", "32"]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert "16,384 tokens per sample on this GPU: seq_len 131,072 / cp 8" in out
+    for term in ("loss: vocab-parallel softmax", "ring: fp32 scores of a chunk pair", "block outputs"):
+        assert term in out
+    plan = memory_plan(load_config(LLAMA_8B, args[1:4]), world_size=32)
+    peaks = {policy: plan.peak_bytes(policy) for policy in plan.activations}
+    assert peaks["full"] < peaks["every_n"] < peaks["selective"] < peaks["none"]
+    assert f"total {peaks['full'] / GIB:8.2f} GiB  <- this recipe" in out
+    # the vocab-parallel loss keeps its fp32 softmax: 4 bytes x 16,384 tokens x 128,256 / 4
+    assert plan.activations["full"].stored["loss: vocab-parallel softmax [N, V/t], fp32"] == 4 * 16384 * 128256 / 4
