@@ -74,6 +74,8 @@ def row(args, seq: int, policy: str, device: torch.device) -> dict:
         m: Measured = train_steps(cfg, device, dtype, steps=args.steps)
     except torch.OutOfMemoryError as exc:
         return {"seq": seq, "policy": policy, "error": f"out of memory: {str(exc).splitlines()[0]}"}
+    except Exception as exc:  # noqa: BLE001 - one row's failure is that row's result; the others still run
+        return {"seq": seq, "policy": policy, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -166,20 +168,26 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
-    rows = []
+    rows: list[dict] = []
     for seq in (int(x) for x in args.seq.split(",")):
         for policy in args.policies.split(","):
             rows.append(row(args, seq, policy, device))
             print(json.dumps({k: rows[-1].get(k) for k in ("seq", "policy", "ratio", "error")}), flush=True)
+            write(args, device, rows, None)  # a run cut short keeps the rows it measured
     target = scaled_target(args, rows)
     print(table(rows, target))
+    write(args, device, rows, target)
+    return 0
+
+
+def write(args, device: torch.device, rows: list[dict], target: dict | None) -> None:
+    if not args.out:
+        return
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "config": args.config, "tiny": args.tiny, "dtype": args.dtype,
               "rows": rows, "target": target}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
