@@ -73,7 +73,7 @@ def measure(result: dict, step_s: float) -> dict:
         recovered = verdict.get("detected_at", t0)
     else:
         recovered = fault.get("restored")
-        out["found_as"] = "outage (retried)" if recovered is not None else None
+        out["found_as"] = "service outage" if recovered is not None else None
     before = [(t, r["step"]) for t, r in rows if t <= t0]
     last_t, at_fault = max(before, default=(result["start"], 0))
     # recovered within the stage: a row came after the verdict or the service's restart

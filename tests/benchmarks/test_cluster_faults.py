@@ -87,7 +87,7 @@ def test_slow_link_and_a_store_outage() -> None:
     assert on["recovered"] is False and on["found_as"] is None and on["first_step_after_s"] is None
     assert on["lost_s"] == pytest.approx(6.0)  # steps 9-12 took 10 s instead of 4: a floor, the fault outlived the stage
     redis = measure(REDIS, 1.0)
-    assert redis["detection_s"] is None and redis["found_as"] == "outage (retried)"
+    assert redis["detection_s"] is None and redis["found_as"] == "service outage"
     assert redis["first_step_after_s"] == pytest.approx(4.6)  # step 10 at 113 after the restore at 112.4
     # back once past step 9 (the last before the restore): step 10 at 113, 5 s after step 8's row
     # where 2 steady steps take 2 s
