@@ -212,8 +212,11 @@ def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir
         return _supervise(agents, evictions, run_dir, injector, lost, epoch)
     finally:
         verdict = getattr(lost, "verdict", None)
-        # a lost host is out of reach: its agent is not signalled (the epoch fences its ranks instead)
-        reachable = [proc for node, proc in agents.items() if verdict is None or node != verdict["node"]]
+        # a lost host is out of reach: its agent is not signalled (the epoch fences its ranks instead);
+        # a host evicted for a slow link is up and reachable: it is stopped like the others, so its ranks
+        # hold nothing after the eviction and the host comes back empty for a later attempt or stage
+        reachable = [proc for node, proc in agents.items()
+                     if verdict is None or node != verdict["node"] or verdict.get("cause") == "slow_link"]
         for proc in reachable:
             _kill(proc, signal.SIGTERM)
         deadline = time.monotonic() + 10

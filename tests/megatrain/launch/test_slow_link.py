@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from types import SimpleNamespace
 
 from host_runs import jsonl, launch, overrides, shards
@@ -79,6 +80,7 @@ def test_forward_jitter_of_a_busy_machine_does_not_reset_a_slow_links_clock():
 def test_a_tbf_limited_link_is_named_by_host_and_evicted(served_cluster2, shared_dir, shard_url):
     shards(shared_dir, shard_url)
     run_dir = shared_dir / "run"
+    own_pids = set(served_cluster2.pids("node1"))  # the host's own (its init): what it holds when no rank runs
     fault = {"kind": "slow_link", "step": FAULT_STEP, "node": 1, "rate": RATE}
     code, out, wall = launch(served_cluster2, run_dir, "0,1", [*overrides(shared_dir, run_dir, STEPS, 100),
                              "reliability.evict_slow_host_after_s=3"], [fault])
@@ -92,6 +94,12 @@ def test_a_tbf_limited_link_is_named_by_host_and_evicted(served_cluster2, shared
     verdict = json.loads((run_dir / "faults" / "host-lost.json").read_text())
     assert verdict["cause"] == "slow_link" and verdict["node"] == 1 and verdict["fault"] == "slow_link", verdict
     assert verdict["slow_for_s"] >= 3.0 and f"host node1 ({node1.address}) evicted" in out
+    # evicted, not cut off: the launcher reaches it and stops its agent and ranks (a lost host's are left, fenced)
+    # (nsenter ends on the signal at once; the pod inside stops its ranks, then goes: within 30 s)
+    deadline = time.monotonic() + 30
+    while (left := set(served_cluster2.pids("node1")) - own_pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:200] for p in left]
     rows = [r for r in jsonl(run_dir / "metrics.jsonl") if "step_time_s" in r]
     before = statistics.median(r["step_time_s"] for r in rows if 3 <= r["step"] < FAULT_STEP)
     after = statistics.median(r["step_time_s"] for r in rows if r["step"] > FAULT_STEP + 1)
