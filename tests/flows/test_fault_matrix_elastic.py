@@ -54,21 +54,24 @@ async def _artifact(key: str):
     return found[0] if found else None
 
 
-async def _elastic_events() -> list[dict]:
-    """Payloads of the megatrain.elastic.* events the server has stored."""
+async def _elastic_events(campaign_id: str) -> list[dict]:
+    """Payloads of the megatrain.elastic.* events the server has stored for campaign ``campaign_id``
+    (the server is the test run's: other campaigns' shrinks and grows are there too)."""
     from prefect.client.orchestration import get_client
-    from prefect.events.filters import EventFilter, EventNameFilter
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
+    resource = EventResourceFilter(id=[f"megatrain.config.campaign.{campaign_id}"])
     async with get_client() as client:
-        page = await client.read_events(filter=EventFilter(event=EventNameFilter(prefix=["megatrain.elastic."])), limit=50)
+        page = await client.read_events(filter=EventFilter(event=EventNameFilter(prefix=["megatrain.elastic."]),
+                                                           resource=resource), limit=50)
     return [{"event": e.event, **e.payload} for e in page.events]
 
 
-def _wait_for_events(names: set[str], timeout_s: float = 30.0) -> list[dict]:
+def _wait_for_events(campaign_id: str, names: set[str], timeout_s: float = 30.0) -> list[dict]:
     """Events reach the server asynchronously (the client's websocket): poll until they are in."""
     deadline = time.monotonic() + timeout_s
     while True:
-        events = asyncio.run(_elastic_events())
+        events = asyncio.run(_elastic_events(campaign_id))
         if names <= {e["event"] for e in events} or time.monotonic() > deadline:
             return events
         time.sleep(0.5)
@@ -151,7 +154,7 @@ def test_evict_node_shrinks_then_grows_back(tmp_path, shard_root):
     assert artifact is not None and "shrink" in str(artifact.data) and "grow" in str(artifact.data)
     report_md = Path(report["report"]).read_text()  # the campaign report says what happened to the nodes
     assert "dp 2, accumulation 2 (shrink); node 1 excluded" in report_md and "dp 4, accumulation 1 (grow)" in report_md
-    events = _wait_for_events({"megatrain.elastic.shrink", "megatrain.elastic.grow"})
+    events = _wait_for_events(campaign.id, {"megatrain.elastic.shrink", "megatrain.elastic.grow"})
     changes = sorted((e["event"], e["stage"], e["nodes"]) for e in events)
     assert changes == [("megatrain.elastic.grow", "b", [0, 1]), ("megatrain.elastic.shrink", "a", [0])], events
 

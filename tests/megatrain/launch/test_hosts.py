@@ -29,20 +29,21 @@ def _in(cluster, role, script: str) -> str:
 
 
 def test_each_host_has_its_own_address_name_pids_shm_and_tmp(cluster2, tmp_path):
+    mine = f"mine-{cluster2.name}"  # a name no other process of the machine uses
     seen = {}
     for role in ("node0", "node1"):
         seen[role] = _in(cluster2, role, f"hostname; ip -4 -o addr show eth0 | awk '{{print $4}}'; echo $$; "
-                                         f"echo {role} > /dev/shm/mine; echo {role} > /tmp/mine; ls /dev/shm /tmp")
+                                         f"echo {role} > /dev/shm/{mine}; echo {role} > /tmp/{mine}; ls /dev/shm /tmp")
     for role, out in seen.items():
         name, address, pid, *listing = out.splitlines()
         assert name == role
         assert address == f"{cluster2.host(role).address}/24"
         assert int(pid) < 100  # numbered in the host's own PID namespace (its init is 1)
-        assert [line for line in listing if line == "mine"] == ["mine", "mine"]  # one in /dev/shm, one in /tmp
+        assert [line for line in listing if line == mine] == [mine, mine]  # one in /dev/shm, one in /tmp
     assert cluster2.host("node0").address != cluster2.host("node1").address
     for role, other in (("node0", "node1"), ("node1", "node0")):
-        assert _in(cluster2, role, "cat /dev/shm/mine /tmp/mine") == f"{role}\n{role}"  # its own, not the other's
-    assert not Path("/dev/shm/mine").exists() and not Path("/tmp/mine").exists()  # the machine's own stay apart
+        assert _in(cluster2, role, f"cat /dev/shm/{mine} /tmp/{mine}") == f"{role}\n{role}"  # its own, not the other's
+    assert not Path(f"/dev/shm/{mine}").exists() and not Path(f"/tmp/{mine}").exists()  # the machine's own stay apart
     # the shared file system is shared (a cluster's volume); another host's processes are not seen
     assert _in(cluster2, "node1", f"cat {ROOT / 'pyproject.toml'} | head -1") == (ROOT / "pyproject.toml").read_text().splitlines()[0]
     assert _in(cluster2, "node1", "ls /proc | grep -c '^[0-9]'") < "9"
