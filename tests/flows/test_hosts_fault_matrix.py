@@ -20,18 +20,16 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-import yaml
 
 from megatrain.config.campaign import load_campaign
 from megatrain.launch import hosts
 
-from test_hosts_campaign import _jsonl, _launches, _losses, _ours, shared_dir  # noqa: F401 (a fixture)
+from test_hosts_campaign import _jsonl, _launches, _losses, _ours, hosts_campaign_file, shared_dir  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "campaign-hosts-faults.yaml"
@@ -85,18 +83,9 @@ def _processes_of(path: Path) -> list[str]:
 
 @pytest.mark.usefixtures("prefect_api")
 def test_partition_grow_redis_outage_and_slow_link_in_one_hosts_campaign(shared_dir, shard_url):  # noqa: F811
-    reason = hosts.available()
-    if reason:
-        pytest.skip(reason)
     from flows.pretrain import pretrain
 
-    hosts.sweep()
-    before = set(hosts.clusters())
-    shutil.copytree(shard_url, shared_dir / "shards")
-    doc = yaml.safe_load(CONFIG.read_text())
-    doc.update(root_dir=str(shared_dir / "campaigns"), shard_url=str(shared_dir / "shards"))
-    path = shared_dir / CONFIG.name
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path, before = hosts_campaign_file(CONFIG, shared_dir, shard_url)
     campaign = load_campaign(path)
     started = time.monotonic()
     state = pretrain(str(path), return_state=True)
