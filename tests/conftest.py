@@ -378,3 +378,16 @@ def pytest_sessionfinish(session, exitstatus):
     import leftover_clusters
 
     leftover_clusters.check(session)
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder on the file system every host of a cluster shares (each host has a /tmp of its own,
+    so not tmp_path): the hosts tests' run dirs and shards."""
+    import shutil
+
+    path = Path(tempfile.mkdtemp(prefix="megatrain-hosts-", dir="/var/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,16 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "campaign-hosts.yaml"
 
 pytestmark = pytest.mark.slow  # ranks in hosts and a Prefect flow: still part of make test
-
-
-@pytest.fixture
-def shared_dir():
-    """A folder every host sees (each host has a /tmp of its own, so not tmp_path)."""
-    path = Path(tempfile.mkdtemp(prefix="megatrain-hosts-campaign-", dir="/var/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _ours(names: set[str]) -> list[str]:
@@ -117,18 +106,25 @@ def hosts_campaign_file(config: Path, shared_dir: Path, shard_url: str, override
     return path, before
 
 
-@pytest.mark.usefixtures("prefect_api")
-def test_host_down_in_a_hosts_campaign_shrinks_onto_the_survivors(shared_dir, shard_url):
+def run_hosts_campaign(path: Path, before: set):
+    """The pretrain flow on the campaign file: (campaign, final state, the flow's seconds), once it
+    completed and took its cluster (namespaces, links) down."""
     from flows.pretrain import pretrain
 
-    # the shrink's resume step stays, for the reference
-    path, before = hosts_campaign_file(CONFIG, shared_dir, shard_url, ["checkpoint.keep_last=100"])
     campaign = load_campaign(path)
     started = time.monotonic()
     state = pretrain(str(path), return_state=True)
     flow_s = time.monotonic() - started
     assert state.is_completed(), state.message
-    assert _ours(set(hosts.clusters()) - before) == [], "the campaign's cluster is still up"
+    assert _ours(set(hosts.clusters()) - before) == [], "the campaign's cluster (namespaces, links) is still up"
+    return campaign, state, flow_s
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_host_down_in_a_hosts_campaign_shrinks_onto_the_survivors(shared_dir, shard_url):
+    # the shrink's resume step stays, for the reference
+    path, before = hosts_campaign_file(CONFIG, shared_dir, shard_url, ["checkpoint.keep_last=100"])
+    campaign, state, flow_s = run_hosts_campaign(path, before)
 
     run_dir = campaign.stage_dir(0)
     verdict = json.loads((run_dir / "faults" / "host-lost.json").read_text())

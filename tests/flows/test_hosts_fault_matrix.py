@@ -26,10 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.config.campaign import load_campaign
 from megatrain.launch import hosts
 
-from test_hosts_campaign import _jsonl, _launches, _losses, _ours, hosts_campaign_file, shared_dir  # noqa: F401 (a fixture)
+from test_hosts_campaign import _jsonl, _launches, _losses, hosts_campaign_file, run_hosts_campaign
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "campaign-hosts-faults.yaml"
@@ -82,16 +81,9 @@ def _processes_of(path: Path) -> list[str]:
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_partition_grow_redis_outage_and_slow_link_in_one_hosts_campaign(shared_dir, shard_url):  # noqa: F811
-    from flows.pretrain import pretrain
-
+def test_partition_grow_redis_outage_and_slow_link_in_one_hosts_campaign(shared_dir, shard_url):
     path, before = hosts_campaign_file(CONFIG, shared_dir, shard_url)
-    campaign = load_campaign(path)
-    started = time.monotonic()
-    state = pretrain(str(path), return_state=True)
-    flow_s = time.monotonic() - started
-    assert state.is_completed(), state.message
-    assert _ours(set(hosts.clusters()) - before) == [], "the campaign's cluster (namespaces, links) is still up"
+    campaign, state, flow_s = run_hosts_campaign(path, before)
     assert _processes_of(shared_dir) == [], "a process of the campaign is still running"
 
     plans = json.loads((campaign.campaign_dir / "nodes.json").read_text())

@@ -76,14 +76,3 @@ def served_cluster2():
     assert_gone(before, cluster.name, seen)
 
 
-@pytest.fixture
-def shared_dir():
-    """A folder on the file system every host shares (hosts have their own /tmp, so not tmp_path)."""
-    import shutil
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="megatrain-hosts-", dir="/var/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
