@@ -150,15 +150,12 @@ def print_real(results: list[dict]) -> None:
 
 
 def start_servers(n: int) -> tuple:
-    from init_sim import raise_fd_limit, start_tcpstore_server
+    from init_sim import raise_fd_limit, start_redis, start_tcpstore_server
 
     raise_fd_limit(n + 512)
-    redis_port, tcp_port = free_port(), free_port()
-    redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--maxclients", str(n + 1000)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
-    return redis, redis_port, start_tcpstore_server(tcp_port), tcp_port
+    redis, redis_port = start_redis(n)
+    tcp = start_tcpstore_server()
+    return redis, redis_port, tcp, tcp.port
 
 
 def run_sim(n: int, mode: str, eager: bool) -> list[dict]:

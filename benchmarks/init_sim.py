@@ -212,15 +212,51 @@ def _server_env() -> dict[str, str]:
     return {"RES_OPTIONS": "timeout:0 attempts:1"}
 
 
-def start_tcpstore_server(port: int) -> subprocess.Popen:
+def start_tcpstore_server(port: int = 0) -> subprocess.Popen:
+    """A libuv TCPStore server in its own process; ``proc.port`` is the port it listens on.
+
+    Port 0 (the default) lets the server bind a free port itself: a port found free beforehand
+    can be taken by another process while this one imports torch (seen on a busy machine)."""
     code = ("import sys, time, datetime, torch.distributed as d\n"
             f"s = d.TCPStore('127.0.0.1', {port}, None, True, timeout=datetime.timedelta(seconds=3600), "
             "wait_for_workers=False, use_libuv=True)\n"
-            "print('ready', flush=True)\nsys.stdin.read()\n")
+            "print('ready', s.port, flush=True)\nsys.stdin.read()\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, **_server_env()})
-    assert proc.stdout.readline().strip() == "ready"
+    line = proc.stdout.readline().split()
+    if line[:1] != ["ready"]:
+        proc.kill()
+        raise RuntimeError(f"the TCPStore server did not start (exit {proc.wait()}): see its stderr above")
+    proc.port = int(line[1])  # type: ignore[attr-defined]
     return proc
+
+
+def start_redis(n: int = 0, attempts: int = 5) -> tuple[subprocess.Popen, int]:
+    """redis-server (no password, no persistence) on a free port, once it answers PING; a port
+    taken between the probe and the bind makes the server exit, and the next free one is tried."""
+    import redis as redis_py
+
+    for _ in range(attempts):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--maxclients", str(n + 1000)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis_py.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+        deadline = time.monotonic() + 10
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    client.ping()
+                    return proc, port
+                except redis_py.ConnectionError:
+                    time.sleep(0.02)
+        finally:
+            client.close()
+        proc.kill()
+        proc.wait()
+    raise RuntimeError(f"redis-server did not start on a free port in {attempts} attempts")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -286,13 +322,11 @@ if __name__ == "__main__":  # a smoke test: 64 ranks, both servers
     from init_traffic import rank_program
 
     from megatrain.parallel.dims import ParallelDims
-    from megatrain.reliability.redis_server import start_redis_server
-
     dims = ParallelDims(dp=2, tp=8, pp=4)
     programs = [rank_program(r, dims, "nccl", "ordered", eager=False) for r in range(dims.world_size)]
-    tcp = start_tcpstore_server(29777)
-    print("tcp", replay("tcp", 29777, tcp.pid, programs, "t/"))
+    tcp = start_tcpstore_server()
+    print("tcp", replay("tcp", tcp.port, tcp.pid, programs, "t/"))
     tcp.kill()
-    red = start_redis_server(29778)
-    print("redis", replay("redis", 29778, red.pid, programs, "megatrain:sim:store:"))
+    red, red_port = start_redis()
+    print("redis", replay("redis", red_port, red.pid, programs, "megatrain:sim:store:"))
     red.kill()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import time
 
@@ -26,22 +27,46 @@ def local_password() -> str:
     return os.environ[PASSWORD_ENV]
 
 
-def start_redis_server(port: int, timeout_s: float = 10.0, password: str | None = None) -> subprocess.Popen:
+def start_redis_server(port: int = 0, timeout_s: float = 10.0, password: str | None = None,
+                       attempts: int = 5) -> subprocess.Popen:
     """Start ``redis-server`` on 127.0.0.1:``port`` and return it once it answers PING.
 
-    ``password``: default ``local_password()``; the process carries it as ``proc.password``."""
-    import redis
-
-    binary = shutil.which("redis-server")
-    if binary is None:
+    ``port`` 0: a free port, found by binding one; another process can take it before the server
+    binds it (a busy machine), so a server that exits at once is started again on a new one, up to
+    ``attempts`` times. ``proc.port`` is the port; ``password``: default ``local_password()``, the
+    process carries it as ``proc.password``."""
+    if shutil.which("redis-server") is None:
         raise FileNotFoundError("redis-server not installed (apt-get install -y redis-server)")
     password = password or local_password()
+    for attempt in range(1 if port else attempts):
+        try:
+            return _start(port or _free_port(), timeout_s, password)
+        except _PortTaken:
+            if port or attempt == attempts - 1:
+                raise RuntimeError(f"redis-server did not start on port {port or 'any free one'}: "
+                                   "it exited at once (the port in use?)") from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start(port: int, timeout_s: float, password: str) -> subprocess.Popen:
+    import redis
+
     conf = f"port {port}\nbind 127.0.0.1\nprotected-mode yes\nsave \"\"\nappendonly no\nrequirepass {password}\n"
-    proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([shutil.which("redis-server"), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, text=True)
     proc.stdin.write(conf)
     proc.stdin.close()
-    proc.password = password  # type: ignore[attr-defined]
+    proc.password, proc.port = password, port  # type: ignore[attr-defined]
     client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=1)
     deadline = time.monotonic() + timeout_s
     try:
@@ -50,10 +75,12 @@ def start_redis_server(port: int, timeout_s: float = 10.0, password: str | None 
                 client.ping()
                 return proc
             except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.poll() is not None:
+                    raise _PortTaken() from None
+                if time.monotonic() > deadline:
                     proc.kill()
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
+                    proc.wait()
+                    raise RuntimeError(f"redis-server did not answer on port {port} in {timeout_s:.0f} s") from None
                 time.sleep(0.02)
     finally:
         client.close()
-

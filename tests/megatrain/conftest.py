@@ -98,9 +98,8 @@ def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
         pytest.fail("redis-server is not installed: make services (apt-get install -y redis-server)")
     from megatrain.reliability.redis_server import start_redis_server
 
-    port = free_port()
-    proc = start_redis_server(port)
-    yield f"redis://127.0.0.1:{port}/0", proc
+    proc = start_redis_server()  # a free port, taken again if another process wins it first
+    yield f"redis://127.0.0.1:{proc.port}/0", proc
     proc.terminate()
     proc.wait(timeout=10)
 

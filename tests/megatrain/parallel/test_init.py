@@ -46,10 +46,9 @@ def result(out: str) -> dict:
 @pytest.fixture
 def redis_url():
     if subprocess.run(["which", "redis-server"], capture_output=True).returncode:
-        pytest.skip("redis-server not installed (apt-get install -y redis-server)")
-    port = free_port()
-    proc = start_redis_server(port)
-    yield f"redis://127.0.0.1:{port}/0"
+        pytest.fail("redis-server not installed: make services (apt-get install -y redis-server)")
+    proc = start_redis_server()
+    yield f"redis://127.0.0.1:{proc.port}/0"
     proc.kill()
     proc.wait()
 
@@ -134,12 +133,12 @@ def test_redis_restart_during_rendezvous_is_survived() -> None:
     """Rank 0 joins, Redis restarts (losing every key), rank 1 arrives at the new server: rank 0
     notices the new server, joins again in its namespace, and both finish."""
     if subprocess.run(["which", "redis-server"], capture_output=True).returncode:
-        pytest.skip("redis-server not installed")
+        pytest.fail("redis-server not installed: make services (apt-get install -y redis-server)")
     from megatrain.launch.redis_client import connect
 
-    redis_port, port = free_port(), free_port()
+    server, port = start_redis_server(), free_port()
+    redis_port = server.port  # the restart below takes the same port again
     url = f"redis://127.0.0.1:{redis_port}/0"
-    server = start_redis_server(redis_port)
     init = {"store": "redis", "redis_url": url, "join_timeout_s": 60}
     rank0 = launch(0, 2, port, init, "ordered", RUN_ID="restart")
     try:
