@@ -26,9 +26,10 @@ def canonical_name(name: str) -> str:
 def _canonical(module: nn.Module, name: str) -> str:
     """The canonical name of ``name`` in a GPT or a DeepSpeed PipelineModule. A PipelineModule names
     its layers by their index in ``pipeline_layers()``: [Embedding (when tied: under
-    ``tied_modules.embed``), blocks..., (the tied embedding again), LossHead]."""
+    ``tied_modules.embed``), blocks..., (the tied embedding again), LossHead]; under the document
+    mask the untied embedding is ``EmbedDocuments`` and each block a ``BlockWithDocuments``."""
     from megatrain.model.gpt import Embedding
-    from megatrain.parallel.pipeline import LossHead
+    from megatrain.parallel.pipeline import EmbedDocuments, LossHead
 
     if not hasattr(module, "forward_funcs"):
         return canonical_name(name)
@@ -38,6 +39,8 @@ def _canonical(module: nn.Module, name: str) -> str:
     layer = module._modules[head]
     if isinstance(layer, Embedding):
         return "embed." + rest
+    if isinstance(layer, EmbedDocuments):  # the document mask's first layer: "0.module.wte.weight"
+        return "embed." + rest.partition(".")[2]
     if isinstance(layer, LossHead):
         return rest  # "head.ln_f.weight"
     return canonical_name(f"blocks.{int(head) - 1}.{rest}")

@@ -398,9 +398,6 @@ class Config(_Section):
     def _check_context_parallel(self) -> None:
         """What parallel.cp needs of the model (megatrain/parallel/context_parallel.py says why)."""
         cp, tp, m = self.parallel.cp, self.parallel.tp, self.model
-        if m.attention_mask == "document" and self.parallel.pp > 1:
-            raise ValueError(f"model.attention_mask=document with parallel.pp={self.parallel.pp}: the pipeline's stages "
-                             "do not carry the document ids yet; use pp 1")
         if cp == 1:
             return
         if self.seq_len % (2 * cp * tp):

@@ -49,7 +49,7 @@ from megatrain.evaluate.validation_sets import (
     ValidationSet, component_windows, describe, held_out_windows, read_record, validation_sets, write_record,
 )
 from megatrain.observe.metrics import StepMetrics
-from megatrain.parallel.context_parallel import rank_chunks, shard_batch
+from megatrain.parallel.context_parallel import rank_chunks
 from megatrain.parallel.dims import ProcessGroups
 
 __all__ = ["EvalResult", "Evaluator", "evaluate_checkpoint", "held_out_windows", "loss_on_windows", "mix",
@@ -174,12 +174,15 @@ class Evaluator:
             windows = np.tile(windows, (math.lcm(len(windows), per_round) // len(windows), 1))
         rounds = rank_rounds(len(windows), g.dims.dp, mb, g.dp_rank)
 
-        def micro_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from megatrain.parallel.pipeline import stage_micro_batch
+
+        def micro_batches() -> Iterator[tuple]:
             for first, count in rounds:
                 inputs, targets = to_tensors(windows[first:first + count])
-                if g.dims.cp > 1:  # this rank's chunks: the stages hold their positions (pipeline.py)
-                    inputs, targets, _, _ = shard_batch(inputs, targets, g.dims.cp, g.cp_rank)
-                yield inputs.to(self.device), targets.to(self.device)
+                # this rank's chunks (the stages hold their positions), with the document ids under the mask
+                staged, targets = stage_micro_batch(inputs.to(self.device), targets.to(self.device), self.cfg, g,
+                                                    getattr(engine.module, "eos_id", None))
+                yield staged, targets
 
         # the mean over micro-batches and DP, broadcast to every stage
         return engine.eval_batch(micro_batches(), num_micro_batches=len(rounds)).float().item()

@@ -46,7 +46,13 @@ def _recompute_attention(attention: nn.Module) -> None:
     def attend(qkv: torch.Tensor, cache=None) -> torch.Tensor:
         if cache is not None or not torch.is_grad_enabled():  # generation: nothing to store
             return core(qkv, cache)
-        return checkpoint(core, qkv, use_reentrant=False)
+        sequence = attention.sequence  # this forward's: a pipeline runs other micro-batches before the recompute
+
+        def recompute(qkv: torch.Tensor) -> torch.Tensor:
+            attention.sequence = sequence
+            return core(qkv)
+
+        return checkpoint(recompute, qkv, use_reentrant=False)
 
     attention.attend = attend
 

@@ -26,12 +26,19 @@ the loss over both. A cp rank's tokens are the same two chunks of every micro-ba
 stage's layers hold them once (``hold_context_chunks``): the chunks' global positions on the
 embedding and on every attention layer, with the ring or all-to-all attention. The trainer and the
 evaluator feed the stages the rank's chunks of each micro-batch (``context_parallel.shard_batch``).
-The document mask is refused with pp (``Config``): its ids change with every micro-batch and the
-stages pass only hidden states.
+The document mask (``model.attention_mask: document``): a micro-batch's document ids change with
+every micro-batch, and 1F1B runs several micro-batches' forwards before their backwards (whose
+recompute, under activation checkpointing, must see the same ids again). So the ids travel with the
+activations: the first stage takes (tokens, doc_ids) (``stage_micro_batch``, computed from the
+whole samples before a cp cut), and every layer passes (hidden, doc_ids) on (``EmbedDocuments``,
+``BlockWithDocuments``); a block sets its attention layers' ``Sequence`` from the ids it is given,
+in its forward and in its recompute. DeepSpeed sends the integer ids between stages and no gradient
+for them (it skips tensors that are not floating point).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -42,12 +49,14 @@ from torch.utils.checkpoint import checkpoint
 from megatrain.config import Config
 from megatrain.model.block import ParallelBlock, SerialBlock
 from megatrain.model.gpt import GPT, Embedding, Head
+from megatrain.kernels.attention import document_ids
 from megatrain.model.attention import Attention
-from megatrain.parallel.context_parallel import chunk_positions, cp_sequence
+from megatrain.model.sequence import Sequence
+from megatrain.parallel.context_parallel import chunk_positions, cp_sequence, shard_batch
 from megatrain.parallel.deepspeed import pipeline_topology
 from megatrain.parallel.dims import ProcessGroups
 
-BLOCK_TYPES = (ParallelBlock.__name__, SerialBlock.__name__)
+BLOCK_TYPES = (ParallelBlock.__name__, SerialBlock.__name__, "BlockWithDocuments")
 
 
 class _ExistingTiedLayer(TiedLayerSpec):
@@ -71,8 +80,56 @@ class LossHead(nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return x[0] if isinstance(x, tuple) else x  # (hidden, doc_ids) under the document mask
+
+
+class EmbedDocuments(nn.Module):
+    """The first layer under the document mask: (tokens [B, T], doc_ids [B, T]) -> (x [B, T, d], doc_ids)."""
+
+    def __init__(self, embed: Embedding):
+        super().__init__()
+        self.module = embed
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return _embed_documents(self.module, inputs)
+
+
+class BlockWithDocuments(nn.Module):
+    """A block under the document mask: (x, doc_ids) -> (block(x), doc_ids), its attention layers
+    reading these ids (with the rank's held context-parallel positions and ring, if any)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block  # named as CheckpointedBlock names it: checkpoint names strip ".block."
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, doc_ids = inputs
+        for module in self.block.modules():
+            if isinstance(module, Attention):
+                held = getattr(module, "held_sequence", None) or Sequence()
+                module.sequence = dataclasses.replace(held, doc_ids=doc_ids)
+        return self.block(x), doc_ids
+
+
+def _embed_documents(embed: Embedding, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, doc_ids = inputs
+    return embed(tokens), doc_ids
+
+
+def stage_micro_batch(inputs: torch.Tensor, targets: torch.Tensor, cfg: Config, groups: ProcessGroups,
+                      eos_id: int | None) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A micro-batch of whole samples [B, T] -> what the pipeline's first and last stage take: this cp
+    rank's chunks of it, and under the document mask (tokens, doc_ids) as the inputs, the ids
+    computed on the whole samples (global across the cp chunks)."""
+    document = cfg.model.attention_mask == "document"
+    if document and eos_id is None:
+        raise ValueError("model.attention_mask=document: the data's EOS id is not known to the pipeline")
+    if groups.dims.cp == 1:
+        x, y, docs = inputs, targets, document_ids(inputs, eos_id) if document else None
+    else:
+        x, y, _, docs = shard_batch(inputs, targets, groups.dims.cp, groups.cp_rank, eos_id if document else None)
+    return ((x, docs) if document else x), y
 
 
 def _pass_through(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -84,13 +141,18 @@ def _head_loss(head: Head, x: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 def pipeline_layers(model: GPT) -> list:
-    """The layer list DeepSpeed partitions, from ``model.layers()``."""
+    """The layer list DeepSpeed partitions, from ``model.layers()``; under the document mask the
+    embedding and the blocks carry the document ids along (module docstring)."""
     embed, *blocks, head = model.layers()
     assert isinstance(embed, Embedding) and isinstance(head, Head), "GPT.layers() must be [Embedding, *blocks, Head]"
+    documents = model.cfg.attention_mask == "document"
+    if documents:
+        blocks = [BlockWithDocuments(block) for block in blocks]
     if not head.tied:
-        return [embed, *blocks, LossHead(head)]
+        return [EmbedDocuments(embed) if documents else embed, *blocks, LossHead(head)]
     return [
-        _ExistingTiedLayer("embed", embed, tied_weight_attr="wte.weight"),
+        _ExistingTiedLayer("embed", embed, forward_fn=_embed_documents if documents else None,
+                           tied_weight_attr="wte.weight"),
         *blocks,
         _ExistingTiedLayer("embed", embed, forward_fn=_pass_through, tied_weight_attr="wte.weight"),
         LossHead(head),
@@ -105,7 +167,7 @@ def hold_context_chunks(model: GPT, cfg: Config, groups: ProcessGroups) -> None:
     model.embed.positions = positions
     for module in model.modules():
         if isinstance(module, Attention):
-            module.sequence = sequence
+            module.sequence = module.held_sequence = sequence  # held: BlockWithDocuments adds the ids
 
 
 def build_pipeline_module(model: GPT, cfg: Config, groups: ProcessGroups) -> PipelineModule:
@@ -132,7 +194,7 @@ def build_pipeline_module(model: GPT, cfg: Config, groups: ProcessGroups) -> Pip
     )
     on_this_stage = {id(module) for module in pipe.modules()}
     for layer in layers:
-        module = layer.module if isinstance(layer, _ExistingTiedLayer) else layer
+        module = layer.module if isinstance(layer, (_ExistingTiedLayer, EmbedDocuments)) else layer
         if id(module) not in on_this_stage:
             module.to("meta")
     return pipe

@@ -41,12 +41,13 @@ from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
 from megatrain.observe.straggler import StragglerMonitor
 from megatrain.observe.timers import StepTimers
 from megatrain.optim import Lamb, build_optimizer, build_scheduler
-from megatrain.parallel.context_parallel import loss_weight, rank_chunks, shard_batch
+from megatrain.parallel.context_parallel import loss_weight, rank_chunks
 from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
 from megatrain.parallel.dims import ParallelDims, ProcessGroups, build_process_groups
 from megatrain.parallel.expert_parallel import attach_expert_grad_sync
 from megatrain.parallel.init import DistEnv
 from megatrain.parallel.meta import build_parallel_model
+from megatrain.parallel.pipeline import stage_micro_batch
 from megatrain.parallel.zero_norms import attach_foreach_norms
 from megatrain.parallel.zero_step import attach_fast_step
 from megatrain.precision import FP8Guard, check_precision_supported
@@ -138,7 +139,7 @@ class Trainer:
                                                         init_weights=hf_weights(cfg.checkpoint.init_from))
         with self.startup.phase("engine"):
             self.engine = self._build_engine(model)
-        if cfg.model.attention_mask == "document":  # document ids from the data's EOS (pp 1: Config refuses others)
+        if cfg.model.attention_mask == "document":  # document ids from the data's EOS (a PipelineModule: its first stage's inputs)
             self.engine.module.eos_id = self.index.eos_id
         set_aux_loss_scale(model, 1.0 / self.grad_accumulation)  # MoE penalties scaled as DeepSpeed scales the loss
         self.fp8_guard = FP8Guard(model, cfg.train.precision == "fp8", env.device,
@@ -316,16 +317,17 @@ class Trainer:
             return inputs, targets, None, 1.0
         return rank_chunks(inputs, targets, self.cfg, self.groups, self.index.eos_id)
 
-    def _pipeline_chunks(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A micro-batch -> this cp rank's two chunks of it, for a pipeline stage. DeepSpeed averages
+    def _pipeline_micro_batch(self, batch: tuple[torch.Tensor, torch.Tensor]):
+        """A micro-batch -> what the pipeline's stages take (``pipeline.stage_micro_batch``): this cp
+        rank's two chunks of it, with the document ids under the document mask. DeepSpeed averages
         the chunks' mean losses over the replicas unweighted: exact while every target counts (the
         loader ignores none), checked here rather than assumed."""
         inputs, targets = batch
-        x, y, _, _ = shard_batch(inputs, targets, self.groups.dims.cp, self.groups.cp_rank)
-        if loss_weight(targets, y, self.groups.dims.cp) != 1.0:
+        staged, y = stage_micro_batch(inputs, targets, self.cfg, self.groups, self.index.eos_id)
+        if self.groups.dims.cp > 1 and loss_weight(targets, y, self.groups.dims.cp) != 1.0:
             raise ValueError("parallel.cp with parallel.pp: a micro-batch with ignored targets would weigh the cp "
                              "ranks' losses unevenly; the pipeline averages them unweighted")
-        return x, y
+        return staged, y
 
     def _pipeline_batch(self) -> torch.Tensor:
         """1F1B: DeepSpeed pulls grad_accumulation micro-batches from self.batches (first and last
@@ -334,8 +336,10 @@ class Trainer:
         is already averaged over micro-batches and DP, and broadcast to every stage. An injected
         loss fault can only change the reported loss here: the backward runs inside DeepSpeed.
         Under cp the stages get this rank's chunks of each micro-batch (their positions and the ring
-        are held by the layers, ``pipeline.hold_context_chunks``)."""
-        batches = self.batches if self.groups.dims.cp == 1 else map(self._pipeline_chunks, self.batches)
+        are held by the layers, ``pipeline.hold_context_chunks``); under the document mask the ids
+        travel with the activations."""
+        plain = self.groups.dims.cp == 1 and self.cfg.model.attention_mask != "document"
+        batches = self.batches if plain else map(self._pipeline_micro_batch, self.batches)
         with self.phase("pipeline"):
             loss = self.engine.train_batch(batches)
         return self.faults.transform_loss(self.step + 1, loss.detach().float())

@@ -56,8 +56,7 @@ def reference_run(variant: dict) -> dict:
     scaled by 1/accumulation, gradients clipped to ``grad_clip`` by global norm, LAMB, schedule.
     This is the math every parallel layout must reproduce."""
     cfg = parity_worker.build_config(variant, world=1)
-    torch.manual_seed(cfg.train.seed)
-    model = parity_worker.GPT(cfg.model)
+    model = parity_worker.build_model(cfg)
     optimizer = parity_worker.build_optimizer(model, cfg.optim)
     scheduler = parity_worker.build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     named = dict(model.named_parameters())

@@ -11,9 +11,11 @@ what the parent compares with the single-process run of the same global batch:
   just before the optimizer step;
 - ``weights``: every parameter of this rank's stage after the last step, TP-gathered.
 
-Under context parallelism with a pipeline (``parallel.cp`` with ``parallel.pp``) each rank feeds
-its stages its two chunks of every micro-batch, as the trainer's ``_pipeline_chunks`` does; the
-replica group (dp x cp) is what DeepSpeed reduces over.
+Under a pipeline each rank feeds its stages what the trainer feeds them
+(``pipeline.stage_micro_batch``): under context parallelism its two chunks of every micro-batch
+(the replica group dp x cp is what DeepSpeed reduces over), under the document mask (tokens,
+document ids). The document variants' batches have an EOS (token 0) at about one token in eight,
+so each 16-token sample holds a few documents.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 from megatrain.config import Config
 from megatrain.model import GPT, count_parameters
 from megatrain.optim import Lamb, build_optimizer, build_scheduler
-from megatrain.parallel.context_parallel import shard_batch
 from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
 from megatrain.parallel.dims import ParallelDims, build_process_groups
 from megatrain.parallel.init import init_distributed, shutdown_distributed
 from megatrain.parallel.overlap import attach_dp_overlap
 from megatrain.parallel.parallelize import parallelize
+from megatrain.parallel.pipeline import stage_micro_batch
 from megatrain.parallel.tensor_parallel import full_tensor
 from megatrain.parallel.zero_norms import attach_foreach_norms
 
@@ -64,9 +66,22 @@ def build_config(variant: dict, world: int) -> Config:
     return Config.model_validate(raw)
 
 
+EOS = 0  # the document variants' end-of-document token
+
+
+def build_model(cfg: Config) -> GPT:
+    """The seeded GPT every rank and the reference build (its EOS id for the document mask)."""
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    model.eos_id = EOS
+    return model
+
+
 def global_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(10_000 + step)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1), generator=gen)
+    if cfg.model.attention_mask == "document":  # documents of a few tokens each
+        tokens[tokens < cfg.model.vocab_size // 8] = EOS
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -115,8 +130,7 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     all_groups = build_process_groups(dims, rank)
     groups = all_groups.replicas()  # dp x cp replicas, as ZeRO and the reduction see them (itself at cp 1)
 
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
+    model = build_model(cfg)
     n_params = count_parameters(model)
     module = parallelize(model, cfg, all_groups)
     # GPT's own names, also under a pipeline; CheckpointedBlock wraps a block as blocks.i.block
@@ -171,11 +185,12 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     losses, norms = [], []
     for step in range(cfg.train.steps):
         micro = my_micro_batches(cfg, step, all_groups.dp_rank, dims.dp)
-        if dims.cp > 1:
-            micro = [shard_batch(x, y, dims.cp, all_groups.cp_rank)[:2] for x, y in micro]
+        if dims.pp > 1:
+            micro = [stage_micro_batch(x, y, cfg, all_groups, EOS) for x, y in micro]
             if variant.get("swap_chunks"):  # the two chunks' tokens exchanged, their positions kept: must not match
                 micro = [(x.roll(x.shape[1] // 2, 1), y.roll(y.shape[1] // 2, 1)) for x, y in micro]
-        if dims.pp > 1:
+            if variant.get("drop_doc_ids"):  # one document per sample: must not match the document mask
+                micro = [((x, torch.zeros_like(docs)), y) for (x, docs), y in micro]
             loss = engine.train_batch(iter(micro))  # 1F1B over the micro-batches, DP-averaged
         else:
             micro_losses = []

@@ -267,12 +267,11 @@ if __name__ == "__main__":
 
 def test_cp_composes_with_the_pipeline_and_refuses_expert_parallelism():
     """cp x pp is a layout (test_parity.py's pp2xcp2 variants match one process); cp x ep is refused
-    naming both fields, and the document mask with a pipeline names its reason."""
+    naming both fields; the document mask with a pipeline is a layout too (test_parity.py's document variants)."""
     from megatrain.config import ConfigError
 
     assert build_config({"set": {"parallel.cp": 2, "parallel.pp": 2}}, 4).parallel.pp == 2
     moe = {"model.mlp": "moe", "parallel.cp": 2, "parallel.ep": 2}
     with pytest.raises((ValueError, ConfigError), match=r"parallel.cp=2 with parallel.ep=2"):
         build_config({"set": moe}, 4)
-    with pytest.raises((ValueError, ConfigError), match=r"attention_mask=document with parallel.pp=2"):
-        build_config({"set": {"parallel.cp": 2, "parallel.pp": 2, **DOC}}, 4)
+    assert build_config({"set": {"parallel.cp": 2, "parallel.pp": 2, **DOC}}, 4).model.attention_mask == "document"

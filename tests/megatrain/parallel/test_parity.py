@@ -27,6 +27,7 @@ from tests.megatrain.parallel.conftest import reference_run, run_parity
 
 OFF = {"parallel.overlap.tp_chunks": 1, "parallel.overlap.dp_overlap_comm": False, "parallel.overlap.dp_prefetch": False}
 TP2, PP2, SERIAL, NO_SP = {"parallel.tp": 2}, {"parallel.pp": 2}, {"model.block": "serial"}, {"parallel.sequence_parallel": False}
+DOCUMENT = {"model.attention_mask": "document"}
 # The Llama family: RoPE, RMSNorm, SwiGLU, 4 query heads over 2 KV heads (one KV head per TP rank), no biases
 LLAMA = {"model.position": "rope", "model.norm": "rmsnorm", "model.mlp": "swiglu", "model.n_kv_head": 2,
          "model.bias": False, "model.d_ff": 48}
@@ -57,6 +58,10 @@ WORLD2 = {
     "llama-tp2-serial-sp": {**LLAMA, **SERIAL, **TP2},
     "llama-tp2-parallel-nosp-sliding": {**LLAMA, **TP2, **NO_SP, "model.attention": "sliding", "model.window": 6},
     "llama-pp2-serial-untied": {**LLAMA, **SERIAL, **PP2, "model.tie_embeddings": False},
+    # the document mask inside the pipeline: the ids travel with the activations (pipeline.py)
+    "pp2-document": {**PP2, **DOCUMENT},
+    "llama-pp2-document-untied-selective": {**LLAMA, **SERIAL, **PP2, **DOCUMENT, "model.tie_embeddings": False,
+                                            "model.activation_checkpointing": "selective"},
 }
 WORLD4 = {
     "tp2xdp2-parallel-sp": TP2,
@@ -75,8 +80,12 @@ WORLD4 = {
     "pp2xcp2-alltoall-checkpointed": {**PP2, "parallel.cp": 2, "parallel.cp_mode": "alltoall",
                                       "model.activation_checkpointing": True},
     "llama-pp2xcp2-ring-untied": {**LLAMA, **SERIAL, **PP2, "parallel.cp": 2, "model.tie_embeddings": False},
+    "pp2xcp2-ring-document-checkpointed": {**PP2, **DOCUMENT, "parallel.cp": 2, "model.activation_checkpointing": True},
+    "llama-tp2xpp2-sp-document-sliding": {**LLAMA, **TP2, **PP2, **DOCUMENT, "model.attention": "sliding",
+                                          "model.window": 6},
 }
 SWAPPED = {"pp2xcp2-ring-swapped-chunks": {**PP2, "parallel.cp": 2}}  # must NOT match (test below)
+DROPPED = {"pp2-document-ids-dropped": {**PP2, **DOCUMENT}}  # must NOT match either
 TOLERANCE = 1e-5
 
 
@@ -91,7 +100,8 @@ def variants(table: dict[str, dict]) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def world2(tmp_path_factory) -> dict[str, dict]:
-    return run_parity(2, variants(WORLD2), tmp_path_factory.mktemp("world2"))
+    dropped = [{"name": name, "set": overrides, "drop_doc_ids": True} for name, overrides in DROPPED.items()]
+    return run_parity(2, variants(WORLD2) + dropped, tmp_path_factory.mktemp("world2"))
 
 
 @pytest.fixture(scope="session")
@@ -194,3 +204,12 @@ def test_a_misplaced_context_chunk_inside_the_pipeline_fails_the_comparison(worl
     (name, overrides), = SWAPPED.items()
     with pytest.raises(AssertionError):
         assert_matches(world4[name], reference(overrides))
+
+
+@pytest.mark.slow
+def test_document_ids_lost_inside_the_pipeline_fail_the_comparison(world2, reference):
+    """The stages fed one document per sample instead of the batch's ids (plain causal attention on
+    the same batches): the comparison that pp2-document passes must fail, so it sees the mask."""
+    (name, overrides), = DROPPED.items()
+    with pytest.raises(AssertionError):
+        assert_matches(world2[name], reference(overrides))
