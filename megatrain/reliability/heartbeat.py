@@ -43,7 +43,7 @@ from megatrain import waits
 from megatrain.reliability.heartbeat_store import (  # noqa: F401  (the store's names, importable from here)
     PHASES, RECENT_STEPS, STEP_PHASES, DirectorySink, HeartbeatRecord, HeartbeatSink, RedisSink, make_sink, writer_id,
 )
-from megatrain.reliability.stacks import STACK_SIGNAL, install_stack_dump, stack_file
+from megatrain.reliability.stacks import STACK_SIGNAL, install_stack_dump, own_stacks, stack_file
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class HeartbeatWriter:
         self._recent_forward: collections.deque[list[float]] = collections.deque(maxlen=RECENT_STEPS)
         self._recent_step: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self._stack_handle: IO[str] | None = None
+        self._answered: str | None = None  # the last stack request answered
         if stacks_dir is not None:
             self._stack_handle = install_stack_dump(stack_file(stacks_dir, rank))
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-rank{rank}", daemon=True)
@@ -178,13 +179,29 @@ class HeartbeatWriter:
                         time.time() - (self._failing_since or time.time()))
             self._failures, self._failing_since = 0, None
 
+    def _answer_stack_request(self) -> None:
+        """A watcher on another host asked for this process's stacks (``RedisSink.request_stacks``):
+        this thread runs while the main thread sits in a collective, so it answers for it."""
+        try:
+            request = self.sink.stack_request()
+            if request is None or request == self._answered:
+                return
+            record = self.record
+            self.sink.publish_stacks(record.rank, request, own_stacks(), record.host, record.pid)
+            self._answered = request
+        except Exception as exc:  # the store's outage: heartbeats say so already; asked again next beat
+            log.debug("stack request not answered: %s", exc)
+
     def _run(self) -> None:
+        answers = hasattr(self.sink, "stack_request")  # a store every host reaches (Redis)
         while not self._stop.is_set():
             self._wake.wait(timeout=self.interval_s)
             self._wake.clear()
             if self._stop.is_set():
                 break
             self._send()
+            if answers:
+                self._answer_stack_request()
             self._stop.wait(self.min_gap_s)  # coalesce bursts of phase changes
 
     def close(self, phase: str | None = "done") -> None:

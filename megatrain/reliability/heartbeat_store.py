@@ -275,6 +275,46 @@ class RedisSink:
                                     writer, self.key(rank), exc)
         return _newest(self.identity, found, started_after, f"megatrain:{self.run_id}:heartbeat:{self.place}:*")
 
+    # Stacks on request, the cluster's way: a watcher cannot signal another host's processes, so it
+    # asks through the store and each rank's heartbeat thread answers with its own stacks.
+    def _stacks_key(self, what: str) -> str:
+        return f"megatrain:{self.run_id}:stacks:{self.place}:{what}"
+
+    def request_stacks(self) -> str:
+        """Ask every rank of the run for its stacks; the request's id (replies name it)."""
+        request = str(time.time_ns())
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self._stacks_key("replies"))
+        pipe.set(self._stacks_key("request"), request, ex=self.ttl_s)
+        pipe.execute()
+        return request
+
+    def stack_request(self) -> str | None:
+        """The run's current request for stacks, or None."""
+        value = self._redis.get(self._stacks_key("request"))
+        return value.decode() if isinstance(value, bytes) else value
+
+    def publish_stacks(self, rank: int, request: str, text: str, host: str, pid: int) -> None:
+        key = self._stacks_key("replies")
+        reply = json.dumps({"request": request, "host": host, "pid": pid, "text": text})
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(key, f"{rank}:{host}:{pid}", reply)  # a stale process of the rank answers beside it
+        pipe.expire(key, self.ttl_s)
+        pipe.execute()
+
+    def read_stacks(self, request: str) -> dict[tuple[int, str, int], str]:
+        """The replies to ``request``: (rank, host, pid) -> stack text."""
+        out = {}
+        for field_, value in (self._redis.hgetall(self._stacks_key("replies")) or {}).items():
+            try:
+                reply = json.loads(value)
+                rank = int((field_.decode() if isinstance(field_, bytes) else field_).split(":", 1)[0])
+            except (ValueError, TypeError):
+                continue
+            if reply.get("request") == request:
+                out[(rank, reply["host"], int(reply["pid"]))] = reply["text"]
+        return out
+
     def close(self) -> None:
         self._redis.close()
         if self.fence is not None:

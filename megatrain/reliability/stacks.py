@@ -6,6 +6,10 @@ handler without taking the GIL, so this works even while the main thread sits in
 collective - exactly when it is needed. A watcher on the same host calls ``collect_stacks``:
 signal, wait for the file to stop growing, read what was appended. Processes that registered
 no handler are dumped with ``py-spy`` when it is installed.
+
+A watcher cannot signal a process on another host: it asks through the heartbeat store instead
+(``RedisSink.request_stacks``), and each rank's heartbeat thread answers with ``own_stacks`` (that
+thread runs while the main thread waits in a collective; a frozen process answers nothing).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +42,14 @@ def install_stack_dump(path: str | Path) -> IO[str]:
     handle = open(path, "a")  # noqa: SIM115 - must outlive this function
     faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=False)
     return handle
+
+
+def own_stacks() -> str:
+    """This process's Python stacks, every thread's, as faulthandler writes them."""
+    with tempfile.TemporaryFile("w+") as handle:
+        faulthandler.dump_traceback(file=handle, all_threads=True)
+        handle.seek(0)
+        return handle.read()
 
 
 def collect_stacks(

@@ -362,21 +362,45 @@ class HeartbeatWatcher:
         here = socket.gethostname()
         chosen = result.hung if ranks is None else ranks
         chosen = sorted({*chosen, *result.waiting}) if result.frozen else chosen
-        pids = {}
+        pids, remote = {}, {}
         stacks = {}
         for rank in chosen:
             record = result.records.get(rank)
             if record is None:
                 continue
             if record.host != here:
-                stacks[rank] = f"(rank runs on {record.host}; collect its stack there)"
+                remote[rank] = record
             elif rank in result.frozen:
                 stacks[rank] = (f"(frozen: pid {record.pid} does not run ({_process_state(record.pid)}), so it cannot "
                                 "dump its stack; the stacks of the ranks waiting for it follow)")
             else:
                 pids[rank] = record.pid
         stacks.update(collect_stacks(pids, self.stacks_dir))
+        stacks.update(self._remote_stacks(remote))
         return stacks
+
+    def _remote_stacks(self, records: dict, timeout_s: float = 5.0) -> dict[int, str]:
+        """Stacks of ranks on other hosts, asked for through the store (the ranks' heartbeat threads
+        answer, ``RedisSink.request_stacks``); a rank that does not answer in ``timeout_s`` (frozen,
+        cut off) says so. The answer must come from the process of the rank's record."""
+        if not records:
+            return {}
+        if not hasattr(self.sink, "request_stacks"):
+            return {rank: f"(rank runs on {r.host}; collect its stack there)" for rank, r in records.items()}
+        try:
+            request = self.sink.request_stacks()
+            deadline, replies = time.monotonic() + timeout_s, {}
+            while time.monotonic() < deadline:
+                replies = self.sink.read_stacks(request)
+                if all((rank, r.host, r.pid) in replies for rank, r in records.items()):
+                    break
+                time.sleep(0.1)
+        except Exception as exc:  # the store is down: no remote stacks this time
+            return {rank: f"(rank runs on {r.host}; the store did not answer: {exc})" for rank, r in records.items()}
+        return {rank: replies.get((rank, r.host, r.pid),
+                                  f"(rank runs on {r.host}, pid {r.pid}: no answer to the stack request in "
+                                  f"{timeout_s:.0f} s: frozen or cut off)")
+                for rank, r in records.items()}
 
     def close(self) -> None:
         self.sink.close()
