@@ -5,7 +5,9 @@ local``: N torchrun agents of ``nproc_per_node`` ranks each (``megatrain.launch.
 ``launcher: hosts`` campaign: each node's ranks inside its host of the campaign's cluster
 (``tasks/cluster.py``), watched by the host watch (``megatrain.reliability.host_watch``), whose
 verdict on a lost host (its ranks' heartbeats silent in the cluster's Redis, never a process's
-exit) ends the attempt; the host then fails its check for the rest of the stage.
+exit) ends the attempt; the host then fails its check for the rest of the stage. A hung rank on a
+host is this task's watcher's (``hosts_watcher``, hung ranks only: ``watcher.HungOnlyWatch``), its
+verdict carrying the ranks' stacks, asked for through the cluster's Redis.
 Before it starts the ranks it self-checks every node of the campaign (``check_node``) and
 applies ``reliability.on_node_loss``:
 
@@ -167,6 +169,19 @@ def record_plan(campaign: CampaignConfig, index: int, attempt: int, plan: NodePl
     return rows
 
 
+def hosts_watcher(cluster_name: str, config_path: str, world_size: int):
+    """The heartbeat watcher of a stage on a cluster's hosts: reading the beats in the cluster's Redis,
+    as the ranks write them (the node launcher adds the same settings, ``nodes.hosts_overrides``),
+    with its password (the flow's environment may hold another Redis's)."""
+    from megatrain.launch import hosts
+    from megatrain.launch.nodes import cluster_redis_password, hosts_overrides
+    from megatrain.reliability.watcher import HeartbeatWatcher
+
+    cfg = load_config(config_path, hosts_overrides(cluster_name))
+    secret = cluster_redis_password(hosts.Cluster.load(cluster_name)) if cfg.reliability.redis_url else None
+    return HeartbeatWatcher.from_config(cfg.reliability, cfg.train.run_dir, cfg.run_id, world_size, secret)
+
+
 @task(name="launch-nodes", retries=0, timeout_seconds=None)
 def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt: int) -> dict:
     """One attempt of a multi-node stage on this machine (see the module docstring)."""
@@ -175,7 +190,7 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     from megatrain.launch.nodes import nodes_command
     from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
-    from megatrain.reliability.watcher import HeartbeatWatcher
+    from megatrain.reliability.watcher import HeartbeatWatcher, HungOnlyWatch
 
     logger = run_logger()
     plan = plan_nodes(campaign, index, config_path)
@@ -202,8 +217,13 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     command = nodes_command(config_path, plan.nodes, campaign.nproc_per_node, campaign.stage_dir(index) / "nodes",
                             [f"parallel.world_size={plan.world_size}"], cluster=campaign.cluster if on_hosts else None,
                             one_attempt=on_hosts)
-    watcher = None if on_hosts else HeartbeatWatcher.from_config(cfg.reliability, cfg.train.run_dir, cfg.run_id,
-                                                                 world_size=plan.world_size)
+    if on_hosts:  # hung ranks only: a silent one is the host watch's (a lost host); stacks through Redis
+        watcher = HungOnlyWatch(hosts_watcher(campaign.cluster, config_path, plan.world_size),
+                                fresh_s=max(2 * cfg.reliability.heartbeat_interval_s,
+                                            cfg.reliability.heartbeat_timeout_s / 2))
+    else:
+        watcher = HeartbeatWatcher.from_config(cfg.reliability, cfg.train.run_dir, cfg.run_id,
+                                               world_size=plan.world_size)
     attempt_log = AttemptLog(cfg.train.run_dir, attempt, forward=logger.info)
     abandoned = abandoned_event(config_path)
     started = time.time()
@@ -212,8 +232,7 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
                            verdict_reader=verdict, poll_s=min(1.0, cfg.reliability.heartbeat_interval_s),
                            should_stop=should_stop(abandoned))
     finally:
-        if watcher is not None:
-            watcher.close()
+        watcher.close()
     lost = lost_host(cfg.train.run_dir, started) if on_hosts else None
     if lost is not None and not result.ok:  # the cause is the host, not the survivors' ranks failing on its absence
         result.status, result.message, result.faulty_ranks = "crashed", lost["message"], lost["ranks"]

@@ -44,8 +44,9 @@ def check_url(url: str) -> None:
                               f"the URL and pass it in the environment variable {PASSWORD_ENV}")
 
 
-def connect(url: str, **options: Any):
-    """A ``redis.Redis`` for ``url`` with the password of ``MEGATRAIN_REDIS_PASSWORD``.
+def connect(url: str, secret: str | None = None, **options: Any):
+    """A ``redis.Redis`` for ``url`` with the password ``secret``, default that of ``MEGATRAIN_REDIS_PASSWORD``
+    (given: a process that reaches a Redis other than its environment's, e.g. a cluster's).
 
     ``options`` go to ``redis.Redis.from_url`` (timeouts, retry). Raises ``RedisAuthFailed`` when
     the server refuses the credentials; an unreachable server is left to the caller's own retries.
@@ -53,7 +54,7 @@ def connect(url: str, **options: Any):
     import redis  # imported here: runs without Redis (a directory of heartbeats) need no client
 
     check_url(url)
-    client = redis.Redis.from_url(url, password=password(), **options)
+    client = redis.Redis.from_url(url, password=secret or password(), **options)
     try:
         client.ping()
     except redis.AuthenticationError as exc:

@@ -211,7 +211,7 @@ class RedisSink:
     clean themselves up."""
 
     def __init__(self, url: str, run_id: str, ttl_s: float = 300.0, identity: Identity | None = None,
-                 fence=None) -> None:
+                 fence=None, secret: str | None = None) -> None:
         # imported here: the directory sink must work without a Redis client
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -228,7 +228,8 @@ class RedisSink:
         # One immediate retry (a connection the server dropped is reopened), no backoff: a beat
         # that fails is simply sent again one interval later, and a watcher must not block for
         # seconds in client retries while the store is down.
-        self._redis = connect(url, socket_timeout=5.0, socket_connect_timeout=2.0, retry=Retry(NoBackoff(), 1))
+        self._redis = connect(url, secret, socket_timeout=5.0, socket_connect_timeout=2.0,
+                              retry=Retry(NoBackoff(), 1))
 
     def key(self, rank: int) -> str:
         return f"megatrain:{self.run_id}:heartbeat:{self.place}:{rank}"
@@ -321,14 +322,15 @@ class RedisSink:
             self.fence.close()
 
 
-def make_sink(cfg: ReliabilityConfig, run_dir: str | Path, run_id: str) -> HeartbeatSink:
-    """Redis when ``cfg.redis_url`` is set, else ``<run_dir>/heartbeats``; either way taking only
-    this run's records (signed when the environment holds the run's token)."""
+def make_sink(cfg: ReliabilityConfig, run_dir: str | Path, run_id: str, secret: str | None = None) -> HeartbeatSink:
+    """Redis when ``cfg.redis_url`` is set (``secret``: its password, default the environment's), else
+    ``<run_dir>/heartbeats``; either way taking only this run's records (signed when the environment
+    holds the run's token)."""
     identity = Identity(run_id, os.environ.get(RUN_TOKEN_ENV))
     if cfg.redis_url:
         # Keep records well past the timeout so a watcher can still show a dead rank's last state.
         from megatrain.launch.fencing import Fence
 
         return RedisSink(cfg.redis_url, run_id, ttl_s=max(10 * cfg.heartbeat_timeout_s, 300.0), identity=identity,
-                         fence=Fence.from_env(cfg.redis_url, run_id))
+                         fence=Fence.from_env(cfg.redis_url, run_id), secret=secret)
     return DirectorySink(Path(run_dir) / "heartbeats", identity=identity)

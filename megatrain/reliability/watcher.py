@@ -32,6 +32,7 @@ be heard from anew before calling it dead.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import statistics
@@ -186,10 +187,10 @@ class HeartbeatWatcher:
 
     @classmethod
     def from_config(
-        cls, cfg: ReliabilityConfig, run_dir: str | Path, run_id: str, world_size: int
+        cls, cfg: ReliabilityConfig, run_dir: str | Path, run_id: str, world_size: int, secret: str | None = None
     ) -> HeartbeatWatcher:
         return cls(
-            make_sink(cfg, run_dir, run_id), world_size, cfg.heartbeat_timeout_s,
+            make_sink(cfg, run_dir, run_id, secret), world_size, cfg.heartbeat_timeout_s,
             init_timeout_s=cfg.init_timeout_s, stacks_dir=Path(run_dir) / "stacks",
             slow_factor=cfg.straggler_slowdown, slow_steps=cfg.straggler_steps,
             stall_factor=cfg.stall_factor, stall_min_s=cfg.stall_min_s,
@@ -404,6 +405,34 @@ class HeartbeatWatcher:
 
     def close(self) -> None:
         self.sink.close()
+
+
+class HungOnlyWatch:
+    """The flow's watch of a stage on hosts (``launcher: hosts``): a fault only when every rank is
+    beating and a step is frozen (hung), with the stacks of its verdict asked for through the store.
+    Silence is the host watch's to judge (``host_watch.py``: a lost host, named with its address and
+    excluded from the next attempt): a rank on a lost host goes silent while its peers' steps freeze
+    waiting for it, so a hung verdict counts only while every rank's last beat is at most ``fresh_s``
+    old; and only for ranks stuck inside a step (compute, a collective): a save that waits out a
+    store's outage (its own retries and commit timeout) or a slow start-up is no hang here. Otherwise
+    the result is passed on without its faults (its notes kept)."""
+
+    def __init__(self, watcher: HeartbeatWatcher, fresh_s: float) -> None:
+        self.watcher, self.fresh_s = watcher, fresh_s
+
+    def check(self) -> WatchResult:
+        result = self.watcher.check()
+        if result.ok:
+            return result
+        beating = len(result.records) == self.watcher.world_size and all(
+            result.checked_at - record.timestamp <= self.fresh_s for record in result.records.values())
+        in_steps = all(result.records[rank].phase in STEP_PHASES for rank in result.hung)
+        if result.hung and beating and in_steps and not (result.dead or result.frozen or result.missing):
+            return result
+        return dataclasses.replace(result, dead=[], hung=[], frozen=[], waiting=[], missing=[])
+
+    def __getattr__(self, name: str):  # collect_stacks, close, sink, since, world_size: the watcher's
+        return getattr(self.watcher, name)
 
 
 def _wait_text(wait: Mapping) -> str:

@@ -7,6 +7,8 @@ one before's checkpoint), so the flow's start-up is paid once, not once per faul
   attempt's epoch commits no step after the one attempt 2 resumed from (node 1's stale rank is fenced);
 - outage: node 1 is back (grow to 4 in the stage's layout); the Redis host down 8 s from step 3 is retried
   through in one attempt: every step trained once, every checkpoint committed, no host called lost;
+- hang: rank 1 on node 1 hangs at step 3: the watcher names it hung and the verdict carries the stacks of
+  the ranks on their hosts, asked for through Redis (rank 1's shows ``hang_forever``); attempt 2 on all 4;
 - slow: node 3's link at 20mbit is named (host, address, link) and evicted by
   reliability.evict_slow_host_after_s through the lost-host path: attempt 2 on nodes 0-2 (shrink).
 
@@ -81,7 +83,7 @@ def _processes_of(path: Path) -> list[str]:
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_partition_grow_redis_outage_and_slow_link_in_one_hosts_campaign(shared_dir, shard_url):
+def test_partition_grow_redis_outage_hang_and_slow_link_in_one_hosts_campaign(shared_dir, shard_url):
     path, before = hosts_campaign_file(CONFIG, shared_dir, shard_url)
     campaign, state, flow_s = run_hosts_campaign(path, before)
     assert _processes_of(shared_dir) == [], "a process of the campaign is still running"
@@ -91,10 +93,11 @@ def test_partition_grow_redis_outage_and_slow_link_in_one_hosts_campaign(shared_
     assert seen == [
         ("partition", 1, [0, 1, 2, 3], 4, 3, None), ("partition", 2, [0, 2, 3], 3, 4, "shrink"),
         ("outage", 1, [0, 1, 2, 3], 4, 3, "grow"),
+        ("hang", 1, [0, 1, 2, 3], 4, 3, None), ("hang", 2, [0, 1, 2, 3], 4, 3, None),
         ("slow", 1, [0, 1, 2, 3], 4, 3, None), ("slow", 2, [0, 1, 2], 3, 4, "shrink")], seen
     launches = asyncio.run(_launches(state.state_details.flow_run_id))
-    assert [r.state.type.value for r in launches] == ["FAILED", "COMPLETED", "COMPLETED", "FAILED", "COMPLETED"], \
-        [r.state for r in launches]
+    assert [r.state.type.value for r in launches] == ["FAILED", "COMPLETED", "COMPLETED", "FAILED", "COMPLETED",
+                                                      "FAILED", "COMPLETED"], [r.state for r in launches]
     report = []
 
     # stage partition: node 1 named, fenced, shrink to 0, 2, 3
@@ -139,17 +142,30 @@ def test_partition_grow_redis_outage_and_slow_link_in_one_hosts_campaign(shared_
     report.append(f"outage: redis host down {outage['restored'] - outage['time']:.1f} s at step 3, 8/8 steps once, "
                   f"commits of steps {waited} retried through it")
 
-    # stage slow: node 3's link named and evicted, shrink to 0-2
+    # stage hang: rank 1 hung on node 1, the stacks of its host's process in the verdict, through the store
     run_dir, durable = campaign.stage_dir(2), Path(campaign.stage_durable_url(2))
+    verdict = launches[3].state.message
+    assert "hung" in verdict and "--- stack of rank 1 ---" in verdict and "hang_forever" in verdict, verdict[-3000:]
+    assert "collect its stack there" not in verdict and "no answer to the stack request" not in verdict, verdict
+    assert re.search(r"\n\s+1 \w+\s+node1 ", verdict), verdict[:2000]  # its record names the host it runs on
+    [restore] = _jsonl(run_dir / "restores.jsonl")
+    assert restore["world_size"] == 4 and 1 <= restore["step"] <= 2, restore
+    assert _position(durable, 6) == (6 * GLOBAL_BATCH, 18 * GLOBAL_BATCH, 24 * GLOBAL_BATCH)
+    assert sorted(_losses(run_dir)) == list(range(1, 7))
+    report.append(f"hang: rank 1 on node1 hung at step 3, its stack in the verdict from its host; resumed at step "
+                  f"{restore['step']} on 4 hosts")
+
+    # stage slow: node 3's link named and evicted, shrink to 0-2
+    run_dir, durable = campaign.stage_dir(3), Path(campaign.stage_durable_url(3))
     named = json.loads((run_dir / "faults" / "slow-link.json").read_text())
     evicted = json.loads((run_dir / "faults" / "host-lost.json").read_text())
     assert (named["host"], named["ranks"]) == ("node3", [3]) and named["address"].endswith(".4"), named
     assert (evicted["cause"], evicted["node"], evicted["fault"]) == ("slow_link", 3, "slow_link"), evicted
     assert f"host node3 ({named['address']}) evicted" in evicted["message"] and evicted["slow_for_s"] >= 3.0, evicted
-    assert evicted["message"] in launches[3].state.message, launches[3].state.message
+    assert evicted["message"] in launches[5].state.message, launches[5].state.message
     [restore] = _jsonl(run_dir / "restores.jsonl")
     assert restore["world_size"] == 3, restore
-    assert _position(durable, 40) == (40 * GLOBAL_BATCH, 18 * GLOBAL_BATCH, 58 * GLOBAL_BATCH)
+    assert _position(durable, 40) == (40 * GLOBAL_BATCH, 24 * GLOBAL_BATCH, 64 * GLOBAL_BATCH)
     assert sorted(_losses(run_dir)) == list(range(1, 41))
     report.append(f"slow: {named['why']}; {evicted['message']}, resumed at step {restore['step']}")
     print("\n" + "\n".join(report) + f"\nflow {flow_s:.0f} s")
