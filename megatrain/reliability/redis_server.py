@@ -79,7 +79,7 @@ def _start(port: int, timeout_s: float, password: str) -> subprocess.Popen:
                     raise _PortTaken() from None
                 if time.monotonic() > deadline:
                     proc.kill()
-                    proc.wait()
+                    proc.wait(timeout=10)  # killed: reaped at once
                     raise RuntimeError(f"redis-server did not answer on port {port} in {timeout_s:.0f} s") from None
                 time.sleep(0.02)
     finally:
