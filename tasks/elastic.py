@@ -6,7 +6,7 @@ local``: N torchrun agents of ``nproc_per_node`` ranks each (``megatrain.launch.
 (``tasks/cluster.py``), watched by the host watch (``megatrain.reliability.host_watch``), whose
 verdict on a lost host (its ranks' heartbeats silent in the cluster's Redis, never a process's
 exit) ends the attempt; the host then fails its check for the rest of the stage. A hung rank on a
-host is this task's watcher's (``hosts_watcher``, hung ranks only: ``watcher.HungOnlyWatch``), its
+host is this task's watcher's (``hosts_watcher``, hung ranks only: ``host_watch.HungOnlyWatch``), its
 verdict carrying the ranks' stacks, asked for through the cluster's Redis.
 Before it starts the ranks it self-checks every node of the campaign (``check_node``) and
 applies ``reliability.on_node_loss``:
@@ -190,7 +190,8 @@ def launch_nodes(campaign: CampaignConfig, index: int, config_path: str, attempt
     from megatrain.launch.nodes import nodes_command
     from megatrain.observe.attempt_log import AttemptLog
     from megatrain.reliability.anomaly import clear_verdict, read_verdict
-    from megatrain.reliability.watcher import HeartbeatWatcher, HungOnlyWatch
+    from megatrain.reliability.host_watch import HungOnlyWatch
+    from megatrain.reliability.watcher import HeartbeatWatcher
 
     logger = run_logger()
     plan = plan_nodes(campaign, index, config_path)

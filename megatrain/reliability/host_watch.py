@@ -30,11 +30,41 @@ Engine code: imports neither torch nor prefect.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
-from megatrain.reliability.heartbeat_store import make_sink
+from megatrain.reliability.heartbeat_store import STEP_PHASES, make_sink
 from megatrain.reliability.slow_link import SlowLinkView
+from megatrain.reliability.watcher import WatchResult
+
+
+class HungOnlyWatch:
+    """The flow's watch of a stage on hosts (``launcher: hosts``): a fault only when every rank is
+    beating and a step is frozen (hung), with the stacks of its verdict asked for through the store.
+    Silence is the host watch's to judge (``HostWatch`` below: a lost host, named with its address and
+    excluded from the next attempt): a rank on a lost host goes silent while its peers' steps freeze
+    waiting for it, so a hung verdict counts only while every rank's last beat is at most ``fresh_s``
+    old; and only for ranks stuck inside a step (compute, a collective): a save that waits out a
+    store's outage (its own retries and commit timeout) or a slow start-up is no hang here. Otherwise
+    the result is passed on without its faults (its notes kept)."""
+
+    def __init__(self, watcher, fresh_s: float) -> None:  # a watcher.HeartbeatWatcher
+        self.watcher, self.fresh_s = watcher, fresh_s
+
+    def check(self) -> WatchResult:
+        result = self.watcher.check()
+        if result.ok:
+            return result
+        beating = len(result.records) == self.watcher.world_size and all(
+            result.checked_at - record.timestamp <= self.fresh_s for record in result.records.values())
+        in_steps = all(result.records[rank].phase in STEP_PHASES for rank in result.hung)
+        if result.hung and beating and in_steps and not (result.dead or result.frozen or result.missing):
+            return result
+        return dataclasses.replace(result, dead=[], hung=[], frozen=[], waiting=[], missing=[])
+
+    def __getattr__(self, name: str):  # collect_stacks, close, sink, since, world_size: the watcher's
+        return getattr(self.watcher, name)
 
 
 class HostWatch:

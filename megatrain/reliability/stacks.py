@@ -77,6 +77,31 @@ def collect_stacks(
     return stacks
 
 
+def ask_stacks(sink, records: Mapping, timeout_s: float = 5.0) -> dict[int, str]:
+    """Stacks of ranks on other hosts (rank -> its ``HeartbeatRecord``), asked for through the store
+    (``RedisSink.request_stacks``; the ranks' heartbeat threads answer with ``own_stacks``). A rank
+    that does not answer in ``timeout_s`` (frozen, cut off) says so; an answer counts only from the
+    process (host, pid) of the rank's record."""
+    if not records:
+        return {}
+    if not hasattr(sink, "request_stacks"):
+        return {rank: f"(rank runs on {r.host}; collect its stack there)" for rank, r in records.items()}
+    try:
+        request = sink.request_stacks()
+        deadline, replies = time.monotonic() + timeout_s, {}
+        while time.monotonic() < deadline:
+            replies = sink.read_stacks(request)
+            if all((rank, r.host, r.pid) in replies for rank, r in records.items()):
+                break
+            time.sleep(0.1)
+    except Exception as exc:  # the store is down: no remote stacks this time
+        return {rank: f"(rank runs on {r.host}; the store did not answer: {exc})" for rank, r in records.items()}
+    return {rank: replies.get((rank, r.host, r.pid),
+                              f"(rank runs on {r.host}, pid {r.pid}: no answer to the stack request in "
+                              f"{timeout_s:.0f} s: frozen or cut off)")
+            for rank, r in records.items()}
+
+
 def _read_new_text(pending: dict[int, tuple[Path, int]], timeout_s: float) -> dict[int, str]:
     """Wait until each file has grown and then stopped growing (the dump is complete)."""
     deadline = time.monotonic() + timeout_s

@@ -32,7 +32,6 @@ be heard from anew before calling it dead.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import statistics
@@ -44,7 +43,7 @@ from pathlib import Path
 from megatrain.config import ReliabilityConfig
 from megatrain.observe.straggler import slow_ranks
 from megatrain.reliability.heartbeat import STEP_PHASES, HeartbeatRecord, HeartbeatSink, make_sink
-from megatrain.reliability.stacks import collect_stacks
+from megatrain.reliability.stacks import ask_stacks, collect_stacks
 
 log = logging.getLogger(__name__)
 
@@ -377,62 +376,11 @@ class HeartbeatWatcher:
             else:
                 pids[rank] = record.pid
         stacks.update(collect_stacks(pids, self.stacks_dir))
-        stacks.update(self._remote_stacks(remote))
+        stacks.update(ask_stacks(self.sink, remote))  # on other hosts: through the store
         return stacks
-
-    def _remote_stacks(self, records: dict, timeout_s: float = 5.0) -> dict[int, str]:
-        """Stacks of ranks on other hosts, asked for through the store (the ranks' heartbeat threads
-        answer, ``RedisSink.request_stacks``); a rank that does not answer in ``timeout_s`` (frozen,
-        cut off) says so. The answer must come from the process of the rank's record."""
-        if not records:
-            return {}
-        if not hasattr(self.sink, "request_stacks"):
-            return {rank: f"(rank runs on {r.host}; collect its stack there)" for rank, r in records.items()}
-        try:
-            request = self.sink.request_stacks()
-            deadline, replies = time.monotonic() + timeout_s, {}
-            while time.monotonic() < deadline:
-                replies = self.sink.read_stacks(request)
-                if all((rank, r.host, r.pid) in replies for rank, r in records.items()):
-                    break
-                time.sleep(0.1)
-        except Exception as exc:  # the store is down: no remote stacks this time
-            return {rank: f"(rank runs on {r.host}; the store did not answer: {exc})" for rank, r in records.items()}
-        return {rank: replies.get((rank, r.host, r.pid),
-                                  f"(rank runs on {r.host}, pid {r.pid}: no answer to the stack request in "
-                                  f"{timeout_s:.0f} s: frozen or cut off)")
-                for rank, r in records.items()}
 
     def close(self) -> None:
         self.sink.close()
-
-
-class HungOnlyWatch:
-    """The flow's watch of a stage on hosts (``launcher: hosts``): a fault only when every rank is
-    beating and a step is frozen (hung), with the stacks of its verdict asked for through the store.
-    Silence is the host watch's to judge (``host_watch.py``: a lost host, named with its address and
-    excluded from the next attempt): a rank on a lost host goes silent while its peers' steps freeze
-    waiting for it, so a hung verdict counts only while every rank's last beat is at most ``fresh_s``
-    old; and only for ranks stuck inside a step (compute, a collective): a save that waits out a
-    store's outage (its own retries and commit timeout) or a slow start-up is no hang here. Otherwise
-    the result is passed on without its faults (its notes kept)."""
-
-    def __init__(self, watcher: HeartbeatWatcher, fresh_s: float) -> None:
-        self.watcher, self.fresh_s = watcher, fresh_s
-
-    def check(self) -> WatchResult:
-        result = self.watcher.check()
-        if result.ok:
-            return result
-        beating = len(result.records) == self.watcher.world_size and all(
-            result.checked_at - record.timestamp <= self.fresh_s for record in result.records.values())
-        in_steps = all(result.records[rank].phase in STEP_PHASES for rank in result.hung)
-        if result.hung and beating and in_steps and not (result.dead or result.frozen or result.missing):
-            return result
-        return dataclasses.replace(result, dead=[], hung=[], frozen=[], waiting=[], missing=[])
-
-    def __getattr__(self, name: str):  # collect_stacks, close, sink, since, world_size: the watcher's
-        return getattr(self.watcher, name)
 
 
 def _wait_text(wait: Mapping) -> str:

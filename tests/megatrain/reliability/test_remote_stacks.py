@@ -1,5 +1,5 @@
-"""Stacks of a hung rank on another host (watcher.py's ``_remote_stacks``): the watcher cannot signal
-a process there, so it asks through the heartbeat store (Redis) and the rank's heartbeat thread
+"""Stacks of a hung rank on another host (stacks.py's ``ask_stacks``, called by the watcher): the
+watcher cannot signal a process there, so it asks through the heartbeat store (Redis) and the rank's heartbeat thread
 answers with its own stacks while its main thread waits. The rank runs in a UTS namespace of its
 own (hostname ``far-node``): its records name another host, as a rank inside a cluster host does.
 Root and ``unshare`` are needed, as for every hosts test; without them the test fails."""
@@ -18,7 +18,7 @@ import pytest
 from heartbeat_helpers import wait_for
 from test_watcher import CHILD
 
-from megatrain.reliability.heartbeat import RedisSink
+from megatrain.reliability.heartbeat import DirectorySink, HeartbeatRecord, RedisSink
 from megatrain.reliability.watcher import HeartbeatWatcher
 
 
@@ -58,3 +58,23 @@ def test_a_hung_rank_on_another_host_answers_with_its_stacks_through_the_store(t
             proc.kill()
             proc.wait()
         watcher.close()
+
+
+def test_the_hosts_watch_calls_only_beating_ranks_stuck_in_a_step_hung(tmp_path: Path) -> None:
+    """HungOnlyWatch (a stage on hosts): a frozen step while every rank beats is a fault; a silent rank
+    (its host lost: the host watch's verdict) or a step waiting in a save (a store's outage) is not."""
+    from megatrain.reliability.host_watch import HungOnlyWatch
+
+    def verdict(phases: dict[int, str], silent: int | None = None) -> list[int]:
+        sink = DirectorySink(tmp_path / f"hb-{len(list(tmp_path.iterdir()))}")
+        watch = HungOnlyWatch(HeartbeatWatcher(sink, world_size=len(phases), timeout_s=3.0, since=0), fresh_s=1.5)
+        now = time.time()
+        for rank, phase in phases.items():
+            sink.publish(HeartbeatRecord(rank=rank, step=7, phase=phase, first_step_done=True, step_since=now - 10,
+                                         phase_since=now - 10, timestamp=now - (20 if rank == silent else 0.1)))
+        assert not watch.watcher.check().ok  # the plain watcher calls each of these a fault
+        return watch.check().faulty
+
+    assert verdict({0: "backward", 1: "forward"}) == [0, 1]
+    assert verdict({0: "collective", 1: "forward"}, silent=1) == []  # rank 1's host went silent
+    assert verdict({0: "checkpoint", 1: "checkpoint"}) == []  # a save that waits for the store

@@ -433,22 +433,3 @@ def test_forged_records_flooding_the_run_dir_change_no_verdict(tmp_path: Path, f
             proc.wait()
         watcher.close()
 
-
-def test_the_hosts_watch_calls_only_beating_ranks_stuck_in_a_step_hung(tmp_path: Path) -> None:
-    """HungOnlyWatch (a stage on hosts): a frozen step while every rank beats is a fault; a silent rank
-    (its host lost: the host watch's verdict) or a step waiting in a save (a store's outage) is not."""
-    from megatrain.reliability.watcher import HungOnlyWatch
-
-    def verdict(phases: dict[int, str], silent: int | None = None) -> list[int]:
-        sink = DirectorySink(tmp_path / f"hb-{len(list(tmp_path.iterdir()))}")
-        watch = HungOnlyWatch(HeartbeatWatcher(sink, world_size=len(phases), timeout_s=3.0, since=0), fresh_s=1.5)
-        now = time.time()
-        for rank, phase in phases.items():
-            sink.publish(HeartbeatRecord(rank=rank, step=7, phase=phase, first_step_done=True, step_since=now - 10,
-                                         phase_since=now - 10, timestamp=now - (20 if rank == silent else 0.1)))
-        assert not watch.watcher.check().ok  # the plain watcher calls each of these a fault
-        return watch.check().faulty
-
-    assert verdict({0: "backward", 1: "forward"}) == [0, 1]
-    assert verdict({0: "collective", 1: "forward"}, silent=1) == []  # rank 1's host went silent
-    assert verdict({0: "checkpoint", 1: "checkpoint"}) == []  # a save that waits for the store
