@@ -221,8 +221,8 @@ def main(argv: list[str]) -> int:
     if args.ranks:
         from megatrain.reliability.redis_server import start_redis_server
 
-        redis_port = free_port()
-        server = start_redis_server(redis_port)
+        server = start_redis_server()  # a free port, taken again if another process wins it first
+        redis_port = server.port
         try:
             for n in (int(x) for x in args.ranks.split(",")):
                 for store_kind in args.stores.split(","):

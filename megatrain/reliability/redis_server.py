@@ -38,14 +38,13 @@ def start_redis_server(port: int = 0, timeout_s: float = 10.0, password: str | N
     if shutil.which("redis-server") is None:
         raise FileNotFoundError("redis-server not installed (apt-get install -y redis-server)")
     password = password or local_password()
-    for attempt in range(1 if port else attempts):
+    for _ in range(1 if port else attempts):
         try:
             return _start(port or _free_port(), timeout_s, password)
         except _PortTaken:
-            if port or attempt == attempts - 1:
-                raise RuntimeError(f"redis-server did not start on port {port or 'any free one'}: "
-                                   "it exited at once (the port in use?)") from None
-    raise AssertionError("unreachable")
+            continue
+    raise RuntimeError(f"redis-server did not start on port {port or 'any free one'}: it exited at once "
+                       "(the port in use?)")
 
 
 class _PortTaken(Exception):

@@ -432,4 +432,3 @@ def test_forged_records_flooding_the_run_dir_change_no_verdict(tmp_path: Path, f
             proc.kill()
             proc.wait()
         watcher.close()
-
