@@ -73,7 +73,7 @@ def _start(port: int, timeout_s: float, password: str) -> subprocess.Popen:
             try:
                 client.ping()
                 return proc
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):  # timeout: another server holds the port
                 if proc.poll() is not None:
                     raise _PortTaken() from None
                 if time.monotonic() > deadline:
