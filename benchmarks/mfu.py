@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default="ceilings,baseline,default,ab,profile,ablation,extras",
                         help="which parts to run, comma list (also: zero1, the extras' ZeRO-1 row alone; "
                              "bound, the model's GEMMs + attention alone, see bound.py; fp8, fp8_rows.py's rows; "
-                             "kernels, an MoE recipe's compiled trainer step by kernel)")
+                             "kernels, an MoE recipe's compiled trainer step by kernel; titan, a Llama recipe's second peer: "
+                             "torchtitan's llama3 at the baseline's micro-batches, torchtitan_baseline.py)")
     parser.add_argument("--fp8-variants", default="", help="fp8_rows.py: comma list of extra megatrain FP8 rows "
                         "(e.g. rowwise, keep-ends, mb8)")
     parser.add_argument("--variants", default="", help=f"comma list of A/B rows of the default: {', '.join(VARIANTS)}")
@@ -182,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         if fits(f"{variant.get('key', 'baseline')} mb {mb}", est_seconds(args.large_batch, args.steps, 60)):
             log(f"{variant.get('label', 'baseline')}, micro-batch {mb}")
             profile_it = "profile" in only and device.type == "cuda" and mb == recipe_mb and not variant and not moe
-            r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps, profile_it,
-                                          compile_model=not args.baseline_eager, **variant))
+            try:
+                r = bench.add(run_baseline(bench, shape_cfg, data, env, mb, args.large_batch, args.steps, profile_it,
+                                              compile_model=not args.baseline_eager, **variant))
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot be built must not lose the other rows
+                key = variant.get("key", "baseline")
+                r = bench.add(Result(key=f"{key}-mb{mb}", label=f"{variant.get('label', key)}, mb {mb}", kind="baseline",
+                                     micro_batch=mb, global_batch=args.large_batch, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
             log(f"  -> {fmt(r.tokens_per_s, ',.0f')} tok/s, MFU {fmt(r.mfu and 100 * r.mfu, '.1f')}%, peak {fmt(r.peak_gib, '.1f')} GiB {r.error or ''}")
             return r
         return None
@@ -191,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     if "baseline" in only and not moe:
         for mb in baseline_mbs:
             baseline(mb)
+    if "titan" in only and recipe.model.position == "rope" and not moe:  # the Llama family's second peer
+        from torchtitan_baseline import LABEL as TITAN_LABEL
+
+        for mb in baseline_mbs:
+            baseline(mb, peer="torchtitan", key="torchtitan", label=TITAN_LABEL)
 
     # 2b. the bound: the model's GEMMs and attention alone, beside the baseline just measured
     if "bound" in only and not moe and fits("bound", 120):

@@ -24,9 +24,12 @@ from nanogpt_baseline import NanoGPT
 
 def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int, steps: int,
                  profile_it: bool = False, convert: Callable[[nn.Module], Any] | None = None,
-                 key: str = "baseline", label: str = "", precision: str = "", compile_model: bool = True) -> Result:
+                 key: str = "baseline", label: str = "", precision: str = "", compile_model: bool = True,
+                 peer: str = "") -> Result:
     """``convert``: applied to the built model before the optimizer and compile (fp8_rows.py's
-    torchao float8 row); ``key``/``label``/``precision`` name that row."""
+    torchao float8 row); ``key``/``label``/``precision`` name that row. ``peer="torchtitan"``: a
+    Llama recipe's second peer, torchtitan's llama3 compiled as torchtitan compiles it
+    (torchtitan_baseline.py)."""
     from megatrain.observe.mfu import flops_per_token, mfu, peak_flops
     from megatrain.observe.timers import StepTimers
 
@@ -35,13 +38,17 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
     accumulation = global_batch // mb
     moe = m.mlp == "moe"  # a mixture of experts: the transformers MoE class it exports to (mfu_moe.py)
     llama = m.position == "rope" and not moe  # the Llama family: HF LlamaForCausalLM (benchmarks/llama_baseline.py)
+    titan = peer == "torchtitan"
+    if titan and not llama:
+        raise ValueError("the torchtitan peer is a Llama-family baseline (a recipe with model.position=rope)")
     name = "baseline HF LlamaForCausalLM (SDPA) + torch.compile" if llama else "baseline nanoGPT + torch.compile"
     # transformers' grouped_mm experts take only bf16 weights under compile: the MoE baseline holds
     # its weights (and AdamW state) in bf16 on CUDA, as the recipe's header measurement did
     bf16_weights = moe and device.type == "cuda"
     res = Result(key=f"{key}-mb{mb}", label=f"{label or name}, mb {mb}", kind="baseline" if convert is None else "baseline-variant",
                  micro_batch=mb, global_batch=global_batch,
-                 settings={"block": "serial", "attention": "full", "kernels": "torch", "compile": "whole model",
+                 settings={"block": "serial", "attention": "full", "kernels": "torch",
+                           "compile": "each block (fullgraph) and the loss, as torchtitan" if titan else "whole model",
                            "optim": "AdamW (fused)", "precision": precision or ("bf16 weights and AdamW state" if bf16_weights
                                                                                   else "fp32 weights, bf16 autocast")})
     reset_memory(device)
@@ -60,6 +67,13 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
                                 load_balancing_loss=f"transformers' own, coef {model.aux_coef:g}")
             if bf16_weights:
                 model.to(torch.bfloat16)
+        elif titan:
+            from torchtitan_baseline import TitanLlama
+
+            model = TitanLlama(m, cfg.seq_len)
+            import torchtitan
+
+            res.settings.update(torchtitan=getattr(torchtitan, "__version__", "unknown"), activation_checkpointing="none")
         elif llama:
             from llama_baseline import HFLlama
 
@@ -90,7 +104,10 @@ def run_baseline(bench: Bench, cfg, data: Data, env, mb: int, global_batch: int,
 
         schedule = build_scheduler(opt, o, cfg.train.steps)
         res.settings["optim"] = f"AdamW (fused), the recipe's lr {o.lr:g}, betas {list(betas)}, warm-up {o.warmup_steps} steps"
-    compiled = torch.compile(model, dynamic=False) if compile_model else model
+    if titan:  # torchtitan compiles its blocks one by one (fullgraph) and its loss, not the whole model
+        compiled = model.compile_like_torchtitan() if compile_model else model
+    else:
+        compiled = torch.compile(model, dynamic=False) if compile_model else model
     if not compile_model:
         res.settings["compile"] = "eager (--baseline-eager)"
     model_fn = compiled

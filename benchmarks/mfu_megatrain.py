@@ -44,6 +44,8 @@ VARIANTS: dict[str, tuple[list[str], dict | None]] = {
     # ZeRO's overlap_comm off (on one GPU nothing to overlap; moe-gpu-2b on an H200: the same speed)
     "no-overlap-comm": (["parallel.overlap.dp_overlap_comm=false"], None),
     "router-reference": (["model.kernels.moe_router=reference"], None),  # torch.topk and scatter_add_
+    # attention only within each packed document (flex attention's block mask; issue 47's cost row)
+    "document-mask": (["model.attention_mask=document"], None),
 }
 # Variants that set a module attribute for their row (restored after it): (module, attribute) -> value.
 MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
@@ -78,7 +80,7 @@ MODULE_SETTINGS: dict[str, dict[tuple[str, str], Any]] = {
 VARIANTS.update({name: ([], None) for name in MODULE_SETTINGS})  # their rows change no override
 # Variants that change the model itself (not how it runs): measured for information, never
 # profiled as "the fastest default".
-MODEL_CHANGES = {"nobias", "parallel-block"}
+MODEL_CHANGES = {"nobias", "parallel-block", "document-mask"}
 
 
 @dataclass
