@@ -88,7 +88,9 @@ def parse_args(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--commit", default=None, help="recorded in the JSON (default: git's HEAD)")
     parser.add_argument("--target-run", default=None,
-                        help="time to target: every run's wall time to the held-out loss this run ends at")
+                        help="time to target: every run's wall time to the held-out loss this run reaches")
+    parser.add_argument("--target-step", type=int, default=None,
+                        help="the target run's evaluation step that sets the target (default: its last)")
     parser.add_argument("--merge", nargs="+", default=None, help="only merge these JSONs into --out (and --png)")
     return parser.parse_args(argv)
 
@@ -175,7 +177,7 @@ def run_comparison(args, log=print) -> dict:
     report["runs"] = {run.name: run.record() for run in runs}
     report["verdict"] = report_mod.verdict(report["runs"])
     if args.target_run:
-        report["time_to_target"] = report_mod.time_to_target(report, args.target_run)
+        report["time_to_target"] = report_mod.time_to_target(report, args.target_run, args.target_step)
     report["wall_s"] = time.perf_counter() - t0
     out.write_text(json.dumps(report, indent=1))
     return report
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         report = report_mod.merge(args.merge)
         if args.target_run:  # runs trained in separate processes on the same batches, compared here
-            report["time_to_target"] = report_mod.time_to_target(report, args.target_run)
+            report["time_to_target"] = report_mod.time_to_target(report, args.target_run, args.target_step)
         report_mod.json_path(args.out).write_text(json.dumps(report, indent=1))
     else:
         report = run_comparison(args, log=lambda msg: print(msg, flush=True))

@@ -97,3 +97,11 @@ def test_time_to_target_interpolates_the_crossing_and_gives_both_ratios():
     assert out["runs"]["slow"]["wall_s"] is None and out["runs"]["slow"]["speedup_tokens_per_s"] == pytest.approx(2.0)
     with pytest.raises(SystemExit, match="no such run"):
         convergence_report.time_to_target(report, "nobody")
+    # a target before the end: the peer's loss after 100 steps (3.0), which "slow" reaches at 200
+    early = convergence_report.time_to_target(report, "peer", at_step=100)
+    assert early["target_loss"] == 3.0 and early["target_tokens"] == 1000
+    assert early["runs"]["slow"]["reached_at_step"] == pytest.approx(200.0)
+    assert early["runs"]["slow"]["speedup_time_to_target"] == pytest.approx(20 / 20)
+    assert early["runs"]["fast"]["reached_at_step"] == pytest.approx(100 * 2.0 / 2.5)
+    with pytest.raises(SystemExit, match="no evaluation there"):
+        convergence_report.time_to_target(report, "peer", at_step=150)
