@@ -8,6 +8,7 @@ total gradient norm (before the clip) and the norms of the embedding, the output
 first and last block, plus digests of the inputs and of the targets, and writes them to
 ``--out`` as JSON. Running it in several processes with different ``--runs`` tells a difference
 that comes from the process (what else ran there) from one that comes from the models.
+``--eval-first`` runs convergence.py's held-out evaluation before step 0, as convergence.py does.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--random", action="store_true", help="random tokens instead of the loader's batches")
     parser.add_argument("--probe-out", default=None, help="JSON of the printed rows")
+    parser.add_argument("--eval-first", action="store_true",
+                        help="the held-out evaluation before step 0, as convergence.py runs it (its last chunk "
+                             "is shorter than the batch: compiled runs see a second shape before training)")
     args, rest = parser.parse_known_args(argv)
     conv_args = conv.parse_args(rest)
     device = torch.device(conv_args.device)
@@ -74,6 +78,11 @@ def main(argv=None) -> int:
     optim_cfg = conv.optim_config(conv_args)
     runs = [models.make_run(name, conv_args.family, cfg, optim_cfg, data.tokenizer_bytes(index), device)
             for name in conv_args.runs.split(",")]
+    if args.eval_first:
+        val_x, val_y = data.held_out(index, conv_args.val_windows)
+        for run in runs:
+            print(json.dumps({"held_out_before_step_0": run.name,
+                              "loss": models.held_out_loss(run, val_x, val_y, conv_args.batch, device)}), flush=True)
     batches = data.train_batches(index, data_cfg, conv_args.batch, cfg.vocab_size)
     generator = torch.Generator().manual_seed(0)
     rows = []

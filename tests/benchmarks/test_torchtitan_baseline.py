@@ -66,9 +66,14 @@ def test_torchtitan_llama_of_the_same_shape_computes_the_same_logits(extra):
         torch.testing.assert_close(peer.model(idx), ours(idx), atol=2e-5, rtol=1e-4)
         assert peer(idx, idx).item() == pytest.approx(ours(idx, idx).item(), rel=1e-5)
     if torch.cuda.is_available():  # the peer as mfu.py runs it: compiled block by block, under bf16 autocast
+        from torch._inductor.async_compile import shutdown_compile_workers
+
         peer = peer.cuda().compile_like_torchtitan()
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            assert peer(idx.cuda(), idx.cuda()).item() == pytest.approx(ours(idx, idx).item(), rel=2e-2)
+        try:
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                assert peer(idx.cuda(), idx.cuda()).item() == pytest.approx(ours(idx, idx).item(), rel=2e-2)
+        finally:
+            shutdown_compile_workers()  # inductor's compile worker processes, started by this test
 
 
 def test_a_width_torchtitan_cannot_reach_is_refused():
