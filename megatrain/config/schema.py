@@ -105,9 +105,6 @@ class ParallelConfig(_Section):
             self.data_parallel_size(self.world_size)
         if self.ep > 1:
             self._check_expert_parallel()
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError(f"parallel.cp={self.cp} with parallel.ep={self.ep}: context parallelism composes with "
-                             "data, tensor and pipeline parallelism, not yet with expert parallelism; use ep 1")
         return self
 
     def _check_expert_parallel(self) -> None:
@@ -123,9 +120,9 @@ class ParallelConfig(_Section):
                              "parallel.zero_stage=0, where megatrain reduces the experts' gradients over the ranks "
                              "holding the same experts")
         dp = self.dp if self.world_size is None else self.data_parallel_size(self.world_size)
-        if dp is not None and dp % self.ep:
-            raise ValueError(f"parallel.ep ({self.ep}) must divide the data-parallel size ({dp}): EP groups are "
-                             "carved out of the DP ranks")
+        if dp is not None and (dp * self.cp) % self.ep:
+            raise ValueError(f"parallel.ep ({self.ep}) must divide the data-parallel size times parallel.cp "
+                             f"({dp} * {self.cp}): EP groups are carved out of the replicas")
 
 
 class OptimConfig(_Section):

@@ -18,6 +18,9 @@ summed with the router's weights. Dropless: no capacity factor, no token is drop
   parallelism the weights stay on the token's rank: the combine weights the returned rows.
 - Load balance: ``aux_loss`` adds coef * E * sum_i f_i P_i (f_i: share of the routed slots that
   went to expert i, no gradient; P_i: mean score of i) and the z-loss coef * mean(logsumexp^2).
+  Under context parallelism a micro-batch's tokens are spread over the cp ranks: f counts the
+  slots of all of them (``token_group``), P stays the rank's mean, and averaging the ranks'
+  gradients (as cp does) gives one process's penalty exactly.
   These penalties never reach the trainer's loss value: ``AddAuxGrad`` passes the layer's output
   through unchanged and, in the backward, gives the penalty the gradient it would have as a term
   of the loss (scaled by ``aux_loss_scale``: 1 / gradient-accumulation steps, as DeepSpeed scales
@@ -120,6 +123,9 @@ class MoE(nn.Module):
         # expert parallelism sets a callable (rows, counts, experts) -> outputs that takes the rows to
         # the ranks holding their experts and back (megatrain/parallel/expert_parallel.py); None: local
         self.exchange = None
+        # context parallelism sets the cp group: its ranks hold chunks of the same samples, so the
+        # balance loss's expert shares f are those of the whole samples (apply_context_parallel_moe)
+        self.token_group = None
         # the step's statistics (not checkpointed): routed slots per expert; tokens, entropy, aux, z, calls
         self.register_buffer("load", torch.zeros(m.n_experts), persistent=False)
         self.register_buffer("sums", torch.zeros(5), persistent=False)
@@ -181,7 +187,11 @@ class MoE(nn.Module):
         """E * sum_i f_i P_i (1 when perfectly balanced); 0 unless load_balance is aux_loss."""
         if self.cfg.load_balance != "aux_loss":
             return routing.logits.new_zeros(())
-        f = counts.float() / counts.sum()  # [E] share of the routed slots, no gradient
+        counts = counts.float()
+        if self.token_group is not None:  # chunks of the same samples on other ranks: their slots count too
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.token_group)
+        f = counts / counts.sum()  # [E] share of the routed slots, no gradient
         return self.n_experts * (f * routing.probs.mean(0)).sum()
 
     def z_loss(self, routing: Routing) -> torch.Tensor:

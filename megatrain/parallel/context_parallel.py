@@ -16,6 +16,11 @@ What crosses the network: only inside attention (``Sequence.attend``, set per mi
   output returns by the inverse all-to-all (its backward is that inverse too). Needs heads and
   KV heads divisible by cp (``Config`` refuses others, naming the field).
 
+MoE layers (``apply_context_parallel_moe``): routing and experts are per token, so they need
+nothing, but the balance loss's expert shares are those of the whole micro-batch: its slot counts
+are summed over the cp group (``MoE.token_group``). Expert parallelism is carved out of the dp x cp
+replicas (``dims.py``).
+
 Parameters are replicated over cp: the gradients are reduced over the dp x cp replica group
 (``ProcessGroups.replicas()``, ZeRO's data-parallel group). Each rank's loss is the mean over its
 own tokens, reweighted (``loss_weight``) so that averaging over the replicas gives the mean over
@@ -31,6 +36,7 @@ import torch.distributed as dist
 
 from megatrain.kernels.attention import causal_attention, document_ids
 from megatrain.kernels.cross_entropy import IGNORE_INDEX
+from megatrain.model.moe import moe_layers
 from megatrain.model.sequence import Sequence
 from megatrain.parallel.ring_attention import chunk_ids, ring_attention
 
@@ -50,6 +56,12 @@ def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, cp: int, cp_rank: i
     positions = chunk_positions(inputs.shape[1], cp, cp_rank, inputs.device)
     docs = None if eos_id is None else document_ids(inputs, eos_id)[:, positions]
     return inputs[:, positions], targets[:, positions], positions, docs
+
+
+def apply_context_parallel_moe(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Every MoE layer's balance loss counts the routed slots of the whole samples (the cp group's)."""
+    for layer in moe_layers(model):
+        layer.token_group = group
 
 
 def loss_weight(targets: torch.Tensor, local_targets: torch.Tensor, cp: int) -> float:

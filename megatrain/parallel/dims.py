@@ -6,11 +6,13 @@ the data-parallel ones: the *replica* group of a rank is its dp x cp ranks (ZeRO
 it). ``ProcessGroups.replicas()`` is the layout as ZeRO, DeepSpeed and the checkpoint see it: dp'
 = dp * cp replicas, no cp; the data loader and the attention see the real dp and cp.
 
-Expert parallelism (``ep``) is carved out of the data-parallel ranks, as Megatron-Core and
-torchtitan do: each run of ``ep`` consecutive DP ranks is an EP group (its ranks hold different
-experts and exchange tokens by all-to-all); the ranks at the same position of every EP group form
-an expert-data-parallel (EDP) group, over which those experts' gradients are reduced. Non-expert
-parameters stay replicated over the whole DP group. ``ep=1``: no EP groups are created.
+Expert parallelism (``ep``) is carved out of the replicas (dp x cp ranks), as Megatron-Core and
+torchtitan do: each run of ``ep`` consecutive replica indices is an EP group (its ranks hold
+different experts and exchange tokens by all-to-all); the ranks at the same position of every EP
+group form an expert-data-parallel (EDP) group, over which those experts' gradients are reduced.
+Non-expert parameters stay replicated over the whole replica group. With cp = 1 the replicas are
+the DP ranks; with cp > 1 an EP group can be a sample's cp ranks (routing is per token, so which
+rank holds a token does not matter to the experts). ``ep=1``: no EP groups are created.
 
 Rank order: tensor parallel innermost (consecutive ranks share a node), then context parallel,
 then data parallel, then pipeline (Megatron's order):
@@ -35,7 +37,7 @@ class ParallelDims:
     dp: int
     tp: int
     pp: int
-    ep: int = 1  # expert-parallel degree, a divisor of dp (see the module docstring)
+    ep: int = 1  # expert-parallel degree, a divisor of dp * cp (see the module docstring)
     cp: int = 1  # context-parallel degree (see the module docstring)
 
     @property
@@ -66,8 +68,9 @@ class ParallelDims:
             raise ValueError(f"tp ({self.tp}) must divide n_head ({n_head})")
         if self.pp > n_layer:
             raise ValueError(f"pp ({self.pp}) must not exceed n_layer ({n_layer})")
-        if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): EP groups are carved out of the DP ranks")
+        if self.ep < 1 or (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide dp * cp ({self.dp} * {self.cp}): EP groups are carved out "
+                             "of the replicas")
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """rank -> (pp_rank, dp_rank, tp_rank) (the cp coordinate: ``cp_rank``)."""
@@ -108,12 +111,16 @@ class ParallelDims:
                 for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def ep_groups(self) -> list[list[int]]:
-        """Runs of ``ep`` consecutive DP ranks (nearby ranks: the all-to-all stays within a node)."""
+        """Runs of ``ep`` consecutive replica indices (nearby ranks: the all-to-all stays within a node)."""
+        if self.cp > 1:  # the replica layout numbers the ranks the same way, replica index as its dp
+            return self.replicas().ep_groups()
         return [[self.rank_of(p, d0 + e, t) for e in range(self.ep)]
                 for p in range(self.pp) for t in range(self.tp) for d0 in range(0, self.dp, self.ep)]
 
     def edp_groups(self) -> list[list[int]]:
-        """The DP ranks holding the same experts: position e of every EP group."""
+        """The replicas holding the same experts: position e of every EP group."""
+        if self.cp > 1:
+            return self.replicas().edp_groups()
         return [[self.rank_of(p, d, t) for d in range(e, self.dp, self.ep)]
                 for p in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
 
@@ -153,7 +160,8 @@ class ProcessGroups:
         if self.dims.cp == 1:
             return self
         return ProcessGroups(dims=self.dims.replicas(), rank=self.rank, tp_group=self.tp_group,
-                             dp_group=self.replica_group, pp_group=self.pp_group, stage_group=self.stage_group)
+                             dp_group=self.replica_group, pp_group=self.pp_group, stage_group=self.stage_group,
+                             ep_group=self.ep_group, edp_group=self.edp_group)
 
     @property
     def pp_rank(self) -> int:
@@ -169,8 +177,8 @@ class ProcessGroups:
 
     @property
     def ep_rank(self) -> int:
-        """Which slice of the experts this rank holds (0 .. ep - 1)."""
-        return self.dp_rank % self.dims.ep
+        """Which slice of the experts this rank holds (0 .. ep - 1): its replica index mod ep."""
+        return (self.dp_rank * self.dims.cp + self.cp_rank) % self.dims.ep
 
 
 def _layouts(dims: ParallelDims) -> tuple[tuple[str, list[list[int]]], ...]:

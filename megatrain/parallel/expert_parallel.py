@@ -1,7 +1,7 @@
 """Expert parallelism (``parallel.ep``), applied from outside to a plain MoE GPT.
 
-The ``ep`` ranks of an EP group (``ProcessGroups.ep_group``: consecutive data-parallel ranks, see
-``dims.py``) each hold ``n_experts / ep`` experts of every MoE layer: EP rank r the global ids
+The ``ep`` ranks of an EP group (``ProcessGroups.ep_group``: consecutive replicas, the dp x cp
+ranks, see ``dims.py``) each hold ``n_experts / ep`` experts of every MoE layer: EP rank r the global ids
 ``r E_l .. (r + 1) E_l - 1``. Each rank still routes its own tokens (the router and everything
 else stay replicated over DP); ``moe.dispatch`` sorts the routed rows by global expert id, so the
 rows for EP rank r are one contiguous run, and ``ExpertExchange`` (``MoE.exchange``) does:
@@ -23,8 +23,8 @@ Gradients (``attach_expert_grad_sync``): an expert's gradient on a rank already 
 of the whole EP group. DeepSpeed must not average it over the DP group, whose ranks hold
 *different* experts at the same position. A post-accumulate hook moves each expert gradient
 aside as it is produced (DeepSpeed then reduces zeros for it); just before the optimizer step it
-is summed over the EDP group (the ranks holding the same experts) and divided by dp, which is the
-mean over the global batch, as DeepSpeed's own MoE does. The global norm is exact: the replicated
+is summed over the EDP group (the ranks holding the same experts) and divided by the number of
+replicas (dp x cp), which is the mean over the global batch, as DeepSpeed's own MoE does. The global norm is exact: the replicated
 gradients' squared norm plus the EP group's sum of the experts' squared norms; megatrain clips
 with it (DeepSpeed's clipping is off under EP: its norm would count only local experts) and
 reports it as DeepSpeed's global norm. LAMB's trust ratio of an expert tensor sums its squared
@@ -218,7 +218,7 @@ def attach_expert_grad_sync(optimizer: torch.optim.Optimizer, model: nn.Module, 
         if isinstance(optimizer, Lamb):  # the trust ratio of the whole expert tensor: norms summed over EP
             optimizer.set_tensor_segments(p, TensorSegments(spans=[(0, p.shape[0], 0)], num_tensors=1,
                                                             group=groups.ep_group))
-    dp = groups.dims.dp
+    replicas = groups.dims.dp * groups.dims.cp  # the ranks whose mean gradient a replicated parameter gets
 
     @torch.no_grad()
     def before_step(opt, args, kwargs) -> None:
@@ -227,7 +227,7 @@ def attach_expert_grad_sync(optimizer: torch.optim.Optimizer, model: nn.Module, 
             grad = torch.zeros_like(p) if grad is None else grad
             if dist.get_world_size(groups.edp_group) > 1:
                 dist.all_reduce(grad, group=groups.edp_group)
-            p.grad = grad.div_(dp)
+            p.grad = grad.div_(replicas)
         opt._global_grad_norm = clip_exact(dense, experts, groups, grad_clip)
 
     optimizer.register_step_pre_hook(before_step)

@@ -1,5 +1,6 @@
 """The one ordered recipe that spreads a plain GPT over ranks:
-tensor/sequence parallel -> materialize (meta-built models) -> expert parallel (this rank's experts) -> precision (FP8 linears) -> pipeline split -> activation checkpointing
+tensor/sequence parallel -> materialize (meta-built models) -> expert parallel (this rank's experts)
+-> context parallel (MoE balance over the whole samples) -> precision (FP8 linears) -> pipeline split -> activation checkpointing
 -> compile.
 (DeepSpeed, the last step, wraps the result in the trainer.)
 
@@ -98,6 +99,10 @@ def parallelize(model: GPT, cfg: Config, groups: ProcessGroups, materialize: Cal
         from megatrain.parallel.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, groups, overlap=cfg.parallel.overlap.ep_shared_expert)
+    if groups.dims.cp > 1:  # the attention's ring or all-to-all is set per micro-batch (Sequence)
+        from megatrain.parallel.context_parallel import apply_context_parallel_moe
+
+        apply_context_parallel_moe(model, groups.cp_group)
     apply_precision(model, cfg)
     if groups.dims.pp > 1:
         from megatrain.parallel.pipeline import build_pipeline_module

@@ -168,7 +168,7 @@ class _CheckpointTerms:
     """What ``checkpoint_size`` and ``rank_checkpoint_bytes`` count, for one layout."""
 
     world: int
-    dp: int
+    dp: int  # replicas: dp x cp ranks hold the same parameters (ZeRO partitions over them)
     weights: int  # bytes per weight written (0 under ZeRO-3)
     optimizer: int  # bytes of optimizer state per parameter a rank updates
     whole: int  # parameters of the whole model (pp > 1 with tied embeddings: the last stage's copy too)
@@ -178,7 +178,7 @@ class _CheckpointTerms:
 
 def _checkpoint_terms(cfg: Config, world_size: int | None, cuda: bool) -> _CheckpointTerms:
     p, m = cfg.parallel, cfg.model
-    world = world_size or p.world_size or p.tp * p.pp * (p.dp or 1)
+    world = world_size or p.world_size or p.tp * p.pp * p.cp * (p.dp or 1)
     weights = 0 if p.zero_stage >= 3 else weight_bytes(cfg, cuda)
     # pp > 1 with tied embeddings: the last stage holds its own copy of the token embedding
     tied_copy = m.vocab_size * m.d_model if p.pp > 1 and m.tie_embeddings else 0
@@ -186,7 +186,7 @@ def _checkpoint_terms(cfg: Config, world_size: int | None, cuda: bool) -> _Check
     # with EP (tp = pp = 1) it holds the replicated weights and its 1/ep of the routed experts
     shard = params_per_gpu(cfg) + (m.vocab_size * m.d_model // p.tp if p.pp > 1 else 0)
     return _CheckpointTerms(
-        world=world, dp=p.data_parallel_size(world), weights=weights,
+        world=world, dp=p.data_parallel_size(world) * p.cp, weights=weights,
         optimizer=OPTIMIZER_BYTES if p.zero_stage >= 1 or weights == 2 else 8,
         whole=params_per_gpu(cfg, tp=1, pp=1) + tied_copy, shard=shard,
         expert_slice=routed_expert_parameters(m) // p.ep if p.ep > 1 else 0)
@@ -194,15 +194,15 @@ def _checkpoint_terms(cfg: Config, world_size: int | None, cuda: bool) -> _Check
 
 def rank_checkpoint_bytes(cfg: Config, rank: int, world_size: int | None = None, cuda: bool = True) -> int:
     """The bytes ``rank`` stages for one checkpoint (an upper bound at pp > 1: the shard bound):
-    its optimizer state (ZeRO >= 1: its 1/dp of it), the model file of its (pp, tp) shard when it is
-    dp_rank 0, and under EP its slice of the routed experts when it is dp_rank e < ep."""
+    its optimizer state (ZeRO >= 1: its 1/(dp cp) of it), the model file of its (pp, tp) shard when
+    it is replica 0, and under EP its slice of the routed experts when it is replica e < ep."""
     return _rank_bytes(cfg, _checkpoint_terms(cfg, world_size, cuda), rank)
 
 
 def _rank_bytes(cfg: Config, c: _CheckpointTerms, rank: int) -> int:
     p = cfg.parallel
-    dp_rank = (rank // p.tp) % c.dp  # rank order: tp innermost, then dp (megatrain/parallel/dims.py)
-    written = (c.shard - c.expert_slice if dp_rank == 0 else 0) + (c.expert_slice if dp_rank < p.ep else 0)
+    replica = (rank // p.tp) % c.dp  # rank order: tp innermost, then cp, then dp (megatrain/parallel/dims.py)
+    written = (c.shard - c.expert_slice if replica == 0 else 0) + (c.expert_slice if replica < p.ep else 0)
     state = math.ceil(c.shard * c.optimizer / c.dp) if p.zero_stage >= 1 else c.shard * c.optimizer
     return written * c.weights + state + RANK_OVERHEAD
 

@@ -161,3 +161,16 @@ def test_slices_cut_from_the_joined_experts_are_the_ranks_own():
             assert torch.equal(experts.cut(shard, full, "fc"), shard.detach())
     with pytest.raises(ValueError, match="fc: the checkpoint holds 2 experts, this run's layer 4"):
         experts.cut(shards[0], full[:2], "fc")
+
+
+@pytest.mark.slow
+def test_ep2_restores_at_cp2_times_ep2(tmp_path, shards, ep2_straight):  # noqa: F811
+    """EP2 over 2 data-parallel ranks -> EP2 over one sample's 2 context-parallel ranks (dp 1): the
+    EP group is now the cp group (dims.py), each rank routes the tokens of its chunks, the balance
+    loss counts the whole micro-batch's slots. Steps 4-6 equal the uninterrupted run within 1e-5."""
+    cp = _resume(tmp_path, shards[0], ep2_straight, 3, "cp2-ep2", 2, 6, *EP2, "parallel.cp=2")
+    _check_samples(cp, ep2_straight)
+    loss, grad, state = _differences(cp, ep2_straight, 6)
+    print(f"\nEP2 -> cp2 x EP2 at step 3, to step 6: |loss| {loss:.1e} |grad norm| {grad:.1e} "
+          f"|weights, masters, moments| {state:.1e}")
+    assert max(loss, grad, state) <= TOL

@@ -26,6 +26,7 @@ import torch
 from megatrain.config import Config
 from megatrain.launch.forked import ForkLaunch, run_to_end
 from megatrain.model import GPT
+from megatrain.model.moe import set_aux_loss_scale
 from megatrain.optim import build_optimizer, build_scheduler
 
 HERE = Path(__file__).resolve()
@@ -40,6 +41,9 @@ BASE = {
 }
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
 DOC = {"model.attention_mask": "document"}
+# MoE: the balance loss's expert shares are those of the whole samples, which no cp rank holds alone
+MOE = {"model.mlp": "moe", "model.moe": dict(n_experts=4, top_k=2, n_shared_experts=1, expert_d_ff=32,
+                                             aux_loss_coef=0.01, z_loss_coef=0.001)}
 
 
 def build_config(variant: dict, world: int) -> Config:
@@ -68,16 +72,18 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from megatrain.model.moe import end_step, set_aux_loss_scale
     from megatrain.parallel.context_parallel import cp_sequence, loss_weight, shard_batch
     from megatrain.parallel.deepspeed import DeepSpeedMPU, attach_lamb_segments, deepspeed_config
     from megatrain.parallel.zero_norms import attach_foreach_norms
     from megatrain.parallel.zero_step import attach_fast_step
     from megatrain.parallel.dims import ParallelDims, build_process_groups
+    from megatrain.parallel.expert_parallel import attach_expert_grad_sync, is_expert_param
     from megatrain.parallel.parallelize import parallelize
 
     cfg = build_config(variant, world)
     p = cfg.parallel
-    dims = ParallelDims(dp=p.data_parallel_size(world), tp=p.tp, pp=1, cp=p.cp)
+    dims = ParallelDims(dp=p.data_parallel_size(world), tp=p.tp, pp=1, cp=p.cp, ep=p.ep)
     dims.validate(world, p.gpus_per_node, cfg.model.n_head, cfg.model.n_layer)
     groups = build_process_groups(dims, rank)
     replicas = groups.replicas()
@@ -95,13 +101,23 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
         attach_foreach_norms(engine.optimizer)
         attach_fast_step(engine.optimizer)
         attach_lamb_segments(engine.optimizer, optimizer, replicas.dp_group, norm_group=replicas.stage_group)
+    if dims.ep > 1:  # the experts' gradients over their EDP group, exact clipping (as the trainer)
+        attach_expert_grad_sync(engine.optimizer, engine.module, groups, cfg.optim.grad_clip)
+    set_aux_loss_scale(module, 1.0 / cfg.train.grad_accumulation_steps(dims.dp))
     params = [q for q in module.parameters() if q.requires_grad]
     grads: dict[str, torch.Tensor] = {}
     replicated = {id(q) for q in params if p.tp == 1 or q.dim() == 1}  # TP shards the matrices (compared by loss)
 
+    def whole(q: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # an expert shard joined over its EP group
+        if not is_expert_param(q):
+            return value.detach().clone()
+        parts = [torch.empty_like(value) for _ in range(dims.ep)]
+        dist.all_gather(parts, value.detach().contiguous(), group=groups.ep_group)
+        return torch.cat(parts)
+
     def capture(opt, args, kwargs) -> None:  # ZeRO-0: the reduced, clipped gradients (ZeRO-1 keeps partitions)
         if not grads:
-            grads.update({names[id(q)]: q.grad.detach().clone() for q in params if id(q) in replicated})
+            grads.update({names[id(q)]: whole(q, q.grad) for q in params if id(q) in replicated})
 
     if cfg.parallel.zero_stage == 0:
         engine.optimizer.register_step_pre_hook(capture)
@@ -119,10 +135,11 @@ def run_variant(variant: dict, rank: int, world: int, out_dir: Path) -> None:
             engine.backward(loss)
             engine.step()
             micro_losses.append(loss.detach())
+        end_step(engine.module, replicas.dp_group)  # as the trainer: the step's MoE statistics reset
         loss = torch.stack(micro_losses).mean()
         dist.all_reduce(loss, group=replicas.dp_group)
         losses.append(float(loss) / replicas.dims.dp)
-    weights = {names[id(q)]: q.detach().clone() for q in params if id(q) in replicated}
+    weights = {names[id(q)]: whole(q, q) for q in params if id(q) in replicated}
     if rank == 0:
         torch.save({"loss": losses, "grads": grads, "weights": weights}, out_dir / f"{variant['name']}.pt")
     dist.barrier()
@@ -165,6 +182,7 @@ def reference_run(settings: dict) -> dict:
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
     model.eos_id = EOS
+    set_aux_loss_scale(model, 1.0 / cfg.train.grad_accumulation_steps(1))  # MoE penalties: as the loss
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     named = dict(model.named_parameters())
@@ -217,11 +235,16 @@ def test_cp2_ring_alltoall_zero1_match_one_process(tmp_path, references):
         {"name": "a2a", "set": a2a}, {"name": "a2a-doc", "set": {**a2a, **DOC}},
         {"name": "ring-doc-zero1", "set": {**ring, **DOC, "parallel.zero_stage": 1}},
         {"name": "ring-swapped", "set": ring, "swap_chunks": True},
+        {"name": "ring-moe", "set": {**ring, **MOE}},
+        {"name": "ring-moe-ep2", "set": {**ring, **MOE, "parallel.ep": 2}},  # the experts over the cp ranks
     ]
     runs = run_ranks(2, variants, tmp_path)
     for name, ref in (("ring", "causal"), ("ring-doc", "document"), ("a2a", "causal"), ("a2a-doc", "document")):
         check(runs[name], references[ref])
     check(runs["ring-doc-zero1"], references["document"], zero_stage=1)
+    moe = reference_run(MOE)
+    check(runs["ring-moe"], moe)
+    check(runs["ring-moe-ep2"], moe)
     assert not runs["ring-doc-zero1"]["grads"] and runs["ring-doc-zero1"]["weights"]
     swapped = errors(runs["ring-swapped"], references["causal"])  # a misplaced chunk is seen
     assert swapped["loss"] > 100 * LOSS_TOL and swapped["grads"] > 1e-2, swapped
@@ -265,13 +288,19 @@ if __name__ == "__main__":
     worker_main()
 
 
-def test_cp_composes_with_the_pipeline_and_refuses_expert_parallelism():
-    """cp x pp is a layout (test_parity.py's pp2xcp2 variants match one process); cp x ep is refused
-    naming both fields; the document mask with a pipeline is a layout too (test_parity.py's document variants)."""
+def test_cp_composes_with_the_pipeline_and_expert_parallelism():
+    """cp x pp is a layout (test_parity.py's pp2xcp2 variants match one process); so is cp x ep, with
+    the EP groups carved out of the dp x cp replicas (an ep that does not divide them is refused
+    naming the field); the document mask with a pipeline is a layout too (test_parity.py's document variants)."""
     from megatrain.config import ConfigError
+    from megatrain.parallel.dims import ParallelDims
 
     assert build_config({"set": {"parallel.cp": 2, "parallel.pp": 2}}, 4).parallel.pp == 2
     moe = {"model.mlp": "moe", "parallel.cp": 2, "parallel.ep": 2}
-    with pytest.raises((ValueError, ConfigError), match=r"parallel.cp=2 with parallel.ep=2"):
-        build_config({"set": moe}, 4)
+    assert build_config({"set": moe}, 2).parallel.ep == 2  # dp 1: the experts spread over a sample's cp ranks
+    with pytest.raises((ValueError, ConfigError), match=r"parallel.ep \(4\) must divide"):
+        build_config({"set": {**moe, "parallel.ep": 4}}, 2)
     assert build_config({"set": {"parallel.cp": 2, "parallel.pp": 2, **DOC}}, 4).model.attention_mask == "document"
+    dims = ParallelDims(dp=2, tp=1, pp=1, cp=2, ep=2)  # replica index = dp_rank * cp + cp_rank = rank here
+    assert dims.ep_groups() == [[0, 1], [2, 3]] and dims.edp_groups() == [[0, 2], [1, 3]]
+    assert ParallelDims(dp=2, tp=1, pp=1, cp=2, ep=4).edp_groups() == [[0], [1], [2], [3]]
