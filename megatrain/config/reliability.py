@@ -58,7 +58,7 @@ class FaultConfig(_Section):
     rank: int = Field(0, ge=0)
     slowdown: float = Field(0.2, ge=0, description="slow_rank: extra fraction of step time")
     duration_s: float = Field(10.0, ge=0, description="storage_outage length; partition, redis_host_down, "
-                              "storage_host_down: how long the host is cut off (and its service dead)")
+                              "storage_host_down: how long the host is cut off (Redis dead, moto frozen)")
     magnitude: float = Field(10.0, gt=0, description="spike_loss: loss multiplier")
     target: str | None = Field(
         None, description="corrupt_checkpoint/corrupt_shard: path or URL; kill_redis: pid or pid file"

@@ -7,14 +7,26 @@
 
 ``up`` prints the cluster's name, its hosts and the endpoints (``redis://<redis host>:6379``, its
 password in ``/run/megatrain/clusters/<name>.redis``, mode 0600; ``http://<storage host>:5000`` as
-the S3 endpoint with moto's test credentials). Redis listens on the redis host's address, moto on the
-storage host's: each is reached over the bridge, as a cluster's services are, and dies with its host
-(``hosts.Cluster.kill_host``). The faults ``redis_host_down`` and ``storage_host_down``
-(``launch/host_faults.py``) kill the service host's processes and cut its link for a while, then
-``restart`` the service on the same address: Redis with the same password and, as configured here,
-no persistence (``save ""``, no AOF: it comes back empty, and what uses it writes again: heartbeats
-every interval, a missing fencing epoch reads as 0); moto keeps its buckets in memory, so its
-restart empties the S3 store as well.
+the S3 endpoint with moto's test credentials, and the bucket ``s3://megatrain``). Redis listens on the
+redis host's address, moto on the storage host's: each is reached over the bridge, as a cluster's
+services are, and dies with its host (``hosts.Cluster.kill_host``). The fault ``redis_host_down``
+(``launch/host_faults.py``) kills the redis host's processes and cuts its link for a while, then
+``restart`` brings Redis back on the same address with the same password and, as configured here, no
+persistence (``save ""``, no AOF: it comes back empty, and what uses it writes again: heartbeats
+every interval, a missing fencing epoch reads as 0).
+
+The storage host is the cluster's durable checkpoint store: ``up`` creates the bucket ``s3://megatrain``
+(``BUCKET``) and the hosts launcher hands every rank the endpoint and moto's test credentials
+(``s3_env``), so with ``checkpoint.durable_url=s3://megatrain/<run>`` the ranks upload and commit over
+the bridge and restores read from there, no checkpoint folder shared between hosts. moto keeps its
+objects in memory, where a real object store keeps them on disks that outlive an outage. A restarted
+moto would come back empty, which would be a lost store, not an outage; so ``storage_host_down`` does
+not kill it: ``freeze`` SIGSTOPs the host's processes (its memory kept, as the disks are) while the link
+is down, and ``thaw`` SIGCONTs them once it is up. From outside that is a dead machine (no answer, no
+FIN, no RST: its peers' packets are dropped at the bridge) that comes back with its data. A request in
+flight waits, as against a real S3 outage: for a few seconds' outage TCP resends it once the link is up
+(botocore's timeouts are 60 s), a longer one reaches botocore's, s3fs's and the checkpoint uploader's
+retries.
 
 Engine code: imports neither torch nor prefect.
 """
@@ -26,16 +38,22 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from megatrain.launch import hosts
 
 REDIS_PORT = 6379
 S3_PORT = 5000
+BUCKET = "megatrain"  # the durable checkpoint store's bucket, created by ``up``
+# moto accepts any credentials; botocore refuses to sign a request without some
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 SERVICE_ROLES = ("head", "redis", "storage")
 
 
@@ -88,27 +106,89 @@ def start_s3(cluster: hosts.Cluster, role: str = "storage", detach: bool = False
     return f"http://{address}:{S3_PORT}"
 
 
+def create_bucket(endpoint: str, bucket: str = BUCKET) -> str:
+    """``bucket`` on the S3 server at ``endpoint`` (an existing one is kept); returns ``s3://bucket``."""
+    request = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")
+    try:  # moto checks no signature: a plain PUT is CreateBucket
+        urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError as exc:
+        if exc.code != 409:  # 409: BucketAlreadyOwnedByYou
+            raise RuntimeError(f"S3 at {endpoint}: bucket {bucket} not created: HTTP {exc.code}") from exc
+    return f"s3://{bucket}"
+
+
+def s3_env(endpoint: str) -> dict[str, str]:
+    """What a process needs to reach the cluster's S3 (megatrain/storage/urls.py reads the endpoint)."""
+    return {"MEGATRAIN_S3_ENDPOINT": endpoint, **S3_CREDENTIALS}
+
+
+def freeze(cluster: hosts.Cluster, role: str) -> list[int]:
+    """SIGSTOP every process of host ``role`` but its init (their memory kept); returns their pids."""
+    return _signal_host(cluster, role, signal.SIGSTOP)
+
+
+def thaw(cluster: hosts.Cluster, role: str, pids: list[int]) -> None:
+    """SIGCONT ``pids`` (``freeze``'s), then wait until the host's service answers again."""
+    deadline = time.monotonic() + 5
+    while True:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        # nsenter (what started the service in the host) stops itself when it sees its child stop, and
+        # that notice may come after our SIGCONT: continue whatever is still stopped, until none is
+        time.sleep(0.05)
+        if not any(_stopped(pid) for pid in pids) or time.monotonic() > deadline:
+            break
+    if role == "storage":
+        _wait_port(cluster, cluster.host(role).address, S3_PORT, None, "moto_server (thawed)")
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:  # gone
+        return False
+
+
+def _signal_host(cluster: hosts.Cluster, role: str, sig: int) -> list[int]:
+    init = cluster.host(role).init_pid
+    pids = [pid for pid in cluster.pids(role) if pid != init]
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
 def restart(cluster: hosts.Cluster, role: str) -> str:
-    """The service of host ``role`` started again on the same address (after ``redis_host_down`` or
-    ``storage_host_down``): Redis with the password its clients hold, moto as it started."""
+    """The service of host ``role`` started again on the same address (after ``redis_host_down``):
+    Redis with the password its clients hold; moto as it started, with an empty bucket (a store whose
+    disks were lost: ``storage_host_down`` freezes moto instead, see the module's docstring)."""
     if role == "redis":
         return start_redis(cluster, role, password=(hosts.STATE_DIR / f"{cluster.name}.redis").read_text(),
                            detach=True)
     if role == "storage":
-        return start_s3(cluster, role, detach=True)
+        endpoint = start_s3(cluster, role, detach=True)
+        create_bucket(endpoint)
+        return endpoint
     raise ValueError(f"host {role!r} runs no service of a cluster (redis, storage)")
 
 
-def _wait_port(cluster: hosts.Cluster, address: str, port: int, proc: subprocess.Popen, what: str,
+def _wait_port(cluster: hosts.Cluster, address: str, port: int, proc: subprocess.Popen | None, what: str,
                timeout_s: float = 30.0) -> None:
-    """Until ``address:port`` accepts, from this machine's namespace over the bridge."""
+    """Until ``address:port`` accepts, from this machine's namespace over the bridge (``proc``: the
+    server just started, whose early exit ends the wait)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             socket.create_connection((address, port), timeout=0.5).close()
             return
         except OSError:
-            if proc.poll() not in (None, 0) or time.monotonic() > deadline:
+            if (proc is not None and proc.poll() not in (None, 0)) or time.monotonic() > deadline:
                 raise RuntimeError(f"{what} of cluster {cluster.name} did not answer on {address}:{port}") from None
             time.sleep(0.05)
 
@@ -121,6 +201,7 @@ def up(n_nodes: int, services: bool = True, owner_pid: int | None = None) -> tup
     try:
         if services:
             endpoints = {"redis": start_redis(cluster), "s3": start_s3(cluster)}
+            endpoints["bucket"] = create_bucket(endpoints["s3"])
             (hosts.STATE_DIR / f"{cluster.name}.endpoints.json").write_text(json.dumps(endpoints))
     except BaseException:
         hosts.down(cluster.name)

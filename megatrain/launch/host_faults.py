@@ -4,11 +4,18 @@
   machine is gone: nothing of it answers, nothing of it reports);
 - ``partition``: its link down for ``duration_s``, then up again (the host lives on, cut off);
 - ``slow_link``: its link limited to ``rate`` by tbf (until the stage ends);
-- ``redis_host_down``, ``storage_host_down``: the redis (storage) host's processes SIGKILLed (all but
-  its init, which holds the namespaces as the machine's disk outlives a crash) and its link down for
-  ``duration_s``; then the link comes up and the service is restarted on the same address
-  (``cluster_services.restart``: Redis with the same password, no persistence, as the cluster runs
-  it). ``node`` plays no part. What the ranks see is an outage of the store: retried, temporary.
+- ``redis_host_down``: the redis host's processes SIGKILLed (all but its init, which holds the
+  namespaces) and its link down for ``duration_s``; then the link comes up and Redis is restarted on
+  the same address (``cluster_services.restart``: the same password, no persistence, as the cluster
+  runs it: it comes back empty);
+- ``storage_host_down``: the storage host's link down and its processes (moto's S3, the durable
+  checkpoint store) frozen with SIGSTOP for ``duration_s``; then the link comes up and they go on
+  (SIGCONT). Not SIGKILL: moto holds its objects in memory, and a restart would empty the store, where
+  a real object store's disks outlive the outage (``cluster_services``'s docstring says why a frozen
+  process is the honest stand-in: from outside it is a dead machine, and it comes back with its data).
+
+``node`` plays no part in the service faults. What the ranks see is an outage of the store: retried,
+temporary, nothing committed lost.
 
 Injected by the node launcher (``megatrain.launch.nodes``, backend ``hosts``) once rank 0's metrics
 reach ``fault.step``, as the cluster's operator would pull a cable; a marker
@@ -74,9 +81,15 @@ class HostFaults:
             print(f"[launch_nodes] injected fault {fault.kind}: host {role} ({host.address}){owner} "
                   f"at step {step}", flush=True)
             if fault.kind in SERVICE_HOSTS:
+                from megatrain.launch import cluster_services
+
                 self.cluster.set_link(role, up=False)  # first: a dead machine sends its peers no FIN
-                record["killed"] = kill_services(self.cluster, role)
-                self._timer(fault.duration_s, self._restart, role, record)
+                if fault.kind == "storage_host_down":
+                    record["frozen"] = cluster_services.freeze(self.cluster, role)
+                    self._timer(fault.duration_s, self._thaw, role, record)
+                else:
+                    record["killed"] = kill_services(self.cluster, role)
+                    self._timer(fault.duration_s, self._restart, role, record)
             elif fault.kind == "host_down":
                 self.cluster.kill_host(role)
             elif fault.kind == "partition":
@@ -100,9 +113,18 @@ class HostFaults:
         """Link up, the service started again; the time it answers again goes into the marker."""
         from megatrain.launch import cluster_services
 
+        self._back(role, record, lambda: cluster_services.restart(self.cluster, role))
+
+    def _thaw(self, role: str, record: dict) -> None:
+        """Link up, the frozen service goes on with what it held; the time it answers goes into the marker."""
+        from megatrain.launch import cluster_services
+
+        self._back(role, record, lambda: cluster_services.thaw(self.cluster, role, record["frozen"]))
+
+    def _back(self, role: str, record: dict, resume) -> None:
         try:
             self.cluster.set_link(role, up=True)
-            cluster_services.restart(self.cluster, role)
+            resume()
         except (RuntimeError, OSError) as exc:  # the cluster went down first
             print(f"[launch_nodes] {role} not restarted: {exc}", flush=True)
             return

@@ -28,7 +28,8 @@ Backends (``--backend``, chosen explicitly; ``loopback`` is the default and need
   command the Kubernetes Job runs, ``tasks/kubernetes.py``), its ranks meeting in the cluster's
   Redis on the redis host (``parallel.init.store=redis``; no TCP store listens), gloo on the host's
   ``eth0``, the keepers' peer port on the host's address, and the node's staging on the host's own
-  ``/tmp`` (a node's local disk: no other host sees it). A cluster without Redis (``--no-services``)
+  ``/tmp`` (a node's local disk: no other host sees it), and ``s3://`` URLs (``checkpoint.durable_url``
+  ``s3://megatrain/<run>``) the storage host's S3 (``cluster_s3_env``). A cluster without Redis (``--no-services``)
   falls back to torchrun agents meeting through c10d at the first node's address.
 
   Each attempt on hosts gets a fencing epoch from the cluster's Redis (``launch/fencing.py``,
@@ -114,6 +115,14 @@ def cluster_redis_password(cluster: hosts.Cluster) -> str:
     return (hosts.STATE_DIR / f"{cluster.name}.redis").read_text().strip()
 
 
+def cluster_s3_env(cluster: hosts.Cluster) -> dict[str, str]:
+    """The storage host's S3 endpoint and moto's test credentials, {} for a cluster without services."""
+    from megatrain.launch.cluster_services import s3_env
+
+    endpoint = cluster_endpoints(cluster).get("s3")
+    return s3_env(endpoint) if endpoint else {}
+
+
 def hosts_overrides(cluster_name: str) -> list[str]:
     """What a stage on the cluster's hosts adds to its config: as on Kubernetes the ranks meet in the
     password-protected Redis of the redis host, and their heartbeats and the keepers' peer registry go
@@ -182,6 +191,10 @@ def run_nodes(config_path: str, nodes: list[int], nproc_per_node: int, nodes_dir
         # Redis's) would be refused there
         if (hosts.STATE_DIR / f"{cluster}.redis").exists():
             os.environ["MEGATRAIN_REDIS_PASSWORD"] = cluster_redis_password(hosts.Cluster.load(cluster))
+        # a durable_url s3://... is the storage host's S3: the ranks (which inherit this environment)
+        # upload, commit and restore over the bridge; an endpoint or keys of the launching shell would
+        # name a store no host can reach
+        os.environ.update(cluster_s3_env(hosts.Cluster.load(cluster)))
         overrides = [*overrides, *hosts_overrides(cluster)]
     cfg = load_config(config_path, overrides)
     run_dir = Path(cfg.train.run_dir)

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from host_runs import ROOT, jsonl, launch, overrides, redis_env, shards
+from host_runs import ROOT, durable_url, jsonl, launch, manifests, overrides, redis_env, shards, use_s3
 
 from megatrain.config import load_config
 from megatrain.launch.fencing import EPOCH_ENV, read_log
@@ -34,16 +33,21 @@ WRITER = Path(__file__).with_name("stale_writer.py")
 
 def _stale_writer(cluster, role: str, run_id: str, epoch: int, run_dir: Path, url: str, password: str) -> dict:
     """The old epoch's writer in the healed host: a heartbeat, then an upload with commit of a staged step."""
+    from megatrain import storage
+
     staged = run_dir / "stale-staging" / "step-00000099"
-    first = sorted((run_dir / "durable").glob("step-*"))[0]
-    shutil.copytree(first, staged)
-    (staged / "manifest.json").unlink()
+    first = f"{durable_url(run_dir)}/step-{min(manifests(run_dir)):08d}"
+    staged.mkdir(parents=True)
+    for obj in storage.find(first):  # the committed step's objects, fetched from S3 into local staging
+        if not obj.endswith("/manifest.json"):
+            (staged / obj[len(first) + 1:]).parent.mkdir(parents=True, exist_ok=True)
+            (staged / obj[len(first) + 1:]).write_bytes(storage.read_bytes(obj))
     for marker in staged.glob("rank-*.done.json"):  # a marker as the stale rank staged it: its own epoch
         data = json.loads(marker.read_text())
         marker.write_text(json.dumps({**data, "epoch": epoch}))
     env = cluster.env(role, dict(os.environ, **{EPOCH_ENV: str(epoch), "MEGATRAIN_REDIS_PASSWORD": password}))
     done = subprocess.run(cluster.command(role, [sys.executable, str(WRITER), url, run_id, str(staged),
-                                                 str(run_dir / "durable")], cwd=ROOT), env=env,
+                                                 durable_url(run_dir)], cwd=ROOT), env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -58,14 +62,14 @@ def _check_commits(run_dir: Path, log: dict, epochs: list[dict]) -> dict[int, se
         assert record["epoch"] in (old, new), record
         assert not (record["epoch"] == old and record["time"] > fence), f"old epoch committed after the fence: {record}"
     assert all(len(e) == 1 for e in by_step.values()), dict(by_step)  # exactly one attempt per step
-    manifests = {int(p.name[5:]): json.loads((p / "manifest.json").read_text())
-                 for p in (run_dir / "durable").glob("step-*") if (p / "manifest.json").exists()}
-    assert {s: {m["epoch"]} for s, m in manifests.items()} == dict(by_step)  # the files agree with the log
-    assert max(manifests) == STEPS and 99 not in manifests
+    committed = manifests(run_dir)  # from the storage host's S3
+    assert {s: {m["epoch"]} for s, m in committed.items()} == dict(by_step)  # the files agree with the log
+    assert max(committed) == STEPS and 99 not in committed
     return by_step
 
 
 def fenced_run(served_cluster2, shared_dir, shard_url, lost: int, monkeypatch) -> dict:
+    use_s3(served_cluster2, monkeypatch)  # the checkpoints live on the storage host's S3; the stale writer's too
     shards(shared_dir, shard_url)
     run_dir = shared_dir / f"fence-{lost}"
     args = [*overrides(shared_dir, run_dir, STEPS, INTERVAL), "reliability.on_node_loss=shrink"]

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from host_runs import durable_url
+
 from megatrain.launch.run_token import RUN_TOKEN_ENV
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -27,7 +29,7 @@ def _run(cluster, shared_dir: Path, shard_url: str, fault: dict):
     faults = json.dumps([fault])
     overrides = ["model.n_layer=1", "train.steps=200", "checkpoint.interval=100", "data.max_source_bytes=300000",
                  f"data.shard_url={shards}", "train.micro_batch_size=4", "train.log_interval=1",
-                 "data.prefetch_batches=0", f"train.run_dir={run_dir}", f"checkpoint.durable_url={run_dir}/durable",
+                 "data.prefetch_batches=0", f"train.run_dir={run_dir}", f"checkpoint.durable_url={durable_url(run_dir)}",
                  "reliability.heartbeat_interval_s=0.5", "reliability.heartbeat_timeout_s=3"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MEGATRAIN_FAULTS=faults,
                **{RUN_TOKEN_ENV: "token-host-down-0123456789ab"})

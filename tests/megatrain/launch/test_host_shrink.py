@@ -1,25 +1,31 @@
 """Shrink on the survivors after a lost host (reliability.on_node_loss: shrink on the hosts launcher):
-two hosts x one rank, host_down of node1 at step 5; the heartbeat watch names node1, the next attempt
-(a new fencing epoch) runs on node0 alone (dp 2 -> 1, accumulation 1 -> 2, the same global batch) from
-the newest committed checkpoint, and the run finishes. Its losses after the shrink are those of a
-fault-free run of the final layout (one host, one rank) resumed from a copy of that checkpoint, bit for
-bit. The detection time (fault injected -> verdict) is in the verdict and printed."""
+two hosts x one rank, host_down of node1 at step 26; the heartbeat watch names node1, the next attempt (a
+new fencing epoch) runs on node0 alone (dp 2 -> 1, accumulation 1 -> 2, the same global batch) from the
+newest committed checkpoint (read from the storage host's S3), and the run finishes. Its losses after
+the shrink are those of a fault-free run of the final layout (one host, one rank) resumed from a copy of
+that checkpoint, bit for bit. The detection time (fault injected -> verdict) is in the verdict and
+printed."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
-from host_runs import jsonl, launch, losses, overrides, shards
+from host_runs import copy_step, jsonl, launch, losses, manifests, overrides, shards, step_url, use_s3
 
-STEPS, INTERVAL = 14, 2
+# The commits to S3 run ~1.5 s behind the 0.12 s steps of this tiny model (the first upload of each rank
+# opens its S3 client; a commit polls every 0.5 s for the other rank's marker): the fault comes late
+# enough that one is committed when it does
+STEPS, INTERVAL, FAULT_STEP = 32, 2, 26
 
 
-def test_host_down_shrinks_to_the_survivor_and_matches_a_resumed_run(served_cluster2, shared_dir, shard_url):
+def test_host_down_shrinks_to_the_survivor_and_matches_a_resumed_run(served_cluster2, shared_dir, shard_url,
+                                                                      monkeypatch):
+    use_s3(served_cluster2, monkeypatch)  # the checkpoints live on the storage host's S3
     shards(shared_dir, shard_url)
     run_dir = shared_dir / "shrink"
     args = [*overrides(shared_dir, run_dir, STEPS, INTERVAL), "reliability.on_node_loss=shrink"]
-    code, out, wall = launch(served_cluster2, run_dir, "0,1", args, [{"kind": "host_down", "step": 5, "node": 1}])
+    fault = {"kind": "host_down", "step": FAULT_STEP, "node": 1}
+    code, out, wall = launch(served_cluster2, run_dir, "0,1", args, [fault])
     assert code == 0, out[-5000:]
     assert "shrink: attempt 2 on nodes [0] without node 1 (node1): 1 ranks, dp 1, accumulation 2" in out, out[-4000:]
     verdict = json.loads((run_dir / "faults" / "host-lost.json").read_text())
@@ -37,8 +43,9 @@ def test_host_down_shrinks_to_the_survivor_and_matches_a_resumed_run(served_clus
     resumed = restores[0]["step"]
     assert resumed >= INTERVAL and resumed % INTERVAL == 0, resumed
     # every commit's manifest names its attempt: up to the resume step the first epoch's, after it the second's
-    for step_dir in sorted((run_dir / "durable").glob("step-*")):
-        manifest = json.loads((step_dir / "manifest.json").read_text())
+    committed = manifests(run_dir)
+    assert resumed in committed and max(committed) == STEPS, sorted(committed)
+    for manifest in committed.values():
         expected = epochs[0]["epoch"] if manifest["step"] <= resumed else epochs[1]["epoch"]
         assert manifest["epoch"] == expected and manifest["layout"]["world_size"] == (2 if expected == epochs[0]["epoch"]
                                                                                         else 1)
@@ -47,8 +54,7 @@ def test_host_down_shrinks_to_the_survivor_and_matches_a_resumed_run(served_clus
 
     # the reference: one host, one rank, no fault, resumed from a copy of the same checkpoint
     ref_dir = shared_dir / "reference"
-    step_name = f"step-{resumed:08d}"
-    shutil.copytree(run_dir / "durable" / step_name, ref_dir / "durable" / step_name)
+    copy_step(step_url(run_dir, resumed), step_url(ref_dir, resumed))
     code, out, _ = launch(served_cluster2, ref_dir, "0", [*overrides(shared_dir, ref_dir, STEPS, INTERVAL),
                                                           "parallel.world_size=1"], module="megatrain.launch.nodes")
     assert code == 0, out[-4000:]
