@@ -13,7 +13,7 @@ each appeared:
 - detection: verdict time - fault time (the watch's heartbeat silence, or the slow-link view's eviction);
   none for redis/storage host down, which no watch calls a lost host: they are the store's outage path;
 - first step after recovery: the first row that appeared after the recovery (the verdict for a lost
-  host: the shrunk attempt's first step; the service's restart for redis/storage), from the fault;
+  host: the shrunk attempt's first step; the service back for redis/storage), from the fault;
 - steps redone: rows of steps trained again (the shrunk attempt restores the newest commit);
 - lost: how much later than a steady run the run got past the highest step it reached before the
   recovery (the step it was in for a lost host; a slow link trains on, slowly, until its eviction): the
@@ -22,6 +22,12 @@ each appeared:
   fault itself would hide up to a step). A fault that outlived the stage (a slow link not evicted, a
   service back after the last step while the ranks trained on): the extra time until the stage's last
   row (``recovered: false``; a floor where the fault still cost time at the end).
+
+Checked per class against the fault-free stage: the first step whose loss differs from its loss
+(``loss_differs_from``, none: every step equal bit for bit; a shrunk attempt trains at another
+accumulation, so its sums differ in the last bits), and the committed checkpoints, read back from the
+storage host's S3 (``committed``; for a service outage also those committed after the service was back,
+``committed_after_restore``: the uploads and commits that waited it out).
 
 ETTR estimate (not a run of that length): a campaign of ``--campaign-minutes`` with a fault every
 ``--every-minutes``, the classes in turn, each costing its measured lost time, against the same campaign
@@ -55,15 +61,32 @@ def steady_step_s(rows: list[tuple[float, dict]]) -> float:
     return statistics.median(own) if own else float("nan")
 
 
-def measure(result: dict, step_s: float) -> dict:
+def loss_differs_from(rows: list[tuple[float, dict]], clean_rows: list[tuple[float, dict]]) -> int | None:
+    """The first step whose loss (the last attempt's, where a step was trained twice) is not the
+    fault-free run's; None when every step of the run equals it. A step the clean run lacks differs."""
+    ours = {r["step"]: r["loss"] for _, r in rows}
+    clean = {r["step"]: r["loss"] for _, r in clean_rows}
+    return next((step for step in sorted(ours) if clean.get(step) != ours[step]), None)
+
+
+def measure(result: dict, step_s: float, clean_rows: list[tuple[float, dict]] | None = None) -> dict:
     """The numbers of one class's run (``cluster_faults_runs.run_class``'s dict); ``step_s``: the
-    fault-free run's steady step time."""
+    fault-free run's steady step time; ``clean_rows``: its rows, for ``loss_differs_from``."""
     rows, fault, verdict = result["rows"], result["fault"], result["verdict"]
     steps = [r["step"] for _, r in rows]
     out = {"class": result["name"], "exit": result["exit"], "fired": fault is not None,
            "final_step": max(steps, default=0), "steps": result["steps"],
            "steps_redone": len(steps) - len(set(steps)), "detection_s": None, "first_step_after_s": None,
            "lost_s": None, "found_as": None, "recovered": None}
+    if clean_rows is not None:
+        out["loss_differs_from"] = loss_differs_from(rows, clean_rows)
+    if result.get("committed") is not None:  # a JSON of an older run has none
+        found = result["committed"]
+        out["committed"] = sorted(int(step) for step in found) if "error" not in found else found["error"]
+        restored = (fault or {}).get("restored")
+        if restored is not None and "error" not in found:
+            out["committed_after_restore"] = sorted(int(step) for step, c in found.items()
+                                                    if (c.get("committed_at") or 0) > restored)
     if fault is None:
         return out
     t0 = fault["time"]
@@ -132,20 +155,29 @@ def table(measured: list[dict], ettr: dict, step_s: float) -> str:
               f"(ratio {ettr['ettr_ratio']})"]
     if ettr["not_counted"]:
         lines.append(f"not in the mean (no lost time measured): {', '.join(ettr['not_counted'])}")
+    for m in measured:
+        if "loss_differs_from" in m or "committed" in m:
+            differs = m.get("loss_differs_from")
+            same = "-" if "loss_differs_from" not in m else "every step equal" if differs is None else \
+                f"differs from step {differs}"
+            after = f", after the restore {m['committed_after_restore']}" if "committed_after_restore" in m else ""
+            lines.append(f"{m['class']}: losses vs the fault-free run: {same}; "
+                         f"committed {m.get('committed', '-')}{after}")
     return "\n".join(lines)
 
 
 def report(results: list[dict], clean: dict, minutes: float, every: float) -> dict:
     step_s = steady_step_s(clean["rows"])
     startup = (clean["rows"][0][0] - clean["start"]) if clean["rows"] else 0.0
-    measured = [measure(r, step_s) for r in results]
+    measured = [measure(r, step_s, clean["rows"]) for r in results]
     ettr = ettr_estimate(measured, startup, minutes, every)
     return {"step_s": step_s, "classes": measured, "ettr": ettr, "table": table(measured, ettr, step_s),
             "clean": {"exit": clean["exit"], "final_step": max((r["step"] for _, r in clean["rows"]), default=0),
                       "wall_s": round(clean["end"] - clean["start"], 1)}}
 
 
-RUN_KEYS = ("name", "exit", "cluster", "start", "end", "steps", "fault", "verdict", "load", "left", "rows", "log_tail")
+RUN_KEYS = ("name", "exit", "cluster", "start", "end", "steps", "fault", "verdict", "load", "left", "rows", "committed",
+            "log_tail")
 
 
 def document(results: list[dict], clean: dict, minutes: float, every: float, meta: dict) -> dict:

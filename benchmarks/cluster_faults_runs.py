@@ -1,8 +1,11 @@
 """The runs of benchmarks/cluster_faults.py: one short stage per host fault class on a fresh cluster of
 ``megatrain/launch/hosts.py`` (4 node hosts x 1 CPU rank, head, redis, storage), through the hosts
 launcher with its watch (``python -m megatrain.reliability.host_watch``, ``on_node_loss: shrink``), and
-what each left behind: the fault's marker, the watch's verdict, and every metrics row with the wall
-time it appeared (rows carry no clock of their own, so a thread tails ``metrics.jsonl``).
+what each left behind: the fault's marker, the watch's verdict, every metrics row with the wall
+time it appeared (rows carry no clock of their own, so a thread tails ``metrics.jsonl``), and the
+committed checkpoints. The durable store is the storage host's S3 (``s3://megatrain/<run>``, the
+launcher hands the ranks its endpoint), so ``storage_host_down`` falls on the ranks' uploads and
+commits; the manifests are read back from it before the cluster goes down (moto keeps them in memory).
 
 Needs root (the cluster); imports neither torch nor prefect (the ranks do, in their hosts).
 """
@@ -38,10 +41,39 @@ def overrides(run_dir: Path, shards: Path, steps: int, interval: int) -> list[st
     return ["model.n_layer=1", f"train.steps={steps}", f"checkpoint.interval={interval}", "checkpoint.keep_last=100",
             "data.max_source_bytes=300000", f"data.shard_url={shards}", "train.micro_batch_size=1",
             "train.global_batch_size=12", "train.log_interval=1", "data.prefetch_batches=0",
-            f"train.run_dir={run_dir}", f"checkpoint.durable_url={run_dir}/durable",
+            f"train.run_dir={run_dir}", f"checkpoint.durable_url={durable_url(run_dir)}",
             "reliability.heartbeat_interval_s=0.5", "reliability.heartbeat_timeout_s=3",
             "checkpoint.upload_backoff_s=0.5", "reliability.on_node_loss=shrink", "reliability.max_restarts=1",
             "reliability.evict_slow_host_after_s=3"]
+
+
+def durable_url(run_dir: Path) -> str:
+    """The run's checkpoints on its cluster's S3 (each class has a cluster, and so a bucket, of its own)."""
+    from megatrain.launch.cluster_services import BUCKET
+
+    return f"s3://{BUCKET}/{run_dir.name}"
+
+
+def committed(cluster, run_dir: Path) -> dict[int, dict]:
+    """step -> epoch, world size and the time of the manifest's commit, read from the cluster's S3;
+    ``{"error": ...}`` when it cannot be read."""
+    from megatrain.checkpoint import catalog
+    from megatrain.launch.nodes import cluster_s3_env
+
+    saved = {key: os.environ.get(key) for key in cluster_s3_env(cluster)}
+    os.environ.update(cluster_s3_env(cluster))
+    try:
+        return {info.step: {"epoch": info.manifest.get("epoch"), "world_size": info.manifest["layout"]["world_size"],
+                            "committed_at": info.manifest.get("committed_at")}
+                for info in catalog.committed(durable_url(run_dir))}
+    except (OSError, ValueError, KeyError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class Tail(threading.Thread):
@@ -100,7 +132,10 @@ def run_class(name: str | None, shards: Path, work: Path, steps: int, interval: 
         tail.join(timeout=5)
         if fault and fault["kind"] == "slow_link":
             cluster.clear_link(f"node{FAULT_NODE}")
-        hosts.down(cluster.name)
+        try:
+            checkpoints = committed(cluster, run_dir)  # before the cluster, and its S3 in memory, goes
+        finally:
+            hosts.down(cluster.name)
     left = leftovers(cluster.name, run_dir)
     fired = marker(run_dir, fault["kind"], fault.get("node", 0)) if fault else None
     lost = run_dir / "faults" / "host-lost.json"
@@ -110,7 +145,7 @@ def run_class(name: str | None, shards: Path, work: Path, steps: int, interval: 
             "verdict": json.loads(lost.read_text()) if lost.exists() else None,
             "rows": [(t, {"step": r["step"], "loss": r["loss"], "step_time_s": r.get("step_time_s")})
                      for t, r in tail.rows],
-            "steps": steps, "log_tail": (done.stdout + done.stderr)[-1500:], "cluster": cluster.name,
+            "steps": steps, "committed": checkpoints, "log_tail": (done.stdout + done.stderr)[-1500:], "cluster": cluster.name,
             "load": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
             "left": left}
 

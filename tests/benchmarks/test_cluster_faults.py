@@ -13,7 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cluster_faults import document, ettr_estimate, main, measure, report, steady_step_s, table  # noqa: E402
+from cluster_faults import (  # noqa: E402
+    document, ettr_estimate, loss_differs_from, main, measure, report, steady_step_s, table,
+)
 
 
 def rows(*pairs: tuple[float, int], step_time_s: float = 0.5) -> list[tuple[float, dict]]:
@@ -140,10 +142,10 @@ def test_report_table_and_json(tmp_path) -> None:
                         "every_minutes"}
     assert [r["name"] for r in doc["runs"]] == ["clean", "host_down", "slow_link", "redis_host_down", "partition"]
     assert set(doc["runs"][0]) == {"name", "exit", "cluster", "start", "end", "steps", "fault", "verdict", "load",
-                                   "left", "rows", "log_tail"}
+                                   "left", "rows", "committed", "log_tail"}
     assert doc["runs"][0]["left"] == {"netns": [], "links": [], "pids": []}
     assert set(doc["classes"][0]) == {"class", "exit", "fired", "final_step", "steps", "steps_redone", "detection_s",
-                                      "first_step_after_s", "lost_s", "found_as", "recovered"}
+                                      "first_step_after_s", "lost_s", "found_as", "recovered", "loss_differs_from"}
     assert set(doc["ettr"]) == {"campaign_minutes", "every_minutes", "faults", "counted", "not_counted",
                                 "mean_lost_per_fault_s", "startup_s", "ettr_without_faults", "ettr_with_faults",
                                 "ettr_ratio"}
@@ -154,3 +156,22 @@ def test_report_table_and_json(tmp_path) -> None:
     assert main(["--report-from", str(path), "--out", str(tmp_path / "again.json")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["classes"] == doc["classes"] and again["ettr"] == doc["ettr"] and again["commit"] == "abc1234"
+
+
+def test_losses_against_the_clean_run_and_the_commits_after_a_store_outage() -> None:
+    # the same losses step for step (a redone step counts by its last row): no difference
+    assert loss_differs_from(HOST_DOWN["rows"], STEADY) is None
+    other = rows(*[(100.0 + s, s) for s in range(1, 13)])
+    other[9] = (other[9][0], {**other[9][1], "loss": 7.0000001})  # step 10, one bit off
+    assert loss_differs_from(other, STEADY) == 10
+    assert loss_differs_from(rows((101.0, 1), (102.0, 13)), STEADY) == 13  # a step the clean run lacks
+    storage = {**REDIS, "name": "storage_host_down",
+               "fault": {**REDIS["fault"], "kind": "storage_host_down"},
+               "committed": {"4": {"committed_at": 104.5}, "8": {"committed_at": 112.9}, "12": {"committed_at": 115.0}}}
+    m = measure(storage, 1.0, STEADY)
+    assert m["loss_differs_from"] is None and m["committed"] == [4, 8, 12]
+    assert m["committed_after_restore"] == [8, 12]  # restored at 112.4: 8 waited the outage out
+    assert measure({**storage, "committed": {"error": "OSError: gone"}}, 1.0)["committed"] == "OSError: gone"
+    line = table([m], ettr_estimate([m], 10.0, 20.0, 4.0), 1.0).splitlines()[-1]
+    assert line == ("storage_host_down: losses vs the fault-free run: every step equal; committed [4, 8, 12], "
+                    "after the restore [8, 12]")
