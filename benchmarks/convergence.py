@@ -92,11 +92,20 @@ def parse_args(argv):
     parser.add_argument("--target-step", type=int, default=None,
                         help="the target run's evaluation step that sets the target (default: its last)")
     parser.add_argument("--merge", nargs="+", default=None, help="only merge these JSONs into --out (and --png)")
+    parser.add_argument("--dynamic-shapes", action="store_true",
+                        help="torch.compile's default: a second batch size (the held-out set's short last chunk, "
+                             "before step 0) recompiles the graph dynamic in it; by default each shape gets its own "
+                             "static graph (models.set_shape_policy says why)")
     return parser.parse_args(argv)
 
 
 def run_comparison(args, log=print) -> dict:
     """Shard, build the runs, train them in lock-step: the report (also written to ``<out>.json``)."""
+    with models.shape_policy(dynamic=args.dynamic_shapes):
+        return _run_comparison(args, log)
+
+
+def _run_comparison(args, log) -> dict:
     from megatrain.optim.schedule import Schedule
 
     t0 = time.perf_counter()
@@ -128,6 +137,7 @@ def run_comparison(args, log=print) -> dict:
               "epochs": steps * args.batch / index.num_samples,
               "seed_band": "peer:0 and peer:1 differ only in their initial weights (megatrain's init under seed 0 "
                            "or 1, exported); the data order is the same (data.seed)",
+              "compiled_shapes": "dynamic (torch's default)" if args.dynamic_shapes else "static",
               "batch_crc32": [], "runs": {}, "notes": []}
 
     def evaluate(step: int) -> None:

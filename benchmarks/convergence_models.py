@@ -103,6 +103,20 @@ def load_peer(family: str, model, cfg, tokenizer_json: bytes):
     return peer
 
 
+def shape_policy(dynamic: bool):
+    """Whether a compiled model seeing a second input shape recompiles as a graph dynamic in it
+    (torch's default) or as another static graph. Static by default here: the held-out evaluation
+    before step 0 ends on a short chunk (43 windows in chunks of 8), so under torch's default every
+    compiled run trains on a dynamic-shape graph it would not use in a real run, where the batch is
+    fixed, and on an H200 the compiled 1.3B GPT2LMHeadModel's dynamic graph gave a step-0 gradient
+    norm of 37.3 where eager, static and megatrain give 52.1 (convergence_probe.py --eval-first with
+    and without --dynamic-shapes, benchmarks/RESULTS.md). mfu.py compiles with the same policy.
+    A context manager: the setting is restored after it (it is process-wide)."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=dynamic)
+
+
 def make_run(name: str, family: str, cfg, optim_cfg, tokenizer_json: bytes, device: torch.device) -> Run:
     """``name``: ``megatrain[@reference][+fp8][+compile][:seed]`` (default init seed 0;
     ``@reference``: megatrain's plain-torch norm, activation and cross-entropy instead of its fused

@@ -69,6 +69,11 @@ def main(argv=None) -> int:
                              "is shorter than the batch: compiled runs see a second shape before training)")
     args, rest = parser.parse_known_args(argv)
     conv_args = conv.parse_args(rest)
+    with models.shape_policy(dynamic=conv_args.dynamic_shapes):  # convergence.py's --dynamic-shapes
+        return probe(args, conv_args)
+
+
+def probe(args, conv_args) -> int:
     device = torch.device(conv_args.device)
     cfg = models.model_config(conv_args.family, conv_args.shape)
     data_cfg = data.data_config(f"{conv_args.work}/shards", cfg.vocab_size, max_source_bytes=conv_args.max_source_bytes,

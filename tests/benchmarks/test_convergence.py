@@ -31,8 +31,15 @@ def report(tmp_path_factory):
         "--eval-every", "10", "--val-windows", "8", "--max-source-bytes", "300000", "--doc-roots", "",
         "--num-workers", "1", "--work", str(work), "--out", str(work / "result"), "--device", "cpu",
         "--runs", "megatrain,peer:0,peer:1"])
+    import torch._dynamo
+
+    before = torch._dynamo.config.automatic_dynamic_shapes
     convergence.run_comparison(args, log=lambda msg: None)
-    return json.loads((work / "result.json").read_text()), work
+    # compiled runs get a static graph per shape, and the process-wide setting is given back
+    assert torch._dynamo.config.automatic_dynamic_shapes == before
+    result = json.loads((work / "result.json").read_text())
+    assert result["compiled_shapes"] == "static"
+    return result, work
 
 
 def test_same_start_same_data_gives_the_same_losses(report):
