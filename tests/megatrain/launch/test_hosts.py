@@ -16,6 +16,7 @@ import pytest
 from conftest import assert_gone, machine_state, needs_hosts
 
 from megatrain.launch import hosts
+from megatrain.launch.nodes import cluster_s3_env
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("hosts_worker.py")
@@ -134,6 +135,11 @@ def test_cluster_up_and_down_from_the_command_line():
                 f"password=open('{hosts.STATE_DIR / (name + '.redis')}').read()).ping())\"")
         assert _in(cluster, "node0", ping) == "True"  # the Redis host, by name, over the bridge
         assert f"s3       http://{cluster.host('storage').address}:5000" in up.stdout
+        assert "bucket   s3://megatrain" in up.stdout
+        s3 = " ".join(f"{k}={v}" for k, v in cluster_s3_env(cluster).items())
+        write = (f"{s3} {sys.executable} -c \"from megatrain import storage; "
+                 "storage.write_bytes('s3://megatrain/t/a', b'x'); print(storage.read_bytes('s3://megatrain/t/a'))\"")
+        assert _in(cluster, "node0", write) == "b'x'"  # the bucket up made, from a node host over the bridge
         down = subprocess.run([*megatrain, "down", name], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert down.returncode == 0, down.stderr
         assert "4 namespaces" in down.stdout
