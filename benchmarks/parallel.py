@@ -6,6 +6,7 @@
     python3 benchmarks/parallel.py --quick --schedule 8 --out results.json   # eight: DP8 + 13B TPxPPxDP
     python3 benchmarks/parallel.py --cpu --quick --out cpu.json  # the same on 2 CPU processes (gloo)
     python3 benchmarks/parallel.py --cpu --quick --schedule 4 --out cpu4.json  # 4 CPU processes, tiny "13B"
+    python3 benchmarks/parallel.py --quick --schedule cp --out cp.json   # context parallelism at 16k, 2 GPUs (cp4: 4)
 
 Every configuration is the real ``megatrain.training.trainer.Trainer`` on ``configs/gpt-1.3b.yaml`` (with
 the overrides listed in ``parallel_configs.CONFIGS``) on real data, launched with torchrun::
@@ -42,7 +43,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from parallel_configs import CONFIGS, CPU_CONFIG, CPU_DATA, GPU_CONFIG, GPU_DATA, SCHEDULE, SCHEDULES, parse_schedule  # noqa: E402
+from parallel_configs import (  # noqa: E402
+    CONFIGS, CPU_CONFIG, CPU_DATA, GPU_CONFIG, GPU_DATA, LONG_CONTEXT_SCHEDULES, LONG_SEQ, SCHEDULE, SCHEDULES,
+    parse_schedule,
+)
 from parallel_launch import child_env, finish_tp_overlap_check, run_step, shard_command, start_tp_overlap_check  # noqa: E402
 from parallel_report import derived, machine_info, print_table, summarize  # noqa: E402
 from parallel_worker import worker  # noqa: E402
@@ -111,7 +115,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--quick", action="store_true", help="fewer steps for throughput-only configurations")
     p.add_argument("--only", default=None, help="comma-separated configuration names")
-    p.add_argument("--schedule", default=None, help="launch order instead of SCHEDULE: 'a+b;c|d' (parse_schedule), or 4 / 8 for SCHEDULE_4 / SCHEDULE_8")
+    p.add_argument("--schedule", default=None, help="launch order instead of SCHEDULE: 'a+b;c|d' (parse_schedule), or 4 / 8 / cp / cp4 for SCHEDULE_4 / SCHEDULE_8 / the context-parallel ones")
     p.add_argument("--cpu", action="store_true", help="2 CPU processes, gloo, the tiny recipe (tests the script)")
     p.add_argument("--label", default=os.environ.get("MEGATRAIN_COMMIT", ""), help="what was measured (commit)")
     p.add_argument("--deadline", type=float, default=3600.0, help="seconds for the whole driver")
@@ -125,6 +129,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.config is None:
         args.config = CPU_CONFIG if args.cpu else GPU_CONFIG
     args.data = CPU_DATA if args.cpu else GPU_DATA
+    if args.schedule in LONG_CONTEXT_SCHEDULES:  # every run and the shards at the long length
+        args.data = [*args.data, f"model.seq_len={LONG_SEQ['cpu' if args.cpu else 'gpu']}"]
     cpu = ["train.device=cpu", "parallel.backend=gloo"] if args.cpu else []
     # one learning-rate schedule whatever train.steps is, so runs of 12 and 20 steps compare step by step
     # a hung collective ends the launch in minutes, not the default 10

@@ -60,6 +60,13 @@ PARITY = dict(steps=20, quick_steps=20)  # loss comparisons always run 20 steps 
 SHORT = dict(steps=12, quick_steps=8)  # throughput-only configurations
 BIG_STEPS = dict(steps=10, quick_steps=7)  # 13B: ~2.5 s a step on four H200s; WARMUP of them not timed
 
+# Long context (issue 47): context parallelism against one GPU at the same global batch in tokens,
+# 2 sequences a step. The schedules cp / cp4 run every configuration (and build the shards) at
+# LONG_SEQ tokens (parallel.py sets model.seq_len): 16k on GPUs, 512 on the tiny CPU recipe.
+LONG_SEQ = {"gpu": 16384, "cpu": 512}
+LC = ["train.micro_batch_size=1", "train.global_batch_size=2"]
+CP2 = [*LC, "parallel.cp=2"]
+
 CONFIGS: dict[str, Variant] = {v.name: v for v in [
     _v("dp1", 1, [GB_MB], "1 GPU, the recipe (ZeRO-0, its micro-batch, no accumulation): weak-scaling baseline"),
     _v("dp1-gb32", 1, [*MB8, GB32], "1 GPU, 4 x 8 accumulated: the loss reference for TP2/PP2", **PARITY),
@@ -116,7 +123,23 @@ CONFIGS: dict[str, Variant] = {v.name: v for v in [
        "13B, TP4 x DP2 with all-reduces (no sequence parallelism)", env=TP_ENV, **BIG_STEPS),
     _v("13b-tp4dp2-c2", 8, [*BIG, "parallel.tp=4", Z1, "parallel.overlap.tp_chunks=2"],
        "13B, TP4 x DP2, TP collectives in 2 chunks overlapped with the GEMMs", env=TP_ENV, **BIG_STEPS),
+    # context parallelism (cp / cp4 schedules, at LONG_SEQ tokens)
+    _v("lc-1gpu", 1, LC, "1 GPU, 2 long sequences accumulated: the loss reference for cp", **PARITY),
+    _v("lc-cp2", 2, CP2, "CP2 ring: each sequence over 2 GPUs, two mirrored chunks each, K/V around the ring",
+       **PARITY),
+    _v("lc-cp2-a2a", 2, [*CP2, "parallel.cp_mode=alltoall"], "CP2 all-to-all (Ulysses): heads exchanged for "
+       "the sequence", **PARITY),
+    _v("lc-cp2-doc", 2, [*CP2, "model.attention_mask=document"], "CP2 ring with the document mask", **SHORT),
+    _v("lc-dp2", 2, LC, "DP2 at the same tokens: one whole sequence per GPU (cp's cost against data parallelism)",
+       **SHORT),
+    _v("lc-cp4", 4, [*LC, "parallel.cp=4"], "CP4 ring: each sequence over 4 GPUs", **PARITY),
+    _v("lc-cp2dp2", 4, CP2, "CP2 x DP2: two replicas, each sequence over 2 GPUs", **PARITY),
 ]}
+
+# The context-parallel schedules (--schedule cp: 2 GPUs, cp4: 4), at LONG_SEQ tokens.
+SCHEDULE_CP = "lc-1gpu;lc-cp2+lc-cp2-a2a+lc-cp2-doc+lc-dp2"
+SCHEDULE_CP4 = "lc-1gpu;lc-cp4+lc-cp2dp2"
+LONG_CONTEXT_SCHEDULES = ("cp", "cp4")
 
 # The 4-GPU schedule (--schedule-4): 1-GPU reference, DP4, then the 13B layouts, most important first.
 SCHEDULE_4 = "dp1;dp4+dp4-nooverlap;13b-tp4+13b-tp2pp2+13b-tp2dp2+13b-tp4-nosp+13b-tp2dp2-nooverlap+13b-tp4-c2"
@@ -124,7 +147,7 @@ SCHEDULE_4 = "dp1;dp4+dp4-nooverlap;13b-tp4+13b-tp2pp2+13b-tp2dp2+13b-tp4-nosp+1
 # (OOM, hang) costs only its own configurations.
 SCHEDULE_8 = ("dp1;dp8+dp8-nooverlap;13b-tp2pp2dp2+13b-tp2pp2dp2-nooverlap;"
               "13b-tp4dp2+13b-tp4dp2-nooverlap+13b-tp4dp2-nosp+13b-tp4dp2-c2")
-SCHEDULES = {"4": SCHEDULE_4, "8": SCHEDULE_8}
+SCHEDULES = {"4": SCHEDULE_4, "8": SCHEDULE_8, "cp": SCHEDULE_CP, "cp4": SCHEDULE_CP4}
 
 # Launches in order; the launches of one inner list run at the same time (1-GPU runs, one GPU each).
 # Several names in one launch run one after another in the same torchrun world (one start-up).
@@ -140,6 +163,7 @@ SCHEDULE: list[list[tuple[str, ...]]] = [
 LOSS_PAIRS = [  # (run, reference): same global batch, same data, same seed
     ("tp2-sp-c2", "dp1-gb32"), ("tp2-sp-c1", "dp1-gb32"), ("tp2-sp-c4", "dp1-gb32"), ("tp2-nosp", "dp1-gb32"),
     ("pp2-m4", "dp1-gb32"), ("dp2-gb32", "dp1-gb32"),
+    ("lc-cp2", "lc-1gpu"), ("lc-cp2-a2a", "lc-1gpu"), ("lc-cp4", "lc-1gpu"), ("lc-cp2dp2", "lc-1gpu"),
 ]
 GAINS = [  # (what, faster-by-design, baseline)
     ("DP ZeRO-0 all-reduce in buckets during backward (attach_dp_overlap)", "dp2", "dp2-nooverlap"),
@@ -159,6 +183,9 @@ GAINS = [  # (what, faster-by-design, baseline)
     ("13B TP4xDP2 ZeRO-1 overlap_comm", "13b-tp4dp2", "13b-tp4dp2-nooverlap"),
     ("13B TP4xDP2 sequence parallel vs all-reduce TP", "13b-tp4dp2", "13b-tp4dp2-nosp"),
     ("13B TP4xDP2 chunks 2 vs 1", "13b-tp4dp2-c2", "13b-tp4dp2"),
+    ("CP2 ring vs all-to-all", "lc-cp2", "lc-cp2-a2a"),
+    ("CP2 vs DP2 at equal tokens (negative: what splitting a sequence costs)", "lc-cp2", "lc-dp2"),
+    ("CP2 document mask vs causal", "lc-cp2-doc", "lc-cp2"),
 ]
 
 
