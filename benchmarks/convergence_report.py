@@ -7,11 +7,18 @@ after step 0 (where the same-start pair is identical by construction and the ban
 inits' spread). The two peers differ only in their initial weights (megatrain's init under seed 0
 or 1, exported); the data order is the same, so the band is the spread a different start alone
 gives. Means over the curve and the final gap are given beside the maxima.
+
+With more than two peer seeds (``--runs megatrain,peer:0,peer:1,peer:2,peer:3``) two draws of a
+maximum no longer stand for the band: ``band_all_seeds`` is the widest |peer:i - peer:j| over every
+pair of seeds, and the same-start gap is taken over every seed k run on both sides (megatrain:k
+against peer:k; seed 0 is ``megatrain``).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from itertools import combinations
 from pathlib import Path
 
 
@@ -51,8 +58,34 @@ def verdict(runs: dict[str, dict]) -> dict:
         out["band_max_abs_diff_peer0_peer1"], out["at_step_band"] = band["max"], band["at_step"]
         out["within_band"] = pair["max"] <= band["max"]
         out["mean_within_band"] = pair["mean"] <= band["mean"]
+    seeds = band_over_seeds(runs)
+    if seeds:
+        out["band_all_seeds"] = seeds
+        out["within_band_all_seeds"] = seeds["same_start_max"] <= seeds["max"]
     out["final_val_loss"] = {name: run["val"][-1]["loss"] for name, run in runs.items() if run["val"]}
     return out
+
+
+def band_over_seeds(runs: dict[str, dict]) -> dict | None:
+    """With three or more peer seeds: the widest pair of them (the band) and the widest same-start
+    pair (megatrain:k - peer:k over the seeds k run on both sides); None with fewer seeds."""
+    peers = sorted((int(m.group(1)), name) for name in runs if (m := re.fullmatch(r"peer:(\d+)", name)))
+    if len(peers) < 3:
+        return None
+    band = {f"{a}-{b}": gaps(runs[a], runs[b]) for (_, a), (_, b) in combinations(peers, 2)}
+    band = {key: value for key, value in band.items() if value}
+    same = {}
+    for seed, peer in peers:
+        ours = "megatrain" if seed == 0 else f"megatrain:{seed}"
+        if ours in runs and (gap := gaps(runs[ours], runs[peer])):
+            same[f"{ours}-{peer}"] = gap
+    if not band or not same:
+        return None
+    widest, closest = max(band, key=lambda k: band[k]["max"]), max(same, key=lambda k: same[k]["max"])
+    return {"seeds": [seed for seed, _ in peers], "max": band[widest]["max"], "pair": widest,
+            "at_step": band[widest]["at_step"], "pairs": {k: v["max"] for k, v in band.items()},
+            "same_start_max": same[closest]["max"], "same_start_pair": closest,
+            "same_start": {k: v["max"] for k, v in same.items()}}
 
 
 def _first_crossing(val: list[dict], target: float) -> float | None:
@@ -120,6 +153,11 @@ def table(report: dict) -> str:
         if "within_band" in report["verdict"]:
             lines.append(f"\nwithin the seed band (max): {report['verdict']['within_band']}; "
                          f"(mean): {report['verdict']['mean_within_band']}")
+        seeds = report["verdict"].get("band_all_seeds")
+        if seeds:
+            lines.append(f"\nband over peer seeds {seeds['seeds']}: widest {seeds['pair']} {seeds['max']:.4f} "
+                         f"(step {seeds['at_step']}); widest same-start {seeds['same_start_pair']} "
+                         f"{seeds['same_start_max']:.4f}: within {report['verdict']['within_band_all_seeds']}")
     target = report.get("time_to_target")
     if target:
         lines += ["", f"time to {target['target_run']}'s held-out loss {target['target_loss']:.4f} "

@@ -105,3 +105,22 @@ def test_time_to_target_interpolates_the_crossing_and_gives_both_ratios():
     assert early["runs"]["fast"]["reached_at_step"] == pytest.approx(100 * 2.0 / 2.5)
     with pytest.raises(SystemExit, match="no evaluation there"):
         convergence_report.time_to_target(report, "peer", at_step=150)
+
+
+def test_the_band_over_several_peer_seeds_is_the_widest_pair():
+    """Three peer seeds: the band is the widest |peer:i - peer:j|, not peer:0 - peer:1's; the same-start
+    gap is the widest megatrain:k - peer:k; with two seeds there is no such entry."""
+    curve = lambda *losses: _run([(0, 5.0)] + [(100 * (i + 1), x) for i, x in enumerate(losses)], 0.1)  # noqa: E731
+    runs = {"megatrain": curve(3.00, 2.00), "peer:0": curve(3.01, 2.00), "peer:1": curve(3.02, 2.01),
+            "peer:2": curve(2.95, 2.03), "megatrain:2": curve(2.90, 2.03)}
+    out = convergence_report.verdict(runs)
+    band = out["band_all_seeds"]
+    assert band["seeds"] == [0, 1, 2] and band["pair"] == "peer:1-peer:2" and band["max"] == pytest.approx(0.07)
+    assert band["same_start_pair"] == "megatrain:2-peer:2" and band["same_start_max"] == pytest.approx(0.05)
+    assert out["within_band_all_seeds"] is True
+    assert out["band_max_abs_diff_peer0_peer1"] == pytest.approx(0.01)  # two seeds alone: 0.05 would be outside
+    runs["megatrain:2"] = curve(2.85, 2.03)  # 0.10 from its peer: outside even the wider band
+    assert convergence_report.verdict(runs)["within_band_all_seeds"] is False
+    del runs["peer:2"], runs["megatrain:2"]
+    assert "band_all_seeds" not in convergence_report.verdict(runs)
+    assert "band over peer seeds" in convergence_report.table({"tokens_per_step": 10, "runs": {}, "verdict": out})
