@@ -26,7 +26,7 @@ import torch
 from megatrain.config import Config
 from megatrain.launch.forked import ForkLaunch, run_to_end
 from megatrain.model import GPT
-from megatrain.model.moe import set_aux_loss_scale
+from megatrain.model.moe import end_step, set_aux_loss_scale
 from megatrain.optim import build_optimizer, build_scheduler
 
 HERE = Path(__file__).resolve()
@@ -44,6 +44,7 @@ DOC = {"model.attention_mask": "document"}
 # MoE: the balance loss's expert shares are those of the whole samples, which no cp rank holds alone
 MOE = {"model.mlp": "moe", "model.moe": dict(n_experts=4, top_k=2, n_shared_experts=1, expert_d_ff=32,
                                              aux_loss_coef=0.01, z_loss_coef=0.001)}
+AUX_FREE = {**MOE, "model.moe": {**MOE["model.moe"], "load_balance": "aux_free"}}  # the router's biases move each step
 
 
 def build_config(variant: dict, world: int) -> Config:
@@ -200,6 +201,7 @@ def reference_run(settings: dict) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        end_step(model)  # as the trainer: the aux-free biases move, the step's MoE statistics reset
         losses.append(float(torch.stack(micro_losses).mean()))
     return {"loss": losses, "grads": grads, "weights": {name: q.detach().clone() for name, q in named.items()}}
 
@@ -237,6 +239,7 @@ def test_cp2_ring_alltoall_zero1_match_one_process(tmp_path, references):
         {"name": "ring-swapped", "set": ring, "swap_chunks": True},
         {"name": "ring-moe", "set": {**ring, **MOE}},
         {"name": "ring-moe-ep2", "set": {**ring, **MOE, "parallel.ep": 2}},  # the experts over the cp ranks
+        {"name": "a2a-moe-ep2-aux-free", "set": {**a2a, **AUX_FREE, "parallel.ep": 2}},  # biases from whole samples
     ]
     runs = run_ranks(2, variants, tmp_path)
     for name, ref in (("ring", "causal"), ("ring-doc", "document"), ("a2a", "causal"), ("a2a-doc", "document")):
@@ -245,6 +248,7 @@ def test_cp2_ring_alltoall_zero1_match_one_process(tmp_path, references):
     moe = reference_run(MOE)
     check(runs["ring-moe"], moe)
     check(runs["ring-moe-ep2"], moe)
+    check(runs["a2a-moe-ep2-aux-free"], reference_run(AUX_FREE))
     assert not runs["ring-doc-zero1"]["grads"] and runs["ring-doc-zero1"]["weights"]
     swapped = errors(runs["ring-swapped"], references["causal"])  # a misplaced chunk is seen
     assert swapped["loss"] > 100 * LOSS_TOL and swapped["grads"] > 1e-2, swapped
