@@ -187,9 +187,8 @@ class MoE(nn.Module):
         """E * sum_i f_i P_i (1 when perfectly balanced); 0 unless load_balance is aux_loss."""
         if self.cfg.load_balance != "aux_loss":
             return routing.logits.new_zeros(())
-        counts = counts.float()
+        counts = counts.float()  # a copy of the integer counts: the sum below does not touch the caller's
         if self.token_group is not None:  # chunks of the same samples on other ranks: their slots count too
-            counts = counts.clone()
             dist.all_reduce(counts, group=self.token_group)
         f = counts / counts.sum()  # [E] share of the routed slots, no gradient
         return self.n_experts * (f * routing.probs.mean(0)).sum()

@@ -178,7 +178,7 @@ class ProcessGroups:
     @property
     def ep_rank(self) -> int:
         """Which slice of the experts this rank holds (0 .. ep - 1): its replica index mod ep."""
-        return (self.dp_rank * self.dims.cp + self.cp_rank) % self.dims.ep
+        return self.dims.replicas().coords(self.rank)[1] % self.dims.ep
 
 
 def _layouts(dims: ParallelDims) -> tuple[tuple[str, list[list[int]]], ...]:

@@ -218,7 +218,7 @@ def attach_expert_grad_sync(optimizer: torch.optim.Optimizer, model: nn.Module, 
         if isinstance(optimizer, Lamb):  # the trust ratio of the whole expert tensor: norms summed over EP
             optimizer.set_tensor_segments(p, TensorSegments(spans=[(0, p.shape[0], 0)], num_tensors=1,
                                                             group=groups.ep_group))
-    replicas = groups.dims.dp * groups.dims.cp  # the ranks whose mean gradient a replicated parameter gets
+    replicas = groups.dims.replicas().dp  # dp x cp: the ranks whose mean gradient a replicated parameter gets
 
     @torch.no_grad()
     def before_step(opt, args, kwargs) -> None:
